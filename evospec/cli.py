@@ -1,0 +1,256 @@
+"""The ``evospec`` command line: generate, bench, models.
+
+Owns: argument parsing and the text edge (tokenizer, chat template, printing). Contract of
+``generate``: stdout carries the completion text only; one final stats line goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from evospec.models.registry import DEFAULT_MODEL, REGISTRY
+
+DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"registered name ({', '.join(REGISTRY)}), a Hugging Face folder or a .gguf file "
+        f"(default: {DEFAULT_MODEL})",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="EAGLE-2 head folder (config.json + model.safetensors or pytorch_model.bin)",
+    )
+    p.add_argument(
+        "--top-k-tree",
+        type=_positive_int,
+        default=10,
+        dest="tree_top_k",
+        help="tree: children per expanded node and frontier width (default 10)",
+    )
+    p.add_argument("--depth", type=_positive_int, default=5, help="tree: draft levels per round (default 5)")
+    p.add_argument(
+        "--total-tokens",
+        type=_positive_int,
+        default=60,
+        help="tree: draft tokens verified per round (default 60)",
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
+    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new, help=f"default {max_new}")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="evospec",
+        description="Speculative decoding with an adaptive draft. Output is identical to plain decoding.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Generate text. stdout: the completion only; stderr: one stats line.",
+    )
+    g.add_argument("prompt", help="the prompt text ('-' reads stdin)")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
+    g.add_argument("--method", default="ar", help="decoding method: ar | eagle2 (default: ar)")
+    _add_model_args(g)
+    _add_draft_args(g)
+    _add_sampling_args(g, 128)
+
+    b = sub.add_parser(
+        "bench",
+        help="run decoding methods side by side on the same prompts",
+        description="Benchmark methods in one process on the same prompts; prints a table "
+        "and optionally writes JSON. 'hf' is transformers' generate on the same weights.",
+    )
+    b.add_argument(
+        "--methods", default="ar,hf", help="comma-separated methods: ar, eagle2, hf (default: ar,hf)"
+    )
+    b.add_argument(
+        "--data",
+        default=str(DEFAULT_DATA / "spec_bench" / "question.jsonl"),
+        help='Spec-Bench question.jsonl or {"prompt": ...} JSONL',
+    )
+    b.add_argument("--per-category", type=_positive_int, default=None, help="at most N prompts per category")
+    b.add_argument("--limit", type=_positive_int, default=None, help="at most N prompts in all")
+    b.add_argument("--json", type=Path, default=None, help="write the results JSON here")
+    _add_model_args(b)
+    _add_draft_args(b)
+    _add_sampling_args(b, 64)
+
+    m = sub.add_parser("models", help="list or prepare registered models")
+    msub = m.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    msub.add_parser("list", help="registered model names and their cache state")
+    pull = msub.add_parser("pull", help="verify and convert a registered model into $EVOSPEC_HOME")
+    pull.add_argument("name", choices=sorted(REGISTRY))
+    return parser
+
+
+def _sampling(args: argparse.Namespace):
+    from evospec.decoding.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def _load(args: argparse.Namespace):
+    from evospec.models.loading import load_model
+
+    loaded = load_model(args.model, progress=not args.no_progress)
+    if loaded.codec is None:
+        raise SystemExit(f"error: {loaded.source} has no tokenizer.json; the CLI needs one")
+    return loaded
+
+
+def _decoder(name: str, args: argparse.Namespace, loaded, eos):
+    from evospec.decoding.methods import make_decoder
+    from evospec.decoding.tree import TreeConfig
+
+    draft = None
+    if name != "ar":
+        if args.draft is None:
+            raise ValueError(f"method {name} needs --draft PATH (an EAGLE-2 head for this model)")
+        from evospec.models.eagle import load_eagle
+
+        draft = load_eagle(args.draft)
+    tree = TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
+    return make_decoder(name, loaded.model, eos_ids=eos, draft=draft, tree=tree)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from evospec.tokenizer import IncrementalDecoder
+
+    params = _sampling(args)
+    loaded = _load(args)
+    codec = loaded.codec
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    ids = codec.encode_chat([{"role": "user", "content": text}]) if args.chat else codec.encode(text)
+    decoder = _decoder(args.method, args, loaded, codec.eos_ids or loaded.model.cfg.eos_token_ids)
+    detok = IncrementalDecoder(codec)
+    n_tok = rounds = 0
+    t0 = time.perf_counter()
+    for ev in decoder.generate(ids, params):
+        n_tok += len(ev.tokens)
+        rounds += not ev.prefill
+        sys.stdout.write(detok.push(ev.tokens))
+        sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    stats = (
+        f"[evospec] method={args.method} prompt_tokens={len(ids)} tokens={n_tok} "
+        f"seconds={dt:.2f} tok_per_s={n_tok / dt:.2f}"
+    )
+    if args.method != "ar":
+        stats += f" mal={(n_tok - 1) / max(rounds, 1):.2f}"
+    print(stats, file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from evospec.bench.prompts import load_prompts
+    from evospec.bench.runner import format_table, run_side_by_side, summarise
+
+    params = _sampling(args)
+    prompts = load_prompts(args.data, per_category=args.per_category, limit=args.limit)
+    if not prompts:
+        raise SystemExit(f"error: no prompts selected from {args.data}")
+    loaded = _load(args)
+    codec = loaded.codec
+    eos = codec.eos_ids or loaded.model.cfg.eos_token_ids
+    decoders = {}
+    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        if name == "hf":
+            from evospec.bench.hf_baseline import HFGenerateDecoder
+
+            decoders[name] = HFGenerateDecoder(loaded.source, eos)
+        else:
+            decoders[name] = _decoder(name, args, loaded, eos)
+
+    def encode(p):
+        return codec.encode_chat([{"role": "user", "content": p.text}]) if p.chat else codec.encode(p.text)
+
+    records = run_side_by_side(decoders, prompts, encode, params, progress=not args.no_progress)
+    import torch
+
+    config = {
+        "model": loaded.name,
+        "data": str(args.data),
+        "prompts": len(prompts),
+        "per_category": args.per_category,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "methods": list(decoders),
+        "draft": args.draft,
+        "tree": {"top_k": args.tree_top_k, "depth": args.depth, "total_tokens": args.total_tokens},
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    result = summarise(records, config)
+    print(format_table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from evospec.models.registry import cache_dir, ensure_converted, is_converted
+
+    if args.models_command == "list":
+        for name, entry in REGISTRY.items():
+            folder = cache_dir(entry)
+            state = f"converted at {folder}" if is_converted(folder, entry) else "not converted yet"
+            print(f"{name}\t{entry.package}=={entry.version}\t{entry.license}\t{state}")
+        return 0
+    print(ensure_converted(REGISTRY[args.name]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from evospec.models.errors import CheckpointError
+
+    try:
+        return {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models}[args.command](args)
+    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Drafters: the draft side of a speculative round, with their own KV cache.
+
+Owns: the draft cache and its bookkeeping across a round -- commit the pairs the target just
+verified ("catch-up"), expand tree frontiers into uncommitted slots (each node sees the
+committed prefix plus its own ancestors), and rewind those slots after verification, so draft
+KV is kept only for accepted tokens. Top-k over the draft's output vocabulary goes through a
+``DraftHeadFn`` (full LM head here; a reduced active-vocabulary head plugs in the same way).
+
+- :class:`EagleDrafter`: EAGLE-2 head. Pair i = (target feature at position i, token i+1)
+  sits at draft position i; a depth-d tree node's pair is (its parent's draft feature, its
+  token) at position prefix_len - 1 + d.
+- :class:`TargetDrafter`: the target model drafting for itself (the "perfect draft" used by
+  tests: every drafted top-1 token is the target's own greedy choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from evospec.models.eagle import EagleHead
+from evospec.models.kv_cache import KVCache
+from evospec.models.transformer import Transformer
+
+
+class DraftHeadFn(Protocol):
+    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [n, D] -> top-k (log-probs [n, k], target token ids [n, k])."""
+        ...
+
+
+class FullHead:
+    """Top-k over the full vocabulary through the target's LM head."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # [V, D]
+
+    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax((hidden @ self.weight.T).float(), dim=-1)  # [n, V]
+        top = torch.topk(logp, k, dim=-1)
+        return top.values, top.indices
+
+
+class Drafter(Protocol):
+    def start(self, prompt: Sequence[int], max_len: int) -> None: ...
+    def commit(
+        self, features: torch.Tensor, tokens: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def expand(
+        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rewind(self) -> None: ...
+
+
+class _TreeDrafterBase:
+    """Cache and mask bookkeeping shared by drafters; subclasses supply :meth:`_run`."""
+
+    cache: KVCache
+
+    def __init__(self, head_fn: DraftHeadFn) -> None:
+        self.head_fn = head_fn
+        self.committed = 0  # committed draft slots
+        self._frontier_hidden: torch.Tensor | None = None  # [k', D] inputs for the children
+        self._anc: torch.Tensor | None = None  # [k', tree slots so far] frontier ancestors
+        self._depth = 0
+
+    def _new_cache(self, max_len: int) -> KVCache:
+        raise NotImplementedError
+
+    def _run(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Forward n inputs ([n, D] features, [n] tokens) into the cache; return [n, D]."""
+        raise NotImplementedError
+
+    def start(self, prompt: Sequence[int], max_len: int) -> None:
+        if getattr(self, "cache", None) is None or self.cache.max_len < max_len:
+            self.cache = self._new_cache(max_len)
+        self.cache.reset()
+        self.committed = 0
+
+    def _base_position(self) -> int:
+        """Position of the first pair committed next (EAGLE: pair index)."""
+        return self.committed
+
+    def commit(
+        self, features: torch.Tensor, tokens: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append verified pairs (features [m, D], tokens [m]); return the root's top-k [k]."""
+        m = tokens.shape[0]
+        start = self._base_position()
+        positions = torch.arange(start, start + m, device=tokens.device)
+        prefix = self.cache.length
+        mask = None
+        if prefix and m > 1:
+            mask = torch.ones(m, prefix + m, dtype=torch.bool, device=tokens.device).tril(prefix)
+        hidden = self._run(features, tokens, positions, mask)  # [m, D]
+        self.committed = self.cache.length
+        self._frontier_hidden = hidden[-1:]
+        self._anc = torch.zeros(1, 0, dtype=torch.bool, device=tokens.device)
+        self._depth = 0
+        logp, ids = self.head_fn(hidden[-1:], k)
+        return logp[0], ids[0]
+
+    def expand(
+        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward frontier nodes (tokens [k']) into uncommitted slots; children's top-k [k', k]."""
+        n = tokens.shape[0]
+        rows = (
+            parent_rows if parent_rows is not None else torch.zeros(n, dtype=torch.long, device=tokens.device)
+        )
+        parent_hidden = self._frontier_hidden[rows]  # [k', D]
+        anc = torch.cat([self._anc[rows], torch.eye(n, dtype=torch.bool, device=tokens.device)], dim=1)
+        mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=tokens.device), anc], dim=1)
+        self._depth += 1
+        positions = torch.full((n,), self._base_position() - 1 + self._depth, device=tokens.device)
+        hidden = self._run(parent_hidden, tokens, positions, mask)  # [k', D]
+        self._frontier_hidden, self._anc = hidden, anc
+        return self.head_fn(hidden, k)
+
+    def rewind(self) -> None:
+        """Drop the tree slots written since the last commit."""
+        self.cache.trim(self.committed)
+
+
+class EagleDrafter(_TreeDrafterBase):
+    def __init__(self, head: EagleHead, head_fn: DraftHeadFn) -> None:
+        super().__init__(head_fn)
+        self.head = head
+
+    def _new_cache(self, max_len: int) -> KVCache:
+        return self.head.new_cache(max_len)
+
+    @torch.inference_mode()
+    def _run(self, features, tokens, positions, mask) -> torch.Tensor:
+        return self.head(features[None], tokens[None], positions, self.cache, mask)[0]
+
+
+class TargetDrafter(_TreeDrafterBase):
+    """The target drafting for itself: feeds token x_{i+1} at position i+1 and ignores features."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(FullHead(model.lm_head.weight))
+        self.model = model
+        self._first: int | None = None
+
+    def _new_cache(self, max_len: int) -> KVCache:
+        return self.model.new_cache(max_len + 1)
+
+    def start(self, prompt: Sequence[int], max_len: int) -> None:
+        super().start(prompt, max_len)
+        self._first = prompt[0]
+
+    def _base_position(self) -> int:
+        # The target cache holds x_0 in an extra slot; pair i corresponds to x_{i+1} at i + 1.
+        return max(self.committed - 1, 0)
+
+    def _run(self, features, tokens, positions, mask) -> torch.Tensor:
+        device = tokens.device
+        if self.cache.length == 0:  # prepend x_0 so the context is complete
+            tokens = torch.cat([torch.tensor([self._first], device=device), tokens])
+            positions = torch.cat([positions[:1] * 0, positions + 1])
+            out = self.model(tokens[None], positions, self.cache, logits="none")
+            return out.hidden[0, 1:]
+        out = self.model(tokens[None], positions + 1, self.cache, attn_mask=mask, logits="none")
+        return out.hidden[0]

@@ -1,0 +1,87 @@
+"""Decoding methods by name: the one place that maps ``--method NAME`` to a decoder.
+
+Owns: the :class:`Decoder` protocol (``generate(prompt_ids, params) -> Iterator[StepEvent]``)
+and the factory :func:`make_decoder`. Each decoder keeps its preallocated state (KV caches,
+tree buffers) between requests. Knows token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from evospec.decoding.autoregressive import generate_ar, plan_budget
+from evospec.decoding.drafter import Drafter, EagleDrafter, FullHead
+from evospec.decoding.events import StepEvent
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.speculative import generate_speculative
+from evospec.decoding.tree import TreeConfig
+from evospec.models.eagle import EagleHead
+from evospec.models.kv_cache import KVCache
+from evospec.models.transformer import Transformer
+
+METHODS = ("ar", "eagle2")
+
+
+class Decoder(Protocol):
+    name: str
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]: ...
+
+
+class ARDecoder:
+    """Plain decoding with a KV cache reused across requests (grown when a request needs more)."""
+
+    name = "ar"
+
+    def __init__(self, model: Transformer, eos_ids: Sequence[int] = ()) -> None:
+        self.model = model
+        self.eos_ids = tuple(eos_ids)
+        self.cache: KVCache | None = None
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
+        _, slots = plan_budget(self.model, len(prompt), params)
+        if self.cache is None or self.cache.max_len < slots:
+            self.cache = self.model.new_cache(slots)
+        return generate_ar(self.model, prompt, params, eos_ids=self.eos_ids, cache=self.cache)
+
+
+class SpeculativeDecoder:
+    """Draft-tree speculative decoding with any :class:`Drafter`; lossless by construction."""
+
+    def __init__(
+        self, name: str, model: Transformer, drafter: Drafter, tree: TreeConfig, eos_ids: Sequence[int] = ()
+    ) -> None:
+        self.name = name
+        self.model = model
+        self.drafter = drafter
+        self.tree = tree
+        self.eos_ids = tuple(eos_ids)
+        self.cache: KVCache | None = None
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
+        _, slots = plan_budget(self.model, len(prompt), params, slack=self.tree.max_nodes)
+        if self.cache is None or self.cache.max_len < slots:
+            self.cache = self.model.new_cache(slots)
+        return generate_speculative(
+            self.model, self.drafter, prompt, params, self.tree, eos_ids=self.eos_ids, cache=self.cache
+        )
+
+
+def make_decoder(
+    name: str,
+    model: Transformer,
+    *,
+    eos_ids: Sequence[int] = (),
+    draft: EagleHead | None = None,
+    tree: TreeConfig | None = None,
+) -> Decoder:
+    """``ar`` or ``eagle2`` (needs ``draft``, an EAGLE-2 head attached to ``model``)."""
+    if name == "ar":
+        return ARDecoder(model, eos_ids)
+    if name == "eagle2":
+        if draft is None:
+            raise ValueError("method eagle2 needs a draft head (--draft PATH)")
+        drafter = EagleDrafter(draft.attach(model), FullHead(model.lm_head.weight))
+        return SpeculativeDecoder(name, model, drafter, tree or TreeConfig(), eos_ids)
+    raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")

@@ -1,0 +1,78 @@
+"""Sampling parameters and the logits -> distribution transform shared by every method.
+
+Owns: :class:`SamplingParams` and :func:`target_probs`, the one definition of "the target
+distribution" (temperature, top-k, top-p). Plain decoding samples from it; speculative
+verification accepts or rejects against exactly the same distribution, which is what makes
+sampling lossless. Knows nothing about models or caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` means greedy (argmax)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_ids: frozenset[int] = field(default_factory=frozenset)  # besides the model's EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        gen = torch.Generator(device=device)
+        if self.seed is not None:
+            gen.manual_seed(self.seed)
+        else:
+            gen.seed()
+        return gen
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering.
+
+    Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (the
+    token that crosses the threshold is kept), matching the usual HF/vLLM convention.
+    """
+    if params.greedy:
+        raise ValueError("target_probs is for sampling; greedy decoding uses argmax")
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        k = min(params.top_k, logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from logits [V]: argmax when greedy, else a draw from :func:`target_probs`."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=gen))

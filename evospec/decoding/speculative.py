@@ -1,0 +1,87 @@
+"""The speculative round loop: draft a tree, verify it in one target forward, accept, compact.
+
+Owns: one request's rounds. Per round: the drafter commits the pairs verified last round and
+builds an EAGLE-2 tree (``tree.py``); the target runs every tree node in one forward under
+the tree mask; acceptance (``verify.py``) picks the accepted path and the bonus token; the
+target cache keeps only the root and the accepted path (``KVCache.compact``); the drafter
+rewinds its tree slots. Yields one :class:`StepEvent` per round (the prefill's first token
+is its own event). Host synchronisation happens only at the accept boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from evospec.decoding.autoregressive import plan_budget, stop_rule
+from evospec.decoding.drafter import Drafter
+from evospec.decoding.events import StepEvent
+from evospec.decoding.sampling import SamplingParams, pick_token
+from evospec.decoding.tree import TreeConfig, build_tree
+from evospec.decoding.verify import accept
+from evospec.models.kv_cache import KVCache
+from evospec.models.transformer import Transformer
+
+
+@torch.inference_mode()
+def generate_speculative(
+    target: Transformer,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    tree_cfg: TreeConfig,
+    *,
+    eos_ids: Sequence[int] = (),
+    cache: KVCache | None = None,
+) -> Iterator[StepEvent]:
+    max_new, slots = plan_budget(target, len(prompt), params, slack=tree_cfg.max_nodes)
+    if cache is None or cache.max_len < slots:
+        cache = target.new_cache(slots)
+    cache.reset()
+    drafter.start(prompt, slots + tree_cfg.draft_slots)
+    rule = stop_rule(target, params, max_new, eos_ids)
+    gen = params.make_generator()
+    device = target.embed_tokens.weight.device
+
+    t0 = time.perf_counter()
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    out = target(ids, torch.arange(len(prompt), device=device), cache, logits="last")
+    root = pick_token(out.logits[0, -1], params, gen)
+    new, reason = rule.clip([root], 0)
+    produced = len(new)
+    yield StepEvent(tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True)
+    if reason is not None:
+        return
+    pending_features = out.hidden[0]  # [P, D] features of the pairs not yet in the draft cache
+    pending_tokens = [*ids[0, 1:].tolist(), root]  # [P] the token after each of them
+
+    while True:
+        t0 = time.perf_counter()
+        tok_t = torch.tensor(pending_tokens, dtype=torch.long, device=device)
+        root_logp, root_ids = drafter.commit(pending_features, tok_t, tree_cfg.top_k)
+        prefix = cache.length
+        tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg)
+        drafter.rewind()
+        t1 = time.perf_counter()
+        vout = target(tree.tokens[None], tree.positions, cache, tree_mask=tree.mask, logits="all")
+        path, bonus = accept(tree, vout.logits[0], params, gen)  # path [a + 1] incl. the root
+        cache.compact(prefix + path, prefix)
+        t2 = time.perf_counter()
+        accepted = tree.tokens[path[1:]].tolist()
+        new, reason = rule.clip([*accepted, bonus], produced)
+        produced += len(new)
+        yield StepEvent(
+            tokens=new,
+            accepted=len(accepted),
+            tree_size=tree.size - 1,
+            draft_s=t1 - t0,
+            verify_s=t2 - t1,
+            finish_reason=reason,
+        )
+        if reason is not None:
+            return
+        pending_features = vout.hidden[0, path]  # [a + 1, D]
+        pending_tokens = [*accepted, bonus]
+        root = bonus

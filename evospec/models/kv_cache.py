@@ -1,0 +1,75 @@
+"""Preallocated key/value cache with explicit verbs: write, advance, trim, compact.
+
+Owns: the K/V tensors of every layer of one target (or draft) model for a batch of aligned
+sequences, and the number of valid slots. Slot ``i`` holds sequence position ``i`` for every
+committed token; tree verification temporarily writes draft-tree tokens after the committed
+prefix and then ``compact``s the accepted ones into place. It knows nothing about tokens,
+attention masks or models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for ``num_layers`` layers, ``max_len`` slots each, allocated once."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S_max, Dh]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S_max, Dh]
+        self.max_len = max_len
+        self.length = 0  # committed slots; new tokens are written from here
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` ([B, H_kv, n, Dh]) at slots [length, length + n) of ``layer``.
+
+        Returns the keys and values of slots [0, length + n) for attention. ``length`` itself
+        moves only in :meth:`advance`, once every layer has written.
+        """
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: need {end} slots, have {self.max_len}")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def trim(self, length: int) -> None:
+        """Rewind to ``length`` committed slots (later slots become garbage)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot trim to {length}: cache holds {self.length}")
+        self.length = length
+
+    def compact(self, src_slots: torch.Tensor, dst_start: int) -> None:
+        """Copy slots ``src_slots`` ([m], ascending, all >= dst_start) to [dst_start, dst_start+m).
+
+        Used after tree verification: the accepted path's slots move right behind the
+        committed prefix and everything after them is dropped.
+        """
+        m = int(src_slots.numel())
+        if m:
+            idx = src_slots.to(self.k.device)
+            self.k[:, :, :, dst_start : dst_start + m] = self.k.index_select(3, idx)
+            self.v[:, :, :, dst_start : dst_start + m] = self.v.index_select(3, idx)
+        self.length = dst_start + m

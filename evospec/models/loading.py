@@ -1,0 +1,144 @@
+"""Turn a model reference into a ready :class:`Transformer` plus its tokenizer.
+
+Owns: resolving a reference -- (a) a Hugging Face folder (config.json + *.safetensors,
+sharded or not), (b) a GGUF file, (c) a registered name (see ``registry.py``) -- checking the
+files, and building the module without paying for random initialisation. Errors name the
+file and the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from evospec.models.config import ModelConfig
+from evospec.models.errors import CheckpointError
+from evospec.models.transformer import Transformer
+from evospec.tokenizer import TextCodec
+
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    codec: TextCodec | None  # None when the source carries no tokenizer
+    source: Path  # the folder or file the weights came from
+    name: str  # registered name, or the source's file/folder name
+
+
+def build_model(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    source: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Transformer:
+    """Instantiate ``cfg`` without random init and adopt ``state`` (strict, clear errors)."""
+    with _skip_random_init(), torch.device(device):
+        model = Transformer(cfg)
+    state = {k: v.to(dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+        missing = [k for k in missing if k != "lm_head.weight"]
+    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise CheckpointError(
+            source,
+            f"weights do not match a {cfg.family} model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}",
+        )
+    model.reset_rope(device)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """Leave freshly built Linear/Embedding weights uninitialised (they are overwritten next).
+
+    Random init of a 135M model costs over a second on a CPU; the weights are replaced by
+    the checkpoint anyway. (The meta device would also work but its first use imports
+    torch's decomposition tables, which costs as much.)
+    """
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def _strip_prefix(name: str) -> str:
+    for p in _PREFIXES:
+        if name.startswith(p):
+            return name[len(p) :]
+    return name
+
+
+def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict of a Hugging Face model folder."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(cfg_path, "file not found (a model folder needs config.json)")
+    try:
+        cfg = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise CheckpointError(cfg_path, f"invalid config: {exc!r}") from exc
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(folder, "no *.safetensors weights in this folder")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f, "shard listed in the index is missing")
+        try:
+            shard = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f, f"cannot read safetensors (truncated or corrupt?): {exc}") from exc
+        state.update({_strip_prefix(k): v for k, v in shard.items()})
+    return cfg, state
+
+
+def load_model(
+    ref: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = True
+) -> LoadedModel:
+    """Load a registered name, a Hugging Face folder or a GGUF file."""
+    from evospec.models.registry import REGISTRY, ensure_converted
+
+    ref_s = str(ref)
+    if ref_s in REGISTRY:
+        folder = ensure_converted(REGISTRY[ref_s], progress=progress)
+        loaded = load_model(folder, dtype=dtype, device=device, progress=progress)
+        loaded.name = ref_s
+        return loaded
+    path = Path(ref_s).expanduser()
+    if path.is_dir():
+        cfg, state = read_hf_folder(path)
+        codec = TextCodec.from_folder(path) if (path / "tokenizer.json").is_file() else None
+        return LoadedModel(build_model(cfg, state, path, dtype, device), codec, path, path.name)
+    if path.suffix == ".gguf":
+        from evospec.models.gguf_loader import read_gguf
+
+        cfg, state = read_gguf(path, progress=progress)
+        codec = TextCodec.from_gguf(path)
+        return LoadedModel(build_model(cfg, state, path, dtype, device), codec, path, path.stem)
+    if not path.exists():
+        raise CheckpointError(
+            path, f"no such file or folder, and not a registered model name ({sorted(REGISTRY)})"
+        )
+    raise CheckpointError(path, "expected a model folder (config.json + *.safetensors) or a .gguf file")

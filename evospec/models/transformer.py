@@ -1,0 +1,268 @@
+"""Compact decoder-only target transformer (Llama, Qwen2, Qwen3, Gemma3 text).
+
+Owns: the modules and the forward pass. ``forward(tokens, positions, cache, tree_mask)``
+appends the new tokens' keys/values to an explicit :class:`KVCache`, attends over the
+committed prefix plus the new tokens (causally, or through an [n, n] tree mask), and returns
+logits plus the features a draft head needs. Module and parameter names follow the Hugging
+Face checkpoint layout (minus the ``model.`` prefix) so weights load by name.
+
+It knows nothing about files, tokenizers or decoding policies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from evospec.models.config import ModelConfig
+from evospec.models.kv_cache import KVCache
+from evospec.models.rope import RotaryTable
+
+
+@dataclass
+class ForwardOutput:
+    """What one target forward returns."""
+
+    logits: torch.Tensor | None  # [B, n_out, V] (n_out = n, or 1 with last_only)
+    hidden: torch.Tensor  # [B, n, D] final-layer features after the final norm (EAGLE-2 input)
+    aux_hidden: list[torch.Tensor]  # per requested layer: [B, n, D] that layer's output
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32; Gemma multiplies by (1 + w), the others by w."""
+
+    def __init__(self, dim: int, eps: float, offset: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.attn_scale
+        self.sliding = cfg.is_sliding(layer)
+        d, hd = cfg.hidden_size, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, n, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [n, Dh]
+        cache: KVCache,
+        mask: torch.Tensor | None,  # [n, P+n] bool, True = attend; None = causal/no mask
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, Dh]
+        cos, sin = cos_sin
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        keys, values = cache.write(self.layer, k, v)  # [B, H_kv, P+n, Dh]
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None and n > 1,  # only valid when the prefix is empty
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, H, n, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, off)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, off)
+        self.sandwich = cfg.is_gemma  # Gemma3: norms before and after both sublayers
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off)
+
+    def forward(self, x, cos_sin, cache, mask) -> torch.Tensor:
+        if self.sandwich:
+            h = self.self_attn(self.input_layernorm(x), cos_sin, cache, mask)
+            x = x + self.post_attention_layernorm(h)
+            h = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(h)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The target model. Parameter names match HF checkpoints without the ``model.`` prefix."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_rope()
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the RoPE tables, e.g. after constructing on the meta device."""
+        cfg = self.cfg
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.rope_global = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            self.rope_local = RotaryTable(cfg.head_dim, cfg.rope_local_base_freq, None)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache(
+            self.cfg.num_layers,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            max_len,
+            batch=batch,
+            dtype=p.dtype,
+            device=p.device,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, n] token ids
+        positions: torch.Tensor,  # [n] absolute positions of the new tokens
+        cache: KVCache,
+        tree_mask: torch.Tensor | None = None,  # [n, n] bool: new token i may see new token j
+        *,
+        attn_mask: torch.Tensor | None = None,  # [n, prefix + n] bool over all slots (overrides)
+        logits: str = "all",  # "all" | "last" | "none"
+        aux_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Append ``tokens`` to ``cache`` (advancing it by n) and return logits and features.
+
+        Committed cache slots are visible to every new token; among the new tokens
+        ``tree_mask`` (default: causal) decides. ``attn_mask`` instead spells out visibility
+        of every slot, for callers that keep uncommitted tree slots in the cache (drafters).
+        """
+        cfg = self.cfg
+        n = tokens.shape[1]
+        prefix = cache.length
+        x = self.embed_tokens(tokens)
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if attn_mask is not None:
+            if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+                raise NotImplementedError("attn_mask with sliding-window layers")
+            masks = {False: attn_mask, True: attn_mask}
+        else:
+            masks = _build_masks(cfg, prefix, positions, tree_mask, x.device)
+        rope_g = self.rope_global(positions, x.dtype)
+        rope_l = self.rope_local(positions, x.dtype) if cfg.is_gemma else rope_g
+        aux: list[torch.Tensor] = []
+        for i, block in enumerate(self.layers):
+            sliding = cfg.is_sliding(i)
+            x = block(x, rope_l if sliding else rope_g, cache, masks[sliding])
+            if i in aux_layers:
+                aux.append(x)
+        cache.advance(n)
+        hidden = self.norm(x)
+        out_logits = None
+        if logits != "none":
+            h = hidden[:, -1:] if logits == "last" else hidden
+            out_logits = self.lm_head(h)
+            if cfg.final_logit_softcapping:
+                cap = cfg.final_logit_softcapping
+                out_logits = torch.tanh(out_logits / cap) * cap
+        return ForwardOutput(logits=out_logits, hidden=hidden, aux_hidden=aux)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [B, H, n, Dh], cos/sin [n, Dh]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _build_masks(
+    cfg: ModelConfig,
+    prefix: int,
+    positions: torch.Tensor,  # [n]
+    tree_mask: torch.Tensor | None,  # [n, n]
+    device: torch.device,
+) -> dict[bool, torch.Tensor | None]:
+    """Attention masks for full (False) and sliding (True) layers; None means "no mask".
+
+    Committed slots are always visible (slot i holds position i); among the new tokens, the
+    tree mask (or causality) decides. Sliding layers additionally hide keys whose position is
+    ``sliding_window`` or more behind the query.
+    """
+    n = positions.shape[0]
+    if tree_mask is None and (n == 1 or prefix == 0):
+        full: torch.Tensor | None = None  # n == 1: attend to all; prefix == 0: is_causal
+    else:
+        new = (
+            tree_mask.to(device=device, dtype=torch.bool)
+            if tree_mask is not None
+            else (torch.ones(n, n, dtype=torch.bool, device=device).tril())
+        )
+        full = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), new], dim=1)
+    masks: dict[bool, torch.Tensor | None] = {False: full}
+    window = cfg.sliding_window
+    if cfg.is_gemma and window is not None:
+        key_pos = torch.cat([torch.arange(prefix, device=device), positions.to(device)])
+        if prefix + n - 1 < window:  # positions < prefix + n: no key can leave the window
+            masks[True] = full
+        else:
+            base = (
+                full
+                if full is not None
+                else (torch.ones(n, prefix + n, dtype=torch.bool, device=device).tril(prefix))
+            )
+            in_window = (positions.to(device)[:, None] - key_pos[None, :]) < window
+            masks[True] = base & in_window
+    else:
+        masks[True] = full
+    return masks

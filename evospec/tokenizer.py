@@ -1,0 +1,135 @@
+"""Text <-> token ids at the edge of the engine: tokenizer and chat template of one model.
+
+Owns: a Hugging Face fast tokenizer loaded from the same source as the weights, the chat
+template, and incremental detokenisation for streaming. The decoding engine never imports
+this module; it sees token ids only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class TextCodec:
+    """Encode prompts (plain or chat) and decode generated ids.
+
+    Reads a ``tokenizers`` JSON file and a Jinja chat template directly (no transformers
+    import on the serving path: loading stays well under a second).
+    """
+
+    def __init__(self, tokenizer: Any, chat_template: str | None, special: dict[str, str | None]) -> None:
+        self.tok = tokenizer  # tokenizers.Tokenizer
+        self.chat_template = chat_template
+        self.special = special  # "bos_token" / "eos_token" -> text
+        self._template = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> TextCodec:
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        conf_path = folder / "tokenizer_config.json"
+        conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}
+        template = conf.get("chat_template")
+        jinja_path = folder / "chat_template.jinja"
+        if jinja_path.is_file():
+            template = jinja_path.read_text()
+        special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token")}
+        return cls(tok, template, special)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> TextCodec:
+        """Tokenizer embedded in a GGUF file (via transformers' GGUF tokenizer reader)."""
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp)
+            return cls.from_folder(tmp)
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        self.tok.save(str(folder / "tokenizer.json"))
+        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special}
+        (folder / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
+        if self.chat_template:
+            (folder / "chat_template.jinja").write_text(self.chat_template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def token_id(self, text: str | None) -> int | None:
+        return None if text is None else self.tok.token_to_id(text)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.token_id(self.special.get("eos_token"))
+        return () if eos is None else (eos,)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use a plain prompt")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special.items()}
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template, ready to answer."""
+        return self.tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, dict):  # AddedToken serialised as a dict
+        return v.get("content")
+    return v
+
+
+def _compile_template(source: str):
+    """Jinja environment as chat templates expect it (trimmed blocks, raise_exception)."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(source)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into text deltas without splitting multi-byte characters."""
+
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more ids
+            return ""
+        delta = text[len(self.emitted) :]
+        self.emitted = text
+        return delta
