@@ -106,6 +106,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_args(b)
     _add_sampling_args(b, 64)
 
+    t = sub.add_parser(
+        "train-draft",
+        help="train an EAGLE-2 draft head for a target",
+        description="Generate the target's own answers to training prompts (resumable), cache its features, "
+        "train a draft head with the EAGLE recipe and save it in the EAGLE-2 format (fp16).",
+    )
+    t.add_argument("--target", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
+    t.add_argument("--out", type=Path, required=True, help="output folder for the head")
+    t.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (training sets only)")
+    t.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="work folder for generations, features, checkpoints (default: $EVOSPEC_HOME/train/<target>)",
+    )
+    t.add_argument(
+        "--tokens", type=_positive_int, default=200_000, help="response tokens to generate (default 200k)"
+    )
+    t.add_argument("--epochs", type=_positive_int, default=4, help="training epochs (default 4)")
+    t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    t.add_argument("--batch-size", type=_positive_int, default=16, help="generation batch size (default 16)")
+    t.add_argument(
+        "--max-new-tokens", type=_positive_int, default=192, help="answer length cap (default 192)"
+    )
+    t.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
     m = sub.add_parser("models", help="list or prepare registered models")
     msub = m.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     msub.add_parser("list", help="registered model names and their cache state")
@@ -228,6 +254,60 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from evospec.models.eagle import new_eagle_for, save_eagle
+    from evospec.models.loading import load_model
+    from evospec.models.registry import evospec_home
+    from evospec.train.datagen import extract_features, generate_responses
+    from evospec.train.prompts import training_prompts
+    from evospec.train.trainer import TrainConfig, init_head_from_target, load_sequences, train_head
+
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+    loaded = load_model(args.target, progress=progress)
+    if loaded.codec is None:
+        raise ValueError(f"{loaded.source}: the target needs a tokenizer to render training prompts")
+    work = args.work or evospec_home() / "train" / loaded.name
+    prompts = training_prompts(args.data)
+    gen_path = work / "generations.jsonl"
+    have = generate_responses(
+        loaded.model,
+        loaded.codec,
+        prompts,
+        gen_path,
+        target_tokens=args.tokens,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        progress=progress,
+    )
+    shards = extract_features(loaded.model, gen_path, work / "features", progress=progress)
+    cfg = TrainConfig(epochs=args.epochs, lr=args.lr)
+    seqs = load_sequences(shards, cfg.max_seq_len)
+    head = new_eagle_for(loaded.model)
+    init_head_from_target(head, loaded.model)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    log = train_head(head, loaded.model, seqs, work / "ckpt", cfg, progress=progress)
+    save_eagle(head, args.out)
+    info = {
+        "command": "evospec " + " ".join(sys.argv[1:]),
+        "target": loaded.name,
+        "response_tokens": have,
+        "sequences": len(seqs),
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "train_log": log,
+    }
+    (args.out / "training.json").write_text(json.dumps(info, indent=2))
+    print(f"saved {args.out} (holdout top-1 {log['epochs'][-1]['holdout']['top1']:.3f})", file=sys.stderr)
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from evospec.models.registry import cache_dir, ensure_converted, is_converted
 
@@ -246,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     from evospec.models.errors import CheckpointError
 
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "models": cmd_models}[args.command](args)
+        commands = {
+            "generate": cmd_generate,
+            "bench": cmd_bench,
+            "train-draft": cmd_train_draft,
+            "models": cmd_models,
+        }
+        return commands[args.command](args)
     except (CheckpointError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

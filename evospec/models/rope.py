@@ -45,6 +45,9 @@ class RotaryTable(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [n, Dh]
+        """positions [n] -> cos/sin [n, Dh]; per-row positions [B, n] -> [B, 1, n, Dh]."""
+        freqs = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.dim() == 3:
+            emb = emb[:, None]  # broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -178,6 +178,7 @@ class Transformer(nn.Module):
         tree_mask: torch.Tensor | None = None,  # [n, n] bool: new token i may see new token j
         *,
         attn_mask: torch.Tensor | None = None,  # [n, prefix + n] bool over all slots (overrides)
+        left_pad: torch.Tensor | None = None,  # [B] leading pad slots per row (batched prompts)
         logits: str = "all",  # "all" | "last" | "none"
         aux_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
@@ -199,8 +200,12 @@ class Transformer(nn.Module):
             masks = {False: attn_mask, True: attn_mask}
         else:
             masks = _build_masks(cfg, prefix, positions, tree_mask, x.device)
-        rope_g = self.rope_global(positions, x.dtype)
-        rope_l = self.rope_local(positions, x.dtype) if cfg.is_gemma else rope_g
+        rope_pos = positions
+        if left_pad is not None:  # rows are right-aligned: position = slot - pad
+            masks = {k: _mask_padding(m, left_pad, prefix, n) for k, m in masks.items()}
+            rope_pos = (positions[None] - left_pad[:, None]).clamp(min=0)  # [B, n]
+        rope_g = self.rope_global(rope_pos, x.dtype)
+        rope_l = self.rope_local(rope_pos, x.dtype) if cfg.is_gemma else rope_g
         aux: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
@@ -224,6 +229,20 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _mask_padding(mask: torch.Tensor | None, left_pad: torch.Tensor, prefix: int, n: int) -> torch.Tensor:
+    """[B, 1, n, prefix + n]: ``mask`` (None = causal) minus each row's leading pad slots.
+
+    A pad query still sees itself, so no row of the softmax is empty (its output is unused).
+    """
+    device = left_pad.device
+    if mask is None:
+        mask = torch.ones(n, prefix + n, dtype=torch.bool, device=device).tril(prefix)
+    slots = torch.arange(prefix + n, device=device)
+    valid = slots[None, :] >= left_pad[:, None]  # [B, S]
+    self_slot = slots[None, :] == (prefix + torch.arange(n, device=device))[:, None]  # [n, S]
+    return (mask[None] & (valid[:, None, :] | self_slot[None]))[:, None]
 
 
 def _build_masks(

@@ -1,0 +1,113 @@
+"""Batched greedy generation by the target, for building draft-training data.
+
+Owns: continuous batching over one preallocated KV cache. Rows are right-aligned at a shared
+cache length L; each row masks its own leading slots (``left_pad``) and counts positions from
+its first real token, so every row computes exactly what plain greedy decoding computes for
+its prompt (tests check this against ``generate_ar``). When enough rows have finished, new
+prompts are prefilled together in a side cache and copied into those rows at slots
+[L - len, L), so the batch stays full. When the cache has no room for another full answer,
+the wave drains and a new one starts. Knows token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from evospec.models.kv_cache import KVCache
+from evospec.models.transformer import Transformer
+
+
+def _prefill_rows(
+    model: Transformer, prompts: list[Sequence[int]], end: int, cache: KVCache, rows: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``; (next tokens [R], pads [R])."""
+    device = cache.k.device
+    width = max(len(p) for p in prompts)
+    pad = torch.tensor([width - len(p) for p in prompts], device=device)
+    tokens = torch.tensor([[p[0]] * (width - len(p)) + list(p) for p in prompts], device=device)
+    side = model.new_cache(width, batch=len(prompts))
+    out = model(tokens, torch.arange(width, device=device), side, logits="last", left_pad=pad)
+    idx = torch.tensor(rows, device=device)
+    cache.k[:, idx, :, end - width : end] = side.k
+    cache.v[:, idx, :, end - width : end] = side.v
+    return out.logits[:, -1].argmax(-1), pad + (end - width)
+
+
+@torch.inference_mode()
+def greedy_stream(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    *,
+    batch_size: int = 16,
+    cache_len: int = 2048,
+    refill_at: int | None = None,
+) -> Iterator[tuple[int, list[int]]]:
+    """Yield (prompt index, greedy answer) as answers complete (EOS kept as the last token)."""
+    device = model.embed_tokens.weight.device
+    longest = max((len(p) for p in prompts), default=0)
+    if longest + max_new_tokens > cache_len:
+        raise ValueError(
+            f"cache_len {cache_len} cannot hold a {longest}-token prompt plus {max_new_tokens} tokens"
+        )
+    eos = set(eos_ids)
+    refill_at = refill_at or max(1, batch_size // 4)
+    queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
+    cache = model.new_cache(cache_len, batch=batch_size)
+    while queue:
+        # -- a new wave: prefill the first batch together ----------------------------------------
+        first = [queue.pop() for _ in range(min(batch_size, len(queue)))]
+        rows = list(range(len(first)))
+        width = max(len(prompts[i]) for i in first)
+        cache.reset()
+        nxt = torch.zeros(batch_size, dtype=torch.long, device=device)
+        pad = torch.full((batch_size,), width, dtype=torch.long, device=device)  # idle rows: all masked
+        toks, pads = _prefill_rows(model, [prompts[i] for i in first], width, cache, rows)
+        nxt[: len(first)], pad[: len(first)] = toks, pads
+        cache.length = width
+        owner: list[int | None] = [*first, *([None] * (batch_size - len(first)))]
+        answers: list[list[int]] = [[] for _ in range(batch_size)]
+        fresh = [r for r, o in enumerate(owner) if o is not None]  # rows whose nxt is unrecorded
+        while True:
+            step_tokens = nxt.tolist()
+            for r in fresh:
+                answers[r].append(step_tokens[r])
+                if step_tokens[r] in eos or len(answers[r]) >= max_new_tokens:
+                    yield owner[r], answers[r]
+                    owner[r], answers[r] = None, []
+            free = [r for r, o in enumerate(owner) if o is None]
+            room = cache.length + max_new_tokens < cache_len
+            if queue and room and len(free) >= min(refill_at, len(queue)):
+                take = [i for i in reversed(queue) if len(prompts[i]) <= cache.length][: len(free)]
+                if take:
+                    for i in take:
+                        queue.remove(i)
+                    rows = free[: len(take)]
+                    toks, pads = _prefill_rows(model, [prompts[i] for i in take], cache.length, cache, rows)
+                    idx = torch.tensor(rows, device=device)
+                    nxt[idx], pad[idx] = toks, pads
+                    for r, i in zip(rows, take, strict=True):
+                        owner[r] = i
+                    fresh = rows  # record the refilled rows' first tokens before decoding on
+                    continue
+            active = [r for r, o in enumerate(owner) if o is not None]
+            if not active:
+                break
+            # idle rows decode a dummy token; their pad hides everything, their output is unused
+            pos = torch.tensor([cache.length], device=device)
+            out = model(nxt[:, None], pos, cache, logits="last", left_pad=pad)
+            nxt = out.logits[:, -1].argmax(-1)
+            fresh = active
+
+
+def greedy_batch(
+    model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int], **kw
+) -> list[list[int]]:
+    """Greedy answers of all ``prompts``, in order."""
+    out: list[list[int]] = [[] for _ in prompts]
+    for i, ans in greedy_stream(model, prompts, max_new_tokens, eos_ids, **kw):
+        out[i] = ans
+    return out

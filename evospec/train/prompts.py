@@ -1,0 +1,94 @@
+"""Training prompts for draft heads, from the *training-side* sets of ``shared/data`` only.
+
+Owns: reading oasst, arena_hard, self_instruct, t0_sample, gsm8k train, legalbench,
+github_site_policy and German-English translation pairs into user messages, and a seeded,
+interleaved mix (any prefix of it is balanced across sources, so a partial run is still
+representative). Evaluation sets (Spec-Bench, HumanEval, PubMedQA, MT-bench, GSM8K test) are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+EVAL_ONLY = ("spec_bench", "humaneval", "pubmedqa", "mt_bench", "gsm8k/test")
+
+
+@dataclass(frozen=True)
+class TrainPrompt:
+    uid: str  # stable id: "<source>:<index>"
+    source: str
+    text: str  # the user message
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                yield rec if isinstance(rec, dict) else {"prompt": rec}
+
+
+def _clip(text: str, chars: int = 1500) -> str:
+    return text if len(text) <= chars else text[:chars].rsplit(" ", 1)[0] + " ..."
+
+
+def _source_prompts(data: Path) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    out["oasst"] = [r["prompt"] for r in _jsonl(data / "oasst/oasst_1k_prompts.jsonl")]
+    out["oasst"] += [r["prompt"] for r in _jsonl(data / "oasst/prompt_lottery_en_250_text.jsonl")]
+    out["arena_hard"] = [r["prompt"] for r in _jsonl(data / "arena_hard/question_v0.1.jsonl")]
+    out["arena_hard"] += [
+        r["prompt"]
+        for r in _jsonl(data / "arena_hard/question_v2.0.jsonl")
+        if isinstance(r.get("prompt"), str)
+    ]
+    si = []
+    for name in ("seed_tasks.jsonl", "user_oriented_instructions.jsonl"):
+        for r in _jsonl(data / "self_instruct" / name):
+            inst = r.get("instances") or [{}]
+            extra = inst[0].get("input", "")
+            si.append(r["instruction"] + (f"\n\n{extra}" if extra else ""))
+    out["self_instruct"] = si
+    out["t0_sample"] = [
+        _clip(r["prompt"]) for r in _jsonl(data / "t0_sample/t0_sample_20_per_template_nonews.jsonl")
+    ]
+    out["gsm8k_train"] = [r["question"] for r in _jsonl(data / "gsm8k/train.jsonl")]
+    out["legalbench"] = [
+        f"Explain in plain words what this contract clause means:\n\n{_clip(r['text'], 1200)}"
+        for r in _jsonl(data / "legalbench/legalbench_permissive.jsonl")
+        if len(r.get("text", "")) > 80
+    ]
+    out["github_site_policy"] = [
+        f"Summarize the key points of this policy excerpt:\n\n{_clip(r['text'], 1500)}"
+        for r in _jsonl(data / "github_site_policy/site_policy_docs.jsonl")
+    ]
+    de = (data / "tatoeba_deen/tatoeba-test-v2021-08-07.deu").read_text().splitlines()
+    out["translation"] = [f"Translate German to English: {s}" for s in de if len(s) > 20]
+    de2 = (data / "flores200_deen/deu_Latn.devtest").read_text().splitlines()
+    out["translation"] += [f"Translate German to English: {s}" for s in de2]
+    return out
+
+
+def training_prompts(data: str | Path, *, seed: int = 0) -> list[TrainPrompt]:
+    """All training prompts, shuffled per source and interleaved round-robin."""
+    data = Path(data)
+    if any(part in str(data) for part in EVAL_ONLY):
+        raise ValueError(f"{data}: evaluation sets must not be used for training")
+    rng = random.Random(seed)
+    per_source = _source_prompts(data)
+    queues = []
+    for source, texts in sorted(per_source.items()):
+        items = [TrainPrompt(f"{source}:{i}", source, t) for i, t in enumerate(texts) if t.strip()]
+        rng.shuffle(items)
+        queues.append(items)
+    mixed: list[TrainPrompt] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                mixed.append(q.pop())
+    return mixed

@@ -1,0 +1,276 @@
+"""EAGLE recipe for training a draft head on cached target features.
+
+Owns: the sequence dataset over feature shards, the loss (feature regression + soft
+cross-entropy against the target's own next-token distribution, both through the frozen
+shared LM head; uniform noise on input features), AdamW with warm-up + cosine decay,
+checkpoints with resume, and held-out step-1 agreement.
+
+Pair convention (as at inference, see ``decoding/drafter.py``): input i = (feature f_i,
+token x_{i+1}); the head's output should equal f_{i+1}, and LM-head(output) should match
+the target's distribution for x_{i+2}. Only pairs whose token x_{i+1} belongs to the
+response are scored; prompt pairs still serve as attention context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from evospec.models.eagle import EagleHead
+from evospec.models.kv_cache import KVCache
+from evospec.models.transformer import Transformer
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 4
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    tokens_per_batch: int = 2048
+    max_seq_len: int = 576
+    noise: float = 0.2  # width of the uniform noise on input features, in units of feature std
+    w_reg: float = 1.0  # feature regression weight (EAGLE: v_w)
+    w_cls: float = 0.1  # distribution matching weight (EAGLE: p_w)
+    grad_clip: float = 0.5
+    holdout: float = 0.03  # share of sequences held out for agreement
+    seed: int = 0
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [T] int64
+    features: torch.Tensor  # [T, D] fp16
+    prompt_len: int
+
+
+def load_sequences(shards: list[Path], max_len: int) -> list[Sequence]:
+    from safetensors.torch import load_file
+
+    seqs: list[Sequence] = []
+    for shard in shards:
+        d = load_file(str(shard))
+        start = 0
+        for prompt_len, total in d["lengths"].tolist():
+            end = start + total
+            # Keep the tail of long prompts: the response is what matters.
+            lo = max(start, end - max_len)
+            seqs.append(
+                Sequence(d["tokens"][lo:end], d["features"][lo:end], max(prompt_len - (lo - start), 1))
+            )
+            start = end
+    return seqs
+
+
+def split_holdout(seqs: list[Sequence], share: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    rng = random.Random(seed)
+    idx = list(range(len(seqs)))
+    rng.shuffle(idx)
+    n_hold = max(1, int(len(seqs) * share))
+    hold = set(idx[:n_hold])
+    return [s for i, s in enumerate(seqs) if i not in hold], [s for i, s in enumerate(seqs) if i in hold]
+
+
+def make_batches(seqs: list[Sequence], tokens_per_batch: int, rng: random.Random) -> list[list[Sequence]]:
+    """Length-bucketed batches of about ``tokens_per_batch`` padded tokens, shuffled."""
+    order = sorted(seqs, key=lambda s: len(s.tokens))
+    batches, cur = [], []
+    for s in order:
+        if cur and len(s.tokens) * (len(cur) + 1) > tokens_per_batch:
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [B, T], features [B, T, D] (float32), score mask [B, T-2] for the pairs."""
+    t = max(len(s.tokens) for s in batch)
+    d = batch[0].features.shape[1]
+    tokens = torch.zeros(len(batch), t, dtype=torch.long)
+    feats = torch.zeros(len(batch), t, d)
+    mask = torch.zeros(len(batch), t - 2, dtype=torch.bool)
+    for b, s in enumerate(batch):
+        n = len(s.tokens)
+        tokens[b, :n] = s.tokens
+        feats[b, :n] = s.features.float()
+        # pair i scores (f_{i+1}, x_{i+2}); keep pairs whose x_{i+1} is a response token.
+        lo = max(s.prompt_len - 1, 0)
+        mask[b, lo : n - 2] = True
+    return tokens, feats, mask
+
+
+def head_forward(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Training forward over whole sequences: feats [B, T, D], tokens [B, T] -> [B, T, D]."""
+    b, t, _ = feats.shape
+    cfg = head.cfg
+    cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, t, batch=b, dtype=feats.dtype, device=feats.device)
+    return head(feats, tokens, torch.arange(t, device=feats.device), cache, None)
+
+
+def pair_losses(
+    head: EagleHead,
+    lm_head: torch.Tensor,
+    feats: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    feat_std: torch.Tensor,
+    cfg: TrainConfig,
+    train: bool,
+) -> dict[str, torch.Tensor]:
+    """Regression + soft CE + top-1 agreement over the scored pairs."""
+    inp = feats[:, :-2]
+    if train and cfg.noise:
+        inp = inp + (torch.rand_like(inp) - 0.5) * cfg.noise * feat_std
+    out = head_forward(head, inp, tokens[:, 1:-1])  # [B, T-2, D] predicts f_{i+1}
+    tgt = feats[:, 1:-1]
+    m = mask
+    out_m, tgt_m = out[m], tgt[m]  # [N, D]
+    reg = F.smooth_l1_loss(out_m / feat_std, tgt_m / feat_std)
+    logits = out_m @ lm_head.T  # [N, V]
+    with torch.no_grad():
+        p_tgt = torch.softmax(tgt_m @ lm_head.T, dim=-1)
+        label = tokens[:, 2:][m]
+    logp = torch.log_softmax(logits, dim=-1)
+    cls = -(p_tgt * logp).sum(-1).mean()
+    top1 = (logits.argmax(-1) == label).float().mean()
+    return {"loss": cfg.w_reg * reg + cfg.w_cls * cls, "reg": reg, "cls": cls, "top1": top1}
+
+
+def init_head_from_target(head: EagleHead, target: Transformer) -> None:
+    """Start from the target's last decoder layer; fc passes the feature half through."""
+    last = target.layers[-1]
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(head.layers[0].self_attn, name).weight.copy_(getattr(last.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(head.layers[0].mlp, name).weight.copy_(getattr(last.mlp, name).weight)
+        head.layers[0].post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+        d = head.cfg.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, d:] = torch.eye(d)
+        head.fc.weight[:, :d] = torch.randn(d, d) * 0.01
+        if head.fc.bias is not None:
+            head.fc.bias.zero_()
+
+
+def train_head(
+    head: EagleHead,
+    target: Transformer,
+    seqs: list[Sequence],
+    ckpt_dir: Path,
+    cfg: TrainConfig,
+    *,
+    progress: bool = True,
+) -> dict:
+    """Train ``head`` in place (resumes from ``ckpt_dir``); returns the metrics log."""
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    train, hold = split_holdout(seqs, cfg.holdout, cfg.seed)
+    lm_head = target.lm_head.weight.detach()
+    all_feats = torch.cat([s.features[:256].float() for s in train[:200]])
+    feat_std = all_feats.std().clamp(min=1e-3)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    epoch_batches = [make_batches(train, cfg.tokens_per_batch, rng) for _ in range(cfg.epochs)]
+    total_steps = sum(len(b) for b in epoch_batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, total_steps))
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt_dir / "trainer.pt"
+    step, log = 0, {"config": asdict(cfg), "epochs": [], "feat_std": float(feat_std)}
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step, log = state["step"], state["log"]
+    t0 = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=step, desc="train-draft", unit="step", disable=not progress)
+    done = 0
+    for epoch, batches in enumerate(epoch_batches):
+        ema: dict[str, float] = {}
+        for batch in batches:
+            done += 1
+            if done <= step:
+                continue  # resuming: skip batches already trained
+            head.train()
+            tokens, feats, mask = collate(batch)
+            if not mask.any():
+                continue
+            out = pair_losses(head, lm_head, feats, tokens, mask, feat_std, cfg, train=True)
+            opt.zero_grad(set_to_none=True)
+            out["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            for k, v in out.items():
+                ema[k] = 0.95 * ema.get(k, float(v)) + 0.05 * float(v)
+            bar.set_postfix(
+                loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}"
+            )
+            bar.update(1)
+        if done <= step and epoch < len(log["epochs"]):
+            continue
+        agreement = evaluate(head, lm_head, hold, feat_std, cfg)
+        log["epochs"].append(
+            {
+                "epoch": epoch,
+                "step": step,
+                "train_ema": ema,
+                "holdout": agreement,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "step": step,
+                "log": log,
+            },
+            ckpt,
+        )
+        (ckpt_dir / "log.json").write_text(json.dumps(log, indent=2))
+        tqdm.write(f"epoch {epoch}: holdout top1 {agreement['top1']:.3f} cls {agreement['cls']:.3f}")
+    bar.close()
+    head.eval()
+    return log
+
+
+@torch.no_grad()
+def evaluate(
+    head: EagleHead, lm_head: torch.Tensor, seqs: list[Sequence], feat_std: torch.Tensor, cfg: TrainConfig
+) -> dict[str, float]:
+    """Step-1 agreement on held-out generated sequences (teacher-forced features)."""
+    head.eval()
+    n = tot_top1 = tot_cls = 0.0
+    for batch in make_batches(seqs, cfg.tokens_per_batch, random.Random(0)):
+        tokens, feats, mask = collate(batch)
+        if not mask.any():
+            continue
+        out = pair_losses(head, lm_head, feats, tokens, mask, feat_std, cfg, train=False)
+        k = float(mask.sum())
+        n += k
+        tot_top1 += float(out["top1"]) * k
+        tot_cls += float(out["cls"]) * k
+    return {"top1": tot_top1 / max(n, 1), "cls": tot_cls / max(n, 1), "pairs": n}
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))

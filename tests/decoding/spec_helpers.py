@@ -1,0 +1,80 @@
+"""Tiny targets and drafters for speculative-decoding tests (no files, no real model)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from evospec.decoding.autoregressive import generate_ar
+from evospec.decoding.drafter import EagleDrafter, FullHead, TargetDrafter
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.speculative import generate_speculative
+from evospec.decoding.tree import TreeConfig
+from evospec.models.config import ModelConfig
+from evospec.models.eagle import new_eagle_for
+from evospec.models.transformer import Transformer
+
+VOCAB = 64
+
+
+def tiny_target(seed: int = 0, *, family: str = "llama", sharp: float = 6.0, ctx: int = 160) -> Transformer:
+    """A random target whose next-token distributions are peaked (``sharp`` scales the head)."""
+    torch.manual_seed(seed)
+    extra = {}
+    if family == "gemma3":
+        extra = dict(
+            sliding_window=6,
+            layer_types=("sliding_attention", "full_attention"),
+            query_pre_attn_scalar=8.0,
+            hidden_act="gelu_pytorch_tanh",
+            qk_norm=True,
+        )
+    cfg = ModelConfig(
+        family=family,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=ctx,
+        eos_token_ids=(),
+        **extra,
+    )
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharp)
+    return model
+
+
+def perturbed_drafter(target: Transformer, noise: float, seed: int = 0) -> TargetDrafter:
+    """A target copy with noisy weights drafting: partial acceptance, exercising every branch."""
+    twin = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    return TargetDrafter(twin)
+
+
+def eagle_drafter(target: Transformer, seed: int = 0) -> EagleDrafter:
+    head = new_eagle_for(target, seed=seed)
+    return EagleDrafter(head, FullHead(target.lm_head.weight))
+
+
+def ar_tokens(target: Transformer, prompt: list[int], params: SamplingParams, eos=()) -> list[int]:
+    return [t for ev in generate_ar(target, prompt, params, eos_ids=eos) for t in ev.tokens]
+
+
+def spec_events(target, drafter, prompt, params, tree: TreeConfig, eos=()):
+    return list(generate_speculative(target, drafter, prompt, params, tree, eos_ids=eos))
+
+
+def spec_tokens(target, drafter, prompt, params, tree: TreeConfig, eos=()) -> list[int]:
+    return [t for ev in spec_events(target, drafter, prompt, params, tree, eos) for t in ev.tokens]
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -1,0 +1,194 @@
+"""The speculative round loop is lossless: greedy output equals plain decoding everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evospec.decoding.drafter import TargetDrafter
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.tree import TreeConfig
+from tests.decoding.spec_helpers import (
+    ar_tokens,
+    eagle_drafter,
+    perturbed_drafter,
+    prompt_of,
+    spec_events,
+    spec_tokens,
+    tiny_target,
+)
+
+TREES = (TreeConfig(top_k=4, depth=4, total_tokens=12), TreeConfig(top_k=3, depth=2, total_tokens=5))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    return {
+        "eagle-random": eagle_drafter(target),
+        "perturbed": perturbed_drafter(target, noise=0.6),
+        "perfect": TargetDrafter(target),
+    }
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["k4d4t12", "k3d2t5"])
+@pytest.mark.parametrize("name", ["eagle-random", "perturbed", "perfect"])
+@pytest.mark.parametrize("seed", range(9))
+def test_greedy_equals_ar(target, drafters, name, tree, seed):
+    """3 drafters x 2 trees x 9 prompts = 54 prompt/seed combinations."""
+    prompt = prompt_of(seed, 3 + 2 * seed)
+    params = SamplingParams(max_new_tokens=24)
+    assert spec_tokens(target, drafters[name], prompt, params, tree) == ar_tokens(target, prompt, params)
+
+
+def test_perturbed_drafter_accepts_some_but_not_all(target, drafters):
+    """Guards the test above: the perturbed draft really exercises partial acceptance."""
+    evs = spec_events(
+        target, drafters["perturbed"], prompt_of(1, 6), SamplingParams(max_new_tokens=40), TREES[0]
+    )
+    accepted = [ev.accepted for ev in evs if not ev.prefill]
+    assert 0 < sum(accepted) < len(accepted) * TREES[0].depth
+
+
+@pytest.mark.parametrize("top_k,sharp", [(1, 6.0), (3, 40.0)])
+def test_perfect_draft_accepts_every_drafted_token(top_k, sharp):
+    """With the target drafting for itself every round accepts ``depth`` tokens (+1 bonus).
+
+    The greedy chain is guaranteed to be in an EAGLE-2 tree only when it is also the best
+    cumulative path: with top_k 1, or when the target's choices are near-certain.
+    """
+    target = tiny_target(0, sharp=sharp)
+    tree = TreeConfig(top_k=top_k, depth=5, total_tokens=40)
+    evs = spec_events(target, TargetDrafter(target), prompt_of(3, 7), SamplingParams(max_new_tokens=31), tree)
+    rounds = [ev for ev in evs if not ev.prefill]
+    assert len(rounds) == 5
+    assert all(ev.accepted == tree.depth for ev in rounds)
+    assert all(len(ev.tokens) == tree.depth + 1 for ev in rounds)
+
+
+@pytest.mark.parametrize("where", [1, 2, 3])
+def test_eos_inside_accepted_path(target, where):
+    """EOS drafted and accepted mid-path: output stops right after it, exactly as AR does."""
+    prompt = prompt_of(11, 5)
+    plain = ar_tokens(target, prompt, SamplingParams(max_new_tokens=20))
+    eos = plain[1 + where]  # lands inside the first speculative round's accepted path
+    expect = ar_tokens(target, prompt, SamplingParams(max_new_tokens=20), eos=(eos,))
+    tree = TreeConfig(top_k=2, depth=5, total_tokens=20)
+    evs = spec_events(
+        target, TargetDrafter(target), prompt, SamplingParams(max_new_tokens=20), tree, eos=(eos,)
+    )
+    got = [t for ev in evs for t in ev.tokens]
+    assert got == expect and got[-1] == eos and evs[-1].finish_reason == "stop"
+
+
+def test_stop_ids_and_max_new_tokens_inside_path(target):
+    prompt = prompt_of(12, 4)
+    tree = TreeConfig(top_k=2, depth=5, total_tokens=20)
+    for max_new in (1, 2, 4, 7):
+        params = SamplingParams(max_new_tokens=max_new)
+        evs = spec_events(target, TargetDrafter(target), prompt, params, tree)
+        got = [t for ev in evs for t in ev.tokens]
+        assert got == ar_tokens(target, prompt, params) and len(got) == max_new
+        assert evs[-1].finish_reason == "length"
+    plain = ar_tokens(target, prompt, SamplingParams(max_new_tokens=12))
+    params = SamplingParams(max_new_tokens=12, stop_ids=frozenset({plain[4]}))
+    got = spec_tokens(target, TargetDrafter(target), prompt, params, tree)
+    assert got == ar_tokens(target, prompt, params) and got[-1] == plain[4]
+
+
+@pytest.mark.parametrize("prompt_len", [150, 155, 158, 159])
+def test_prompts_near_the_context_limit(target, drafters, prompt_len):
+    prompt = prompt_of(prompt_len, prompt_len)
+    params = SamplingParams(max_new_tokens=30)  # clipped to ctx - prompt_len
+    expect = ar_tokens(target, prompt, params)
+    assert len(expect) <= 160 - prompt_len
+    for name in ("perfect", "perturbed"):
+        assert spec_tokens(target, drafters[name], prompt, params, TREES[0]) == expect
+
+
+def test_prompt_filling_the_context_is_rejected(target, drafters):
+    with pytest.raises(ValueError, match="context window"):
+        spec_tokens(target, drafters["perfect"], prompt_of(0, 160), SamplingParams(), TREES[0])
+
+
+def test_gemma3_sliding_window_target_with_eagle_head():
+    target = tiny_target(2, family="gemma3")
+    drafter = eagle_drafter(target, seed=1)
+    for seed in range(3):
+        prompt = prompt_of(seed, 9)  # longer than the window of 6 once decoding starts
+        params = SamplingParams(max_new_tokens=20)
+        assert spec_tokens(target, drafter, prompt, params, TREES[0]) == ar_tokens(target, prompt, params)
+
+
+def test_seeded_sampling_repeats_exactly(target, drafters):
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=1234)
+    first = spec_tokens(target, drafters["perturbed"], prompt_of(5, 6), params, TREES[0])
+    again = spec_tokens(target, drafters["perturbed"], prompt_of(5, 6), params, TREES[0])
+    other = spec_tokens(
+        target,
+        drafters["perturbed"],
+        prompt_of(5, 6),
+        SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, seed=99),
+        TREES[0],
+    )
+    assert first == again
+    assert first != other  # different seeds give different samples (peaked but not deterministic)
+
+
+def _exact_second_token(target, prompt: list[int], temperature: float) -> torch.Tensor:
+    """p(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1), computed from the target directly."""
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        cache = target.new_cache(len(ids))
+        logits = target(torch.tensor([ids]), torch.arange(len(ids)), cache, logits="last").logits[0, -1]
+        return torch.softmax(logits.double() / temperature, -1)
+
+    p1 = next_probs(prompt)
+    return sum(p1[x] * next_probs([*prompt, x]) for x in range(p1.numel()) if p1[x] > 1e-7)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit; bins expecting < 5 samples are pooled into one."""
+    from scipy.stats import chi2
+
+    n = float(counts.sum())
+    expected = probs * n
+    big = expected >= 5
+    obs = [*counts[big].tolist(), float(counts[~big].sum())]
+    exp = [*expected[big].tolist(), float(expected[~big].sum())]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
+    return float(chi2.sf(stat, len(obs) - 1))
+
+
+def test_sampled_tokens_follow_the_target_end_to_end():
+    """The second generated token (drafted, accepted or resampled) has the target's marginal."""
+    target = tiny_target(4, sharp=3.0)
+    drafter = perturbed_drafter(target, noise=0.3)
+    tree = TreeConfig(top_k=3, depth=3, total_tokens=8)
+    prompt = prompt_of(8, 5)
+    exact = _exact_second_token(target, prompt, temperature=1.0).float()
+    n = 1500
+    counts = torch.zeros(exact.numel())
+    accepted = 0
+    for s in range(n):
+        params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=s)
+        evs = spec_events(target, drafter, prompt, params, tree)
+        counts[[t for ev in evs for t in ev.tokens][1]] += 1
+        accepted += sum(ev.accepted for ev in evs)
+    assert accepted > n // 4  # drafts really were accepted, so acceptance is what is tested
+    assert _chi2_pvalue(counts, exact) > 1e-3
+    # The same check rejects a distribution that is somewhat off (sharpened: p^1.35).
+    sharpened = exact**1.35 / (exact**1.35).sum()
+    assert (
+        _chi2_pvalue(
+            torch.multinomial(sharpened, n, replacement=True, generator=torch.Generator().manual_seed(0))
+            .bincount(minlength=exact.numel())
+            .float(),
+            exact,
+        )
+        < 1e-3
+    )

@@ -1,0 +1,160 @@
+"""Acceptance rules on hand-built trees: greedy path choice and lossless tree rejection sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evospec.decoding.sampling import SamplingParams, target_probs
+from evospec.decoding.tree import DraftTree, ancestor_mask
+from evospec.decoding.verify import greedy_accept, sample_accept
+
+V = 6
+
+
+def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
+    par = torch.tensor(parents)
+    depths = torch.zeros(len(parents), dtype=torch.long)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depths[i] = depths[p] + 1
+    return DraftTree(
+        tokens=torch.tensor(tokens),
+        parents=par,
+        depths=depths,
+        mask=ancestor_mask(par, 4),
+        positions=10 + depths,
+        scores=-depths.float(),
+        max_depth=int(depths.max()),
+    )
+
+
+# root(0) -> a=1 (node1), b=2 (node2); node1 -> c=3 (node3), d=4 (node4); node3 -> e=5 (node5)
+TREE = make_tree([0, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 3])
+
+
+def one_hot_logits(argmaxes: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(argmaxes), V)
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return logits
+
+
+def test_greedy_takes_the_longest_matching_path():
+    # target argmax: root->1, node1->3, node3->5, node5->2 : path 0,1,3,5 then bonus 2
+    path, bonus = greedy_accept(TREE, one_hot_logits([1, 3, 0, 5, 0, 2]))
+    assert path.tolist() == [0, 1, 3, 5] and bonus == 2
+
+
+def test_greedy_rejects_at_the_first_mismatch():
+    path, bonus = greedy_accept(TREE, one_hot_logits([2, 3, 4, 5, 0, 0]))  # root->2: node2, a leaf
+    assert path.tolist() == [0, 2] and bonus == 4
+    path, bonus = greedy_accept(TREE, one_hot_logits([5, 3, 0, 5, 0, 0]))  # root->5: no child matches
+    assert path.tolist() == [0] and bonus == 5
+
+
+def test_greedy_does_not_follow_a_matching_child_of_a_rejected_node():
+    # node3 matches its parent's argmax, but node1 itself is rejected at the root.
+    path, bonus = greedy_accept(TREE, one_hot_logits([0, 3, 0, 5, 0, 0]))
+    assert path.tolist() == [0] and bonus == 0
+
+
+# -- sampling -------------------------------------------------------------------------------------
+LOGITS = torch.tensor(
+    [
+        [0.5, 1.5, 1.0, -0.5, 0.2, 0.0],  # root
+        [1.0, 0.0, 0.3, 1.2, 0.8, -1.0],  # node1 (token 1)
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # node2
+        [0.2, 0.4, 0.6, 0.8, 1.0, 1.2],  # node3 (token 3)
+        [0.0, 2.0, 0.0, 0.0, 0.0, 0.0],  # node4
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # node5
+    ]
+)
+PARAMS = SamplingParams(temperature=0.9, top_p=0.95)
+
+
+def exact_first_token() -> torch.Tensor:
+    return target_probs(LOGITS[0], PARAMS)
+
+
+def first_token_counts(rule, n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V)
+    for _ in range(n):
+        path, bonus = rule(TREE, LOGITS, PARAMS, gen)
+        emitted = [*TREE.tokens[path[1:]].tolist(), bonus]
+        counts[emitted[0]] += 1
+    return counts
+
+
+def second_token_given_first(
+    rule, first: int, node: int, n: int, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empirical p(x2 | x1 = first) from rounds whose first token is ``first`` (a drafted node)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V)
+    for _ in range(n):
+        path, bonus = rule(TREE, LOGITS, PARAMS, gen)
+        emitted = [*TREE.tokens[path[1:]].tolist(), bonus]
+        if emitted[0] == first:
+            counts[emitted[1]] += 1
+    return counts, target_probs(LOGITS[node], PARAMS)
+
+
+def chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson chi-square at roughly the 0.1% level for <= 5 degrees of freedom."""
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a token the target forbids"
+    expected = probs[keep] * n
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    return stat < 20.5
+
+
+N = 6_000
+
+
+def test_rejection_sampling_matches_the_target_first_token():
+    assert chi2_ok(first_token_counts(sample_accept, N), exact_first_token())
+
+
+def test_rejection_sampling_matches_the_target_given_an_accepted_draft():
+    counts, probs = second_token_given_first(sample_accept, first=1, node=1, n=N)
+    assert counts.sum() > 1000
+    assert chi2_ok(counts, probs)
+
+
+def biased_accept(tree, logits, params, gen):
+    """A plausible-looking but wrong rule: accept a child whenever p(child) > u (no renormalising),
+    and always fall back to the target's most likely remaining token."""
+    probs = target_probs(logits, params)
+    node, path = 0, [0]
+    while True:
+        kids = [i for i in range(tree.size) if int(tree.parents[i]) == node]
+        for child in kids:
+            if torch.rand((), generator=gen) < 2 * probs[node, tree.tokens[child]]:
+                path.append(child)
+                node = child
+                break
+        else:
+            return torch.tensor(path), int(torch.argmax(probs[node]))
+
+
+def test_the_bound_rejects_a_biased_acceptance_rule():
+    assert not chi2_ok(first_token_counts(biased_accept, N), exact_first_token())
+
+
+def test_sampling_never_emits_tokens_outside_top_p():
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    gen = torch.Generator().manual_seed(0)
+    allowed = target_probs(LOGITS[0], params) > 0
+    for _ in range(500):
+        path, bonus = sample_accept(TREE, LOGITS, params, gen)
+        first = [*TREE.tokens[path[1:]].tolist(), bonus][0]
+        assert allowed[first]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_acceptance_repeats(seed):
+    a = [sample_accept(TREE, LOGITS, PARAMS, torch.Generator().manual_seed(seed)) for _ in range(1)]
+    b = [sample_accept(TREE, LOGITS, PARAMS, torch.Generator().manual_seed(seed)) for _ in range(1)]
+    assert a[0][0].tolist() == b[0][0].tolist() and a[0][1] == b[0][1]
