@@ -262,7 +262,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.models.eagle import new_eagle_for, save_eagle
     from evospec.models.loading import load_model
     from evospec.models.registry import evospec_home
-    from evospec.train.datagen import extract_features, generate_responses
+    from evospec.train.datagen import feature_shards, generate_responses
     from evospec.train.prompts import training_prompts
     from evospec.train.trainer import TrainConfig, init_head_from_target, load_sequences, train_head
 
@@ -273,18 +273,19 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise ValueError(f"{loaded.source}: the target needs a tokenizer to render training prompts")
     work = args.work or evospec_home() / "train" / loaded.name
     prompts = training_prompts(args.data)
-    gen_path = work / "generations.jsonl"
+    codec = loaded.codec
     have = generate_responses(
         loaded.model,
-        loaded.codec,
+        lambda p: codec.encode_chat([{"role": "user", "content": p.text}]),
+        codec.eos_ids,
         prompts,
-        gen_path,
+        work,
         target_tokens=args.tokens,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         progress=progress,
     )
-    shards = extract_features(loaded.model, gen_path, work / "features", progress=progress)
+    shards = feature_shards(work)
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr)
     seqs = load_sequences(shards, cfg.max_seq_len)
     head = new_eagle_for(loaded.model)

@@ -21,8 +21,11 @@ from evospec.models.transformer import Transformer
 
 def _prefill_rows(
     model: Transformer, prompts: list[Sequence[int]], end: int, cache: KVCache, rows: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``; (next tokens [R], pads [R])."""
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``.
+
+    Returns (next tokens [R], pads [R], per prompt its features [len, D]).
+    """
     device = cache.k.device
     width = max(len(p) for p in prompts)
     pad = torch.tensor([width - len(p) for p in prompts], device=device)
@@ -32,7 +35,8 @@ def _prefill_rows(
     idx = torch.tensor(rows, device=device)
     cache.k[:, idx, :, end - width : end] = side.k
     cache.v[:, idx, :, end - width : end] = side.v
-    return out.logits[:, -1].argmax(-1), pad + (end - width)
+    feats = [out.hidden[i, width - len(p) :] for i, p in enumerate(prompts)]
+    return out.logits[:, -1].argmax(-1), pad + (end - width), feats
 
 
 @torch.inference_mode()
@@ -45,8 +49,15 @@ def greedy_stream(
     batch_size: int = 16,
     cache_len: int = 2048,
     refill_at: int | None = None,
-) -> Iterator[tuple[int, list[int]]]:
-    """Yield (prompt index, greedy answer) as answers complete (EOS kept as the last token)."""
+    features: bool = False,
+) -> Iterator[tuple[int, list[int], torch.Tensor | None]]:
+    """Yield (prompt index, greedy answer, features) as answers complete (EOS kept last).
+
+    With ``features``, the third item holds the target's final-layer features (post-norm,
+    fp16) of every position that was fed to the model: the prompt and all answer tokens but
+    the last, [len(prompt) + len(answer) - 1, D] -- exactly what a teacher-forced forward
+    gives, at no extra cost.
+    """
     device = model.embed_tokens.weight.device
     longest = max((len(p) for p in prompts), default=0)
     if longest + max_new_tokens > cache_len:
@@ -65,19 +76,21 @@ def greedy_stream(
         cache.reset()
         nxt = torch.zeros(batch_size, dtype=torch.long, device=device)
         pad = torch.full((batch_size,), width, dtype=torch.long, device=device)  # idle rows: all masked
-        toks, pads = _prefill_rows(model, [prompts[i] for i in first], width, cache, rows)
+        toks, pads, pf = _prefill_rows(model, [prompts[i] for i in first], width, cache, rows)
         nxt[: len(first)], pad[: len(first)] = toks, pads
         cache.length = width
         owner: list[int | None] = [*first, *([None] * (batch_size - len(first)))]
         answers: list[list[int]] = [[] for _ in range(batch_size)]
+        feats: list[list[torch.Tensor]] = [[f.half()] if features else [] for f in pf]
+        feats += [[] for _ in range(batch_size - len(first))]
         fresh = [r for r, o in enumerate(owner) if o is not None]  # rows whose nxt is unrecorded
         while True:
             step_tokens = nxt.tolist()
             for r in fresh:
                 answers[r].append(step_tokens[r])
                 if step_tokens[r] in eos or len(answers[r]) >= max_new_tokens:
-                    yield owner[r], answers[r]
-                    owner[r], answers[r] = None, []
+                    yield owner[r], answers[r], torch.cat(feats[r]) if features else None
+                    owner[r], answers[r], feats[r] = None, [], []
             free = [r for r, o in enumerate(owner) if o is None]
             room = cache.length + max_new_tokens < cache_len
             if queue and room and len(free) >= min(refill_at, len(queue)):
@@ -86,11 +99,14 @@ def greedy_stream(
                     for i in take:
                         queue.remove(i)
                     rows = free[: len(take)]
-                    toks, pads = _prefill_rows(model, [prompts[i] for i in take], cache.length, cache, rows)
+                    toks, pads, pf = _prefill_rows(
+                        model, [prompts[i] for i in take], cache.length, cache, rows
+                    )
                     idx = torch.tensor(rows, device=device)
                     nxt[idx], pad[idx] = toks, pads
-                    for r, i in zip(rows, take, strict=True):
+                    for r, i, f in zip(rows, take, pf, strict=True):
                         owner[r] = i
+                        feats[r] = [f.half()] if features else []
                     fresh = rows  # record the refilled rows' first tokens before decoding on
                     continue
             active = [r for r, o in enumerate(owner) if o is not None]
@@ -100,6 +116,10 @@ def greedy_stream(
             pos = torch.tensor([cache.length], device=device)
             out = model(nxt[:, None], pos, cache, logits="last", left_pad=pad)
             nxt = out.logits[:, -1].argmax(-1)
+            if features:
+                step_feats = out.hidden[:, 0].half()  # [B, D] features of the tokens just fed
+                for r in active:
+                    feats[r].append(step_feats[r : r + 1])
             fresh = active
 
 
@@ -108,6 +128,6 @@ def greedy_batch(
 ) -> list[list[int]]:
     """Greedy answers of all ``prompts``, in order."""
     out: list[list[int]] = [[] for _ in prompts]
-    for i, ans in greedy_stream(model, prompts, max_new_tokens, eos_ids, **kw):
+    for i, ans, _ in greedy_stream(model, prompts, max_new_tokens, eos_ids, **kw):
         out[i] = ans
     return out

@@ -1,24 +1,26 @@
-"""Draft-training data: the target's own greedy answers, then its features, cached on disk.
+"""Draft-training data: the target's own greedy answers and its features, cached on disk.
 
-Owns two resumable stages under one work folder:
-1. ``generations.jsonl`` -- one line per prompt {uid, source, prompt_ids, response_ids},
-   produced by continuously batched greedy generation (``batch_generate.greedy_stream``); a rerun skips
-   uids already present and stops once the response-token budget is reached.
-2. ``features/shard_XXXXX.safetensors`` -- per sequence the token ids and the target's
-   final-layer (post-norm) features, teacher-forced in one forward each, stored in fp16.
+Owns one resumable stage under a work folder:
+- ``features/shard_XXXXX.safetensors``: per sequence the token ids (prompt + answer), the
+  target's final-layer (post-norm) features in fp16 (the last position, never fed to the
+  model, is a zero row) and [prompt_len, total_len]; written before
+- ``generations.jsonl``: one line per finished sequence {uid, source, prompt_ids,
+  response_ids, shard}. A rerun skips uids already listed and stops once the response-token
+  budget is reached; at most one unflushed shard is lost to an interruption.
+Generation is continuously batched (``batch_generate.greedy_stream``), which also yields the
+features, so no second forward pass is needed.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from evospec.models.transformer import Transformer
-from evospec.tokenizer import TextCodec
 from evospec.train.batch_generate import greedy_stream
 from evospec.train.prompts import TrainPrompt
 
@@ -38,22 +40,72 @@ def _done(path: Path) -> tuple[set[str], int]:
     return uids, tokens
 
 
+class _ShardWriter:
+    def __init__(self, work: Path, shard_tokens: int) -> None:
+        self.dir = work / "features"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = work / "generations.jsonl"
+        self.shard_tokens = shard_tokens
+        self.index = len(list(self.dir.glob("shard_*.safetensors")))
+        self.recs: list[dict] = []
+        self.tokens: list[torch.Tensor] = []
+        self.feats: list[torch.Tensor] = []
+        self.count = 0
+
+    def add(self, rec: dict, feats: torch.Tensor) -> None:
+        ids = torch.tensor(rec["prompt_ids"] + rec["response_ids"])
+        full = torch.zeros(len(ids), feats.shape[1], dtype=torch.float16)
+        full[: feats.shape[0]] = feats
+        self.recs.append(rec)
+        self.tokens.append(ids)
+        self.feats.append(full)
+        self.count += len(ids)
+        if self.count >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.recs:
+            return
+        name = f"shard_{self.index:05d}.safetensors"
+        lengths = [[len(r["prompt_ids"]), len(t)] for r, t in zip(self.recs, self.tokens, strict=True)]
+        tmp = self.dir / f".{name}.tmp"
+        save_file(
+            {
+                "tokens": torch.cat(self.tokens),
+                "features": torch.cat(self.feats),
+                "lengths": torch.tensor(lengths),
+            },
+            str(tmp),
+        )
+        tmp.rename(self.dir / name)
+        with open(self.jsonl, "a") as f:
+            for r in self.recs:
+                f.write(json.dumps({**r, "shard": name}) + "\n")
+        self.index += 1
+        self.recs, self.tokens, self.feats, self.count = [], [], [], 0
+
+
 def generate_responses(
     model: Transformer,
-    codec: TextCodec,
+    encode: Callable[[TrainPrompt], list[int]],
+    eos_ids: Sequence[int],
     prompts: Sequence[TrainPrompt],
-    out: Path,
+    work: Path,
     *,
     target_tokens: int,
     batch_size: int = 16,
     max_new_tokens: int = 192,
-    max_prompt_tokens: int = 384,
+    max_prompt_tokens: int = 320,
     cache_len: int = 1536,
+    shard_tokens: int = 50_000,
     progress: bool = True,
 ) -> int:
-    """Append greedy answers to ``out`` until ``target_tokens`` response tokens exist."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    seen, have = _done(out)
+    """Generate until ``target_tokens`` response tokens exist in ``work``; returns that count."""
+    work.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(work, shard_tokens)
+    seen, have = _done(writer.jsonl)
     todo = [p for p in prompts if p.uid not in seen]
     bar = tqdm(
         total=target_tokens,
@@ -62,92 +114,31 @@ def generate_responses(
         desc="generating",
         disable=not progress,
     )
-    with open(out, "a") as f:
-        for lo in range(0, len(todo), 512):
+    for lo in range(0, len(todo), 256):
+        if have >= target_tokens:
+            break
+        chunk = [(p, encode(p)) for p in todo[lo : lo + 256]]
+        chunk = [(p, ids) for p, ids in chunk if len(ids) <= max_prompt_tokens]
+        stream = greedy_stream(
+            model,
+            [ids for _, ids in chunk],
+            max_new_tokens,
+            eos_ids,
+            batch_size=batch_size,
+            cache_len=cache_len,
+            features=True,
+        )
+        for i, ans, feats in stream:
+            p, ids = chunk[i]
+            writer.add({"uid": p.uid, "source": p.source, "prompt_ids": ids, "response_ids": ans}, feats)
+            have += len(ans)
+            bar.update(len(ans))
             if have >= target_tokens:
                 break
-            chunk = [
-                (p, codec.encode_chat([{"role": "user", "content": p.text}])) for p in todo[lo : lo + 512]
-            ]
-            chunk = [(p, ids) for p, ids in chunk if len(ids) <= max_prompt_tokens]
-            stream = greedy_stream(
-                model,
-                [ids for _, ids in chunk],
-                max_new_tokens,
-                codec.eos_ids,
-                batch_size=batch_size,
-                cache_len=cache_len,
-            )
-            for i, ans in stream:
-                p, ids = chunk[i]
-                f.write(
-                    json.dumps({"uid": p.uid, "source": p.source, "prompt_ids": ids, "response_ids": ans})
-                    + "\n"
-                )
-                f.flush()
-                have += len(ans)
-                bar.update(len(ans))
-                if have >= target_tokens:
-                    break
+    writer.flush()
     bar.close()
     return have
 
 
-@torch.inference_mode()
-def extract_features(
-    model: Transformer,
-    generations: Path,
-    out_dir: Path,
-    *,
-    shard_tokens: int = 200_000,
-    progress: bool = True,
-) -> list[Path]:
-    """Teacher-forced target features for every generated sequence, in fp16 shards."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = out_dir / "manifest.json"
-    with open(generations) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    if manifest.is_file():
-        meta = json.loads(manifest.read_text())
-        if meta.get("sequences") == len(records):
-            return [out_dir / s for s in meta["shards"]]
-    shards: list[str] = []
-    buf_tokens: list[torch.Tensor] = []
-    buf_feats: list[torch.Tensor] = []
-    buf_meta: list[list[int]] = []  # per sequence: [prompt_len, total_len]
-    count = 0
-
-    def flush() -> None:
-        nonlocal buf_tokens, buf_feats, buf_meta, count
-        if not buf_tokens:
-            return
-        name = f"shard_{len(shards):05d}.safetensors"
-        save_file(
-            {
-                "tokens": torch.cat(buf_tokens),
-                "features": torch.cat(buf_feats),
-                "lengths": torch.tensor(buf_meta, dtype=torch.long),
-            },
-            str(out_dir / name),
-        )
-        shards.append(name)
-        buf_tokens, buf_feats, buf_meta, count = [], [], [], 0
-
-    for rec in tqdm(records, desc="features", unit="seq", disable=not progress):
-        ids = rec["prompt_ids"] + rec["response_ids"]
-        if len(rec["response_ids"]) < 2:
-            continue
-        t = torch.tensor([ids])
-        cache = model.new_cache(len(ids))
-        hid = model(t, torch.arange(len(ids)), cache, logits="none").hidden[0]  # [T, D]
-        buf_tokens.append(t[0])
-        buf_feats.append(hid.half())
-        buf_meta.append([len(rec["prompt_ids"]), len(ids)])
-        count += len(ids)
-        if count >= shard_tokens:
-            flush()
-    flush()
-    manifest.write_text(json.dumps({"sequences": len(records), "shards": shards}))
-    return [out_dir / s for s in shards]
+def feature_shards(work: Path) -> list[Path]:
+    return sorted((work / "features").glob("shard_*.safetensors"))

@@ -216,7 +216,8 @@ def train_head(
             sched.step()
             step += 1
             for k, v in out.items():
-                ema[k] = 0.95 * ema.get(k, float(v)) + 0.05 * float(v)
+                val = float(v.detach())
+                ema[k] = 0.95 * ema.get(k, val) + 0.05 * val
             bar.set_postfix(
                 loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}"
             )
