@@ -57,7 +57,9 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
-    rope_scaling: dict[str, Any] | None = None  # llama3 / linear scaling, as in HF configs
+    # llama3 / linear scaling as in HF configs, or {"rope_type": "freq_factors", "factors": [...]}
+    # (per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF files)
+    rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v (qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (qwen3, gemma3)
@@ -139,11 +141,14 @@ class ModelConfig:
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
         rope_params = d.get("rope_parameters")  # transformers >= 5 layout
-        if rope_theta is None and isinstance(rope_params, dict):
+        local_theta = d.get("rope_local_base_freq", 10_000.0)
+        if isinstance(rope_params, dict):
             params = rope_params.get("full_attention", rope_params)
-            rope_theta = params.get("rope_theta")
-            if params.get("rope_type", "default") != "default":
+            if rope_theta is None:
+                rope_theta = params.get("rope_theta")
+            if rope_scaling is None and params.get("rope_type", "default") != "default":
                 rope_scaling = params
+            local_theta = rope_params.get("sliding_attention", {}).get("rope_theta", local_theta)
         return cls(
             family=family,
             vocab_size=d["vocab_size"],
@@ -163,7 +168,7 @@ class ModelConfig:
             hidden_act=act,
             sliding_window=sliding_window,
             layer_types=layer_types,
-            rope_local_base_freq=float(d.get("rope_local_base_freq", 10_000.0)),
+            rope_local_base_freq=float(local_theta),
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
             final_logit_softcapping=d.get("final_logit_softcapping"),
             attn_logit_softcapping=d.get("attn_logit_softcapping"),
@@ -219,6 +224,6 @@ def _normalise_rope_scaling(rs: dict[str, Any] | None) -> dict[str, Any] | None:
     rope_type = rs.get("rope_type") or rs.get("type") or "default"
     if rope_type == "default":
         return None
-    if rope_type not in ("llama3", "linear"):
+    if rope_type not in ("llama3", "linear", "freq_factors"):
         raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
     return {**rs, "rope_type": rope_type}

@@ -86,12 +86,17 @@ def gguf_config(reader, path: Path) -> ModelConfig:
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)
             ),
             rope_local_base_freq=10_000.0,
-            query_pre_attn_scalar=float(head_dim),
+            # llama.cpp's rule: Gemma3-27B (62 layers) scales by hidden/heads, the others by head_dim
+            query_pre_attn_scalar=float(hidden // heads if n_layers == 62 else head_dim),
             hidden_act="gelu_pytorch_tanh",
         )
     scale_type = _field(reader, f"{a}.rope.scaling.type")
     rope_scaling = None
-    if scale_type == "linear":
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # llama.cpp's form of llama3 scaling: one divisor per frequency
+        factors = np.array(freqs.data, dtype=np.float32).reshape(-1).tolist()
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors}
+    elif scale_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
     return ModelConfig(
         family=family,
@@ -151,8 +156,11 @@ def read_gguf(path: str | Path, *, progress: bool = True) -> tuple[ModelConfig, 
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as exc:
             raise CheckpointError(path, f"cannot dequantise tensor {t.name}: {exc}") from exc
+        if t.name == "rope_freqs.weight":  # llama3 RoPE scaling, already in cfg.rope_scaling
+            continue
         shape = tuple(int(x) for x in reversed(t.shape))
-        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+        # Always copy: F32 tensors would otherwise alias the reader's read-only memory map.
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).reshape(shape)
         name = _our_name(t.name, cfg.family)
         if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from evospec.models.config import ModelConfig
+from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.errors import CheckpointError
 from evospec.models.transformer import Transformer
 from evospec.tokenizer import TextCodec
@@ -92,6 +92,8 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise CheckpointError(cfg_path, "file not found (a model folder needs config.json)")
     try:
         cfg = ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{cfg_path}: {exc}") from exc
     except (json.JSONDecodeError, KeyError) as exc:
         raise CheckpointError(cfg_path, f"invalid config: {exc!r}") from exc
     index = folder / "model.safetensors.index.json"

