@@ -19,6 +19,7 @@ class StepEvent:
 
     tokens: list[int]
     accepted: int = 0  # draft tokens the target agreed with (0 for AR)
+    bonus: int | None = None  # the target's own token after the accepted ones (speculative rounds)
     tree_size: int = 0  # draft tokens verified this round (0 for AR)
     draft_s: float = 0.0  # wall time spent drafting
     verify_s: float = 0.0  # wall time of the target forward (AR: the decode step)

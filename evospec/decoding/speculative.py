@@ -75,6 +75,7 @@ def generate_speculative(
         yield StepEvent(
             tokens=new,
             accepted=len(accepted),
+            bonus=bonus,
             tree_size=tree.size - 1,
             draft_s=t1 - t0,
             verify_s=t2 - t1,

@@ -107,3 +107,27 @@ def test_format_table(result: tuple[list[RunRecord], dict]) -> None:
     assert lines[0].startswith("| method | mal | tok_per_s | speedup_vs_ar")
     assert lines[2].startswith("| ar | 1.000 |") and lines[3].startswith("| ar_again | 1.000 |")
     assert len(lines) == 4
+
+
+def test_speculative_method_side_by_side() -> None:
+    """eagle2-style decoding in the same harness: MAL counts accepted + 1 per round."""
+    from evospec.decoding.drafter import TargetDrafter
+    from evospec.decoding.methods import SpeculativeDecoder
+    from evospec.decoding.tree import TreeConfig
+    from tests.decoding.spec_helpers import prompt_of, tiny_target
+
+    target = tiny_target(0)
+    tree = TreeConfig(top_k=1, depth=3, total_tokens=3)
+    decoders = {
+        "ar": ARDecoder(target),
+        "spec": SpeculativeDecoder("spec", target, TargetDrafter(target), tree),
+    }
+    prompts = [BenchPrompt("x", str(i), False) for i in range(3)]
+    params = SamplingParams(max_new_tokens=13)
+    records = run_side_by_side(decoders, prompts, lambda p: prompt_of(int(p.text), 5), params, progress=False)
+    summary = summarise(records, {})
+    spec = summary["methods"]["spec"]
+    assert spec["matches_ar"] == 1.0
+    assert spec["mal"] == pytest.approx(4.0)  # 12 tokens after the prefill, 3 rounds of depth 3 + 1
+    assert summary["methods"]["ar"]["mal"] == pytest.approx(1.0)
+    assert all(r.accepted == 9 for r in records if r.method == "spec")

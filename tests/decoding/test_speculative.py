@@ -68,6 +68,7 @@ def test_perfect_draft_accepts_every_drafted_token(top_k, sharp):
     assert len(rounds) == 5
     assert all(ev.accepted == tree.depth for ev in rounds)
     assert all(len(ev.tokens) == tree.depth + 1 for ev in rounds)
+    assert all(ev.bonus == ev.tokens[-1] and ev.tree_size > 0 for ev in rounds)
 
 
 @pytest.mark.parametrize("where", [1, 2, 3])
