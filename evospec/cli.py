@@ -38,7 +38,8 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default=None,
-        help="EAGLE-2 head folder (config.json + model.safetensors or pytorch_model.bin)",
+        help="EAGLE-2 head folder (config.json + model.safetensors or pytorch_model.bin); "
+        "default: the head shipped for the model, if any",
     )
     p.add_argument(
         "--top-k-tree",
@@ -167,11 +168,13 @@ def _decoder(name: str, args: argparse.Namespace, loaded, eos):
 
     draft = None
     if name != "ar":
-        if args.draft is None:
-            raise ValueError(f"method {name} needs --draft PATH (an EAGLE-2 head for this model)")
         from evospec.models.eagle import load_eagle
+        from evospec.models.registry import default_head
 
-        draft = load_eagle(args.draft)
+        path = args.draft or default_head(loaded.name)
+        if path is None:
+            raise ValueError(f"method {name} needs --draft PATH: no head ships for {loaded.name}")
+        draft = load_eagle(path)
     tree = TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
     return make_decoder(name, loaded.model, eos_ids=eos, draft=draft, tree=tree)
 

@@ -47,6 +47,13 @@ REGISTRY: dict[str, RegisteredModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+
+
+def default_head(model_name: str) -> Path | None:
+    """The EAGLE-2 head shipped in the package for a registered model, if there is one."""
+    folder = HEADS_DIR / model_name
+    return folder if (folder / "config.json").is_file() else None
 
 
 def evospec_home() -> Path:

@@ -97,9 +97,9 @@ def generate_responses(
     target_tokens: int,
     batch_size: int = 16,
     max_new_tokens: int = 192,
-    max_prompt_tokens: int = 320,
-    cache_len: int = 1536,
-    shard_tokens: int = 50_000,
+    max_prompt_tokens: int = 256,
+    cache_len: int = 640,
+    shard_tokens: int = 20_000,
     progress: bool = True,
 ) -> int:
     """Generate until ``target_tokens`` response tokens exist in ``work``; returns that count."""
