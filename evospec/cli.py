@@ -1,4 +1,4 @@
-"""The ``evospec`` command line: generate, bench, models.
+"""The ``evospec`` command line: generate, bench, train-draft, serve, models.
 
 Owns: argument parsing and the text edge (tokenizer, chat template, printing). Contract of
 ``generate``: stdout carries the completion text only; one final stats line goes to stderr.
@@ -132,6 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-new-tokens", type=_positive_int, default=192, help="answer length cap (default 192)"
     )
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    s = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve the model over HTTP (OpenAI completions/chat, /health, /metrics, admin API). "
+        "Options come from --config (configs/*.yaml); flags given here override the file.",
+    )
+    s.add_argument("--config", type=Path, default=None, help="YAML preset, e.g. configs/eagle2.yaml")
+    s.add_argument("--model", default=None, help=f"model to serve (default: {DEFAULT_MODEL})")
+    s.add_argument("--draft", default=None, help="EAGLE-2 head folder (method eagle2)")
+    s.add_argument("--method", default=None, help="decoding method: ar | eagle2 (default: ar)")
+    s.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="listen port (default: 8000)")
+    s.add_argument("--device", default=None, help="torch device: cpu, cuda, cuda:1, auto (default: cpu)")
+    s.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     m = sub.add_parser("models", help="list or prepare registered models")
     msub = m.add_subparsers(dest="models_command", required=True, metavar="ACTION")
@@ -325,6 +340,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from service.config import ServeConfig, load_config
+    from service.server import serve
+
+    base = load_config(args.config) if args.config else ServeConfig()
+    flags = {k: getattr(args, k) for k in ("model", "draft", "method", "host", "port", "device")}
+    serve(base.with_overrides(**flags), progress=not args.no_progress)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from evospec.models.errors import CheckpointError
@@ -335,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench": cmd_bench,
             "train-draft": cmd_train_draft,
             "models": cmd_models,
+            "serve": cmd_serve,
         }
         return commands[args.command](args)
     except (CheckpointError, ValueError, FileNotFoundError) as exc:

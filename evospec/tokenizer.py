@@ -118,18 +118,31 @@ def _compile_template(source: str):
 
 
 class IncrementalDecoder:
-    """Turns a growing list of ids into text deltas without splitting multi-byte characters."""
+    """Turns a growing list of ids into text deltas without splitting multi-byte characters.
+
+    Decodes only a short window per push: the text of ids[prefix:] minus the text of
+    ids[prefix:read], where ``read`` marks the ids already emitted (the usual offset scheme,
+    which keeps tokenizers' context-dependent spacing right). Linear in the output length.
+    """
 
     def __init__(self, codec: TextCodec) -> None:
         self.codec = codec
         self.ids: list[int] = []
-        self.emitted = ""
+        self._prefix = 0  # window start: ids before it are settled
+        self._read = 0  # ids already turned into emitted text
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more ids
+        before = self.codec.decode(self.ids[self._prefix : self._read])
+        text = self.codec.decode(self.ids[self._prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before):  # incomplete UTF-8: wait for more ids
             return ""
-        delta = text[len(self.emitted) :]
-        self.emitted = text
-        return delta
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(before) :]
+
+    def flush(self) -> str:
+        """Whatever is left at the end, incomplete characters included (as U+FFFD)."""
+        before = self.codec.decode(self.ids[self._prefix : self._read])
+        text = self.codec.decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return text[len(before) :]

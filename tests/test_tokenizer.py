@@ -106,3 +106,12 @@ def test_codec_from_gguf_equals_converted_folder(codec: TextCodec) -> None:
         assert from_gguf.encode_chat(messages) == codec.encode_chat(messages)
     for text in TEXTS:
         assert from_gguf.encode(text) == codec.encode(text)
+
+
+def test_incremental_decoder_flush_returns_the_incomplete_tail(codec: TextCodec) -> None:
+    ids = codec.encode("party 🎉")
+    detok = IncrementalDecoder(codec)
+    text = "".join(detok.push([i]) for i in ids[:-1])  # stop inside the emoji's bytes
+    tail = detok.flush()
+    assert text + tail == codec.decode(ids[:-1]) and tail.endswith("\ufffd")
+    assert detok.flush() == "" and detok.push([ids[-1]]) == ""  # nothing pending

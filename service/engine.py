@@ -1,0 +1,351 @@
+"""The engine thread: the one thread that owns the model and its decoder.
+
+Owns: a bounded FIFO of typed :class:`GenerationRequest` s, the thread that serves them one at
+a time through a :class:`~evospec.decoding.methods.Decoder`, and the per-request and global
+counters (:class:`SpecStats`, :class:`EngineSnapshot`). HTTP handlers only validate, build a
+request and :meth:`Engine.submit` it with a *sink*; the engine pushes every
+:class:`~evospec.decoding.events.StepEvent` to that sink, then exactly one :class:`Done`.
+
+Rules the engine keeps:
+- Full queue: :meth:`Engine.submit` raises :class:`EngineBusy` at once (the handler answers 503).
+- Cancellation (client gone, stop string found, handler timeout) is a flag on the request,
+  checked between rounds: the decoder's generator is closed and the request ends.
+- The per-request deadline (arrival + timeout, queue wait included) is checked at dequeue and
+  between rounds.
+- An exception in one request ends that request only (:attr:`Outcome.FAILED`); the thread goes on.
+
+Knows token ids only: no tokenizer, no web framework. :class:`AsyncSink` is the bridge from
+this thread to an asyncio handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from evospec.decoding.events import StepEvent
+from evospec.decoding.methods import Decoder
+from evospec.decoding.sampling import SamplingParams
+
+log = logging.getLogger("evospec.service.engine")
+
+
+class Outcome(StrEnum):
+    """How a request ended (also the ``outcome`` label of the request metrics)."""
+
+    FINISHED = "finished"  # the decoder stopped by itself: EOS / stop id / length
+    STOP_STRING = "stop_string"  # the handler found a stop string and cancelled
+    DISCONNECTED = "disconnected"  # the client went away
+    TIMEOUT = "timeout"  # the request's deadline passed
+    FAILED = "failed"  # the decoder raised
+    SHUTDOWN = "shutdown"  # the server stopped before the request finished
+
+
+@dataclass
+class SpecStats:
+    """Speculative bookkeeping of one request, or summed over the engine's life."""
+
+    tokens: int = 0  # generated tokens (the prefill's first token included)
+    rounds: int = 0  # draft+verify rounds; for ar, decode steps after the prefill
+    accepted: int = 0  # draft tokens the target agreed with
+    draft_s: float = 0.0  # wall time drafting
+    verify_s: float = 0.0  # wall time of target forwards (prefill included)
+
+    def add(self, ev: StepEvent) -> None:
+        self.tokens += len(ev.tokens)
+        self.rounds += not ev.prefill
+        self.accepted += ev.accepted
+        self.draft_s += ev.draft_s
+        self.verify_s += ev.verify_s
+
+    @property
+    def mal(self) -> float | None:
+        """Mean acceptance length: mean tokens per round, accepted + 1 (ar: 1.0); None without rounds."""
+        return (self.rounds + self.accepted) / self.rounds if self.rounds else None
+
+
+@dataclass
+class GenerationRequest:
+    """One typed unit of work for the engine thread."""
+
+    prompt_ids: list[int]  # [P] prompt token ids, already validated against the context window
+    params: SamplingParams
+    timeout_s: float  # from submission to the last token, queue wait included
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    submitted_at: float = field(default_factory=time.monotonic)
+    cancelled_by: Outcome | None = field(default=None, init=False)  # set once, from any thread
+
+    @property
+    def deadline(self) -> float:
+        return self.submitted_at + self.timeout_s
+
+    def cancel(self, reason: Outcome) -> None:
+        """Ask the engine to stop this request between rounds (idempotent; first reason wins)."""
+        if self.cancelled_by is None:
+            self.cancelled_by = reason
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last item of every request's stream."""
+
+    outcome: Outcome
+    error: str | None  # FAILED: the exception type and message
+    stats: SpecStats
+    prompt_tokens: int
+    queue_s: float  # submission -> start of generation (or of the decision not to run)
+    first_token_s: float | None  # submission -> first token delivered
+    total_s: float  # submission -> done
+
+
+Item = StepEvent | Done
+Sink = Callable[[Item], None]  # called on the engine thread; must not block
+
+
+class EngineBusy(Exception):
+    """The queue is full; try again after ``retry_after_s`` seconds."""
+
+    def __init__(self, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"{depth} requests are already waiting")
+        self.depth = depth
+        self.retry_after_s = retry_after_s
+
+
+class EngineStopped(Exception):
+    """The engine thread is not running."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters at one instant (read by /health, /metrics and /admin/state)."""
+
+    method: str
+    alive: bool
+    active: bool  # a request is being generated right now
+    queue_depth: int
+    max_queue: int
+    submitted: int
+    rejected: int  # refused with EngineBusy
+    outcomes: dict[str, int]  # Outcome value -> requests that ended so
+    prompt_tokens: int
+    stats: SpecStats
+
+
+class Engine:
+    """A bounded FIFO served by one thread that owns ``decoder`` (and so the model)."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        *,
+        max_queue: int = 64,
+        listeners: Sequence[Callable[[Done], None]] = (),
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.decoder = decoder
+        self.max_queue = max_queue
+        self._listeners = list(listeners)
+        self._queue: queue.Queue[tuple[GenerationRequest, Sink]] = queue.Queue(maxsize=max_queue)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._active: GenerationRequest | None = None
+        self._submitted = self._rejected = self._prompt_tokens = 0
+        self._outcomes: Counter[str] = Counter()
+        self._stats = SpecStats()
+        self._service_s = 0.0  # moving average of a request's time on the engine
+
+    @property
+    def method(self) -> str:
+        return self.decoder.name
+
+    def add_listener(self, fn: Callable[[Done], None]) -> None:
+        """``fn(done)`` runs on the engine thread after each request; exceptions are logged."""
+        self._listeners.append(fn)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="evospec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current round; queued requests end with :attr:`Outcome.SHUTDOWN`."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._drain()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    # -- handler side ---------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, sink: Sink) -> None:
+        """Enqueue without blocking; raises :class:`EngineBusy` or :class:`EngineStopped`."""
+        if not self.alive:
+            raise EngineStopped("the engine thread is not running")
+        try:
+            self._queue.put_nowait((request, sink))
+        except queue.Full:
+            with self._lock:
+                self._rejected += 1
+            raise EngineBusy(self._queue.qsize(), self.retry_after_s()) from None
+        with self._lock:
+            self._submitted += 1
+
+    def retry_after_s(self) -> int:
+        """Rough seconds until the queue drains: depth x mean service time (1..60)."""
+        est = (self._queue.qsize() + 1) * self._service_s
+        return int(min(60, max(1, math.ceil(est))))
+
+    def snapshot(self) -> EngineSnapshot:
+        with self._lock:
+            s = self._stats
+            return EngineSnapshot(
+                method=self.method,
+                alive=self.alive,
+                active=self._active is not None,
+                queue_depth=self._queue.qsize(),
+                max_queue=self.max_queue,
+                submitted=self._submitted,
+                rejected=self._rejected,
+                outcomes={o.value: self._outcomes[o.value] for o in Outcome},
+                prompt_tokens=self._prompt_tokens,
+                stats=SpecStats(s.tokens, s.rounds, s.accepted, s.draft_s, s.verify_s),
+            )
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                request, sink = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                self._serve(request, sink)
+            except Exception:  # bookkeeping or a listener broke: never let the thread die
+                log.exception("engine: unexpected error around request %s", request.request_id)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                request, sink = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            request.cancel(Outcome.SHUTDOWN)
+            self._finish(request, sink, Outcome.SHUTDOWN, None, SpecStats(), time.monotonic(), None)
+
+    def _serve(self, request: GenerationRequest, sink: Sink) -> None:
+        start = time.monotonic()
+        stats = SpecStats()
+        first: float | None = None
+        outcome: Outcome | None = request.cancelled_by
+        error: str | None = None
+        with self._lock:
+            self._active = request
+        if outcome is None and start > request.deadline:
+            outcome = Outcome.TIMEOUT
+        events = None
+        if outcome is None:
+            try:
+                events = self.decoder.generate(request.prompt_ids, request.params)
+                for ev in events:
+                    if first is None:
+                        first = time.monotonic() - request.submitted_at
+                    stats.add(ev)
+                    with self._lock:
+                        self._stats.add(ev)
+                    if not _deliver(sink, ev):
+                        request.cancel(Outcome.DISCONNECTED)
+                    if ev.finish_reason is not None:
+                        outcome = Outcome.FINISHED
+                    elif request.cancelled_by is not None:
+                        outcome = request.cancelled_by
+                    elif time.monotonic() > request.deadline:
+                        outcome = Outcome.TIMEOUT
+                    elif self._stopping.is_set():
+                        outcome = Outcome.SHUTDOWN
+                    if outcome is not None:
+                        break
+                else:
+                    outcome = Outcome.FINISHED  # the decoder ended without a finish reason
+            except Exception as exc:
+                log.exception("engine: request %s failed", request.request_id)
+                outcome, error = Outcome.FAILED, f"{type(exc).__name__}: {exc}"
+            finally:
+                close = getattr(events, "close", None)
+                if close is not None:
+                    try:
+                        close()
+                    except Exception:
+                        log.exception("engine: closing the decoder's generator failed")
+        self._finish(request, sink, outcome, error, stats, start, first)
+
+    def _finish(
+        self,
+        request: GenerationRequest,
+        sink: Sink,
+        outcome: Outcome,
+        error: str | None,
+        stats: SpecStats,
+        start: float,
+        first: float | None,
+    ) -> None:
+        now = time.monotonic()
+        done = Done(
+            outcome=outcome,
+            error=error,
+            stats=stats,
+            prompt_tokens=len(request.prompt_ids),
+            queue_s=start - request.submitted_at,
+            first_token_s=first,
+            total_s=now - request.submitted_at,
+        )
+        with self._lock:
+            self._outcomes[outcome.value] += 1
+            self._prompt_tokens += len(request.prompt_ids)
+            self._active = None
+            self._service_s = 0.8 * self._service_s + 0.2 * (now - start)
+        _deliver(sink, done)
+        for fn in self._listeners:
+            try:
+                fn(done)
+            except Exception:
+                log.exception("engine: listener failed")
+
+
+def _deliver(sink: Sink, item: Item) -> bool:
+    """Push to the handler; False when it can no longer receive (its event loop is gone)."""
+    try:
+        sink(item)
+        return True
+    except Exception:
+        return False
+
+
+class AsyncSink:
+    """The handler's end of one request: a thread-safe :data:`Sink` feeding an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._items: asyncio.Queue[Item] = asyncio.Queue()
+
+    def __call__(self, item: Item) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+
+    async def get(self, timeout: float) -> Item:
+        """Next item; raises TimeoutError after ``timeout`` seconds."""
+        return await asyncio.wait_for(self._items.get(), max(timeout, 0.0))

@@ -1,0 +1,136 @@
+"""Prometheus metrics of one server, in its own registry (several apps can live in one process).
+
+Owns: :class:`ServiceMetrics` -- the registry behind ``GET /metrics`` and what fills it:
+- read from the engine's counters at scrape time (one source of truth): requests by outcome,
+  rejected requests, prompt/generated tokens, rounds, accepted tokens, MAL, queue depth,
+  active requests, engine liveness;
+- observed when a request ends (an engine listener): request latency, queue wait, time to
+  first token, per-request MAL;
+- observed per HTTP response (an ASGI middleware in ``app.py``): responses by route and code;
+- declared but **not yet backed** (always 0 until the feature exists): OOV events, retrieval
+  latency, LoRA updates and LoRA update failures. Their help text says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.engine import Done, Engine
+
+NOT_BACKED = "NOT YET BACKED: always 0 until {what} exists"
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+class _EngineCollector(Collector):
+    """Engine counters as Prometheus families, read at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.snapshot()
+        req = CounterMetricFamily(
+            "evospec_requests", "Generation requests that ended, by outcome", labels=["outcome"]
+        )
+        for outcome, n in s.outcomes.items():
+            req.add_metric([outcome], n)
+        yield req
+        yield CounterMetricFamily(
+            "evospec_requests_rejected", "Requests refused because the queue was full (503)", value=s.rejected
+        )
+        yield CounterMetricFamily(
+            "evospec_prompt_tokens", "Prompt tokens of ended requests", value=s.prompt_tokens
+        )
+        yield CounterMetricFamily("evospec_generated_tokens", "Tokens generated", value=s.stats.tokens)
+        yield CounterMetricFamily(
+            "evospec_rounds",
+            "Decoding rounds (draft+verify; ar: decode steps after prefill)",
+            value=s.stats.rounds,
+        )
+        yield CounterMetricFamily(
+            "evospec_accepted_tokens", "Draft tokens the target accepted", value=s.stats.accepted
+        )
+        yield GaugeMetricFamily(
+            "evospec_mean_acceptance_length",
+            "MAL since start: mean tokens per round, accepted + 1 (ar: 1.0; 0 before the first round)",
+            value=s.stats.mal or 0.0,
+        )
+        yield GaugeMetricFamily("evospec_queue_depth", "Requests waiting for the engine", value=s.queue_depth)
+        yield GaugeMetricFamily("evospec_queue_capacity", "Maximum queued requests", value=s.max_queue)
+        yield GaugeMetricFamily(
+            "evospec_active_requests", "Requests being generated now", value=int(s.active)
+        )
+        yield GaugeMetricFamily("evospec_engine_alive", "1 while the engine thread runs", value=int(s.alive))
+
+
+class ServiceMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.latency = Histogram(
+            "evospec_request_latency_seconds",
+            "Arrival to last token, per generation request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "evospec_queue_wait_seconds",
+            "Arrival to start of generation",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "evospec_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_mal = Histogram(
+            "evospec_request_mal",
+            "Per-request mean acceptance length (requests with at least one round)",
+            buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8),
+            registry=r,
+        )
+        self.http = Counter(
+            "evospec_http_responses", "HTTP responses by route and status code", ["route", "code"], registry=r
+        )
+        # Declared now so dashboards and alerts can be written; nothing increments them yet.
+        self.oov_events = Counter(
+            "evospec_oov_events",
+            NOT_BACKED.format(what="the active-vocabulary policy (evospec/vocab)"),
+            registry=r,
+        )
+        self.retrieval_latency = Histogram(
+            "evospec_retrieval_latency_seconds",
+            NOT_BACKED.format(what="OOV retrieval (HNSW / bigram graph)"),
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05),
+            registry=r,
+        )
+        self.lora_updates = Counter(
+            "evospec_lora_updates",
+            NOT_BACKED.format(what="online LoRA adaptation (evospec/adapt)"),
+            registry=r,
+        )
+        self.lora_update_failures = Counter(
+            "evospec_lora_update_failures",
+            NOT_BACKED.format(what="online LoRA adaptation (evospec/adapt)"),
+            registry=r,
+        )
+        engine.add_listener(self.observe)
+
+    def observe(self, done: Done) -> None:
+        """Engine listener: one ended request."""
+        self.latency.observe(done.total_s)
+        self.queue_wait.observe(done.queue_s)
+        if done.first_token_s is not None:
+            self.ttft.observe(done.first_token_s)
+        if done.stats.mal is not None:
+            self.request_mal.observe(done.stats.mal)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,214 @@
+"""Request bodies: strict pydantic schemas and the one parser every JSON route uses.
+
+Owns: :func:`parse_body` (bytes -> UTF-8 -> JSON object -> schema, every failure an
+:class:`~service.errors.APIError` 400 naming the offending ``param``), the OpenAI request
+schemas (:class:`CompletionRequest`, :class:`ChatRequest`) and their checks for fields this
+server does not support (``n > 1``, ``logprobs``, penalties, ...). Types are strict: ``"10"``
+is not an integer and ``true`` is not a number. Unknown fields are ignored, as OpenAI-compatible
+servers do. Range checks that need the server's limits (``max_tokens``, context window) live in
+``openai_api.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from service.errors import APIError
+
+M = TypeVar("M", bound=BaseModel)
+MAX_STOPS = 4
+
+
+async def parse_body(request: Request, schema: type[M], *, allow_empty: bool = False) -> M:
+    """Read and validate a JSON object body against ``schema``."""
+    raw = await request.body()
+    if not raw.strip() and allow_empty:
+        return schema.model_validate({})
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError.bad_request(
+            f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding"
+        ) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError.bad_request(
+            f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+            code="invalid_json",
+        ) from None
+    if not isinstance(obj, dict):
+        raise APIError.bad_request(
+            f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
+        )
+    return validate(schema, obj)
+
+
+def validate(schema: type[M], obj: dict[str, Any]) -> M:
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as exc:
+        raise _as_api_error(exc) from None
+
+
+def _as_api_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "missing":
+        return APIError.bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing")
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    code = "invalid_type" if err["type"].endswith("_type") else "invalid_value"
+    return APIError.bad_request(f"Invalid value for '{param}': {msg}.", param=param, code=code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): -1 or 0 = off
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False  # extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("must be a string or a list of strings")
+        if len(v) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(v)}")
+        return v
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_supported(self) -> None:
+        """Refuse what this server cannot honour instead of silently ignoring it."""
+        if self.n is not None and self.n != 1:
+            if self.n < 1:
+                raise APIError.bad_request(f"n must be >= 1, got {self.n}", param="n")
+            raise APIError.unsupported("n", f"n={self.n} (several choices per request)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError.unsupported(name, name)
+        if self.logit_bias:
+            raise APIError.unsupported("logit_bias", "logit_bias")
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Any = Field(...)  # a string, a list of token ids, or a list with exactly one of these
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+            v = v[0]  # a batch of one
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(p, str | list) for p in v):
+            raise ValueError("several prompts in one request are not supported; send one per request")
+        raise ValueError("must be a string or a non-empty list of token ids")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError.unsupported("echo", "echo")
+        if self.logprobs is not None:
+            raise APIError.unsupported("logprobs", "logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError.unsupported("best_of", f"best_of={self.best_of}")
+        if self.suffix:
+            raise APIError.unsupported("suffix", "suffix")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # a list of {"type": "text", "text": ...} parts is joined into one string
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of content parts")
+        texts = []
+        for part in v:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(
+                    f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {kind!r}"
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError.unsupported("logprobs", "logprobs")
+        if self.tools:
+            raise APIError.unsupported("tools", "tools (function calling)")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError.unsupported("response_format", "structured output (response_format)")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them (``developer`` is a system message)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+            for m in self.messages
+        ]

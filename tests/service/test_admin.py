@@ -1,0 +1,83 @@
+"""Admin API: bearer-token auth (401 without or with a wrong token, 404 when no token is
+configured), the state document's shape (unbuilt features say so), 501 for the controls."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.service.conftest import LiveServer, wait_for
+
+TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+POSTS = [
+    ("/admin/adapter/reset", None),
+    ("/admin/adapter/save", {"path": "/tmp/adapter"}),
+    ("/admin/adapter/load", {"path": "/tmp/adapter"}),
+    ("/admin/vocab/reset", {}),
+    ("/admin/adaptation", {"enabled": True}),
+]
+
+
+@pytest.fixture
+def admin_server(serve) -> LiveServer:
+    return serve(admin_token=TOKEN)
+
+
+def _err(r, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+    return err
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}],
+    ids=["missing", "wrong", "no_scheme", "basic"],
+)
+def test_admin_needs_the_token(admin_server: LiveServer, headers: dict) -> None:
+    with admin_server.http(headers=headers) as http:
+        r = http.get("/admin/state")
+        _err(r, 401, "invalid_api_key")
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+        for path, body in POSTS:  # auth is checked before the body
+            _err(http.post(path, json=body), 401, "invalid_api_key")
+
+
+def test_admin_state_shape(admin_server: LiveServer) -> None:
+    with admin_server.http(headers=AUTH) as http:
+        http.post(
+            "/v1/completions", json={"model": "tiny-llama", "prompt": "Hi", "max_tokens": 3, "temperature": 0}
+        )
+        # the response can leave before the engine has booked the request's end
+        assert wait_for(lambda: admin_server.engine.snapshot().outcomes["finished"] == 1)
+        state = http.get("/admin/state").json()
+    assert state["method"] == "ar" and state["model"] == "tiny-llama"
+    eng = state["engine"]
+    assert eng["alive"] and eng["outcomes"]["finished"] == 1 and eng["generated_tokens"] == 3
+    assert eng["mal"] == 1.0
+    for section in ("vocabulary", "arc", "oov", "adaptation"):
+        assert state[section]["implemented"] is False and "not implemented" in state[section]["note"]
+    assert {"t1", "t2", "b1", "b2", "p"} <= set(state["arc"])
+    assert {"adapter_version", "update_count", "last_loss", "replay_fill"} <= set(state["adaptation"])
+    assert state["adaptation"]["update_count"] is None and state["oov"]["recent_events"] is None
+    assert state["vocabulary"]["active_vocab_size"] is None  # ar has no draft
+
+
+def test_admin_controls_are_501_after_validation(admin_server: LiveServer) -> None:
+    with admin_server.http(headers=AUTH) as http:
+        for path, body in POSTS:
+            _err(http.post(path, json=body), 501, "not_implemented")
+        assert http.post("/admin/adapter/reset").status_code == 501  # empty body is fine
+        _err(http.post("/admin/adaptation", json={"enabled": "yes"}), 400, "invalid_type")
+        _err(http.post("/admin/adaptation", json={}), 400, "missing")
+        _err(http.post("/admin/adaptation", content=b"{not json"), 400, "invalid_json")
+        _err(http.post("/admin/adapter/load", json={}), 400, "missing")
+        _err(http.post("/admin/adapter/save", json={"path": 3}), 400, "invalid_type")
+        _err(http.post("/admin/vocab/reset", json={"surprise": 1}), 400, "invalid_value")
+
+
+def test_admin_disabled_without_token(ar_server: LiveServer) -> None:
+    with ar_server.http(headers=AUTH) as http:
+        _err(http.get("/admin/state"), 404, "admin_disabled")
+        _err(http.post("/admin/adaptation", json={"enabled": True}), 404, "admin_disabled")

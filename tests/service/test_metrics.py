@@ -1,0 +1,68 @@
+"""/health and /metrics: Prometheus text with the engine counters, histograms, and the
+declared-but-not-yet-backed metrics at 0."""
+
+from __future__ import annotations
+
+import re
+
+from tests.service.conftest import MODEL_NAME, wait_for
+
+
+def _value(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in metrics"
+    return float(m.group(1))
+
+
+def test_health(ar_server) -> None:
+    with ar_server.http() as http:
+        r = http.get("/health")
+    assert r.status_code == 200
+    assert r.json() | {"queue_depth": 0, "active": False} == {
+        "status": "ok",
+        "model": MODEL_NAME,
+        "method": "ar",
+        "queue_depth": 0,
+        "active": False,
+    }
+
+
+def test_metrics_exposition(serve) -> None:
+    live = serve()
+    with live.http() as http:
+        r = http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 5, "temperature": 0}
+        )
+        assert r.status_code == 200
+        http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 0})
+        assert wait_for(lambda: live.engine.snapshot().outcomes["finished"] == 1)
+        m = http.get("/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    text = m.text
+    assert _value(text, 'evospec_requests_total{outcome="finished"}') == 1
+    assert _value(text, "evospec_generated_tokens_total") == 5
+    assert _value(text, "evospec_rounds_total") == 4
+    assert _value(text, "evospec_accepted_tokens_total") == 0
+    assert _value(text, "evospec_mean_acceptance_length") == 1.0
+    assert _value(text, "evospec_queue_depth") == 0
+    assert _value(text, "evospec_request_latency_seconds_count") == 1
+    assert _value(text, "evospec_time_to_first_token_seconds_count") == 1
+    assert _value(text, 'evospec_http_responses_total{code="400",route="/v1/completions"}') == 1
+    for name in (
+        "evospec_oov_events_total",
+        "evospec_lora_updates_total",
+        "evospec_lora_update_failures_total",
+    ):
+        assert _value(text, name) == 0
+    assert _value(text, "evospec_retrieval_latency_seconds_count") == 0
+    unbacked = {
+        n
+        for n in re.findall(r"^# HELP (evospec_\w+) NOT YET BACKED", text, re.M)
+        if not n.endswith("_created")
+    }
+    assert unbacked == {
+        "evospec_oov_events_total",
+        "evospec_retrieval_latency_seconds",
+        "evospec_lora_updates_total",
+        "evospec_lora_update_failures_total",
+    }
