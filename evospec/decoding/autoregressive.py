@@ -55,8 +55,8 @@ def generate_ar(
         cache = model.new_cache(slots)
     cache.reset()
     rule = stop_rule(model, params, max_new, eos_ids)
-    gen = params.make_generator()
     device = model.embed_tokens.weight.device
+    gen = params.make_generator(device)
     tokens = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     positions = torch.arange(len(prompt), device=device)
     produced = 0

@@ -42,8 +42,8 @@ def generate_speculative(
     cache.reset()
     drafter.start(prompt, slots + tree_cfg.draft_slots)
     rule = stop_rule(target, params, max_new, eos_ids)
-    gen = params.make_generator()
     device = target.embed_tokens.weight.device
+    gen = params.make_generator(device)
 
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
