@@ -183,7 +183,10 @@ def train_head(
     *,
     progress: bool = True,
 ) -> dict:
-    """Train ``head`` in place (resumes from ``ckpt_dir``); returns the metrics log."""
+    """Train ``head`` in place (resumes from ``ckpt_dir``); returns the metrics log.
+
+    The head ends with the weights of the epoch with the best held-out top-1 agreement.
+    """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     train, hold = split_holdout(seqs, cfg.holdout, cfg.seed)
@@ -250,6 +253,9 @@ def train_head(
                 "seconds": time.perf_counter() - t0,
             }
         )
+        if agreement["top1"] >= max((e["holdout"]["top1"] for e in log["epochs"]), default=0.0):
+            torch.save(head.state_dict(), ckpt_dir / "best_head.pt")  # early stopping on held-out top-1
+            log["best_epoch"] = epoch
         torch.save(
             {
                 "head": head.state_dict(),
@@ -263,6 +269,9 @@ def train_head(
         (ckpt_dir / "log.json").write_text(json.dumps(log, indent=2))
         tqdm.write(f"epoch {epoch}: holdout top1 {agreement['top1']:.3f} cls {agreement['cls']:.3f}")
     bar.close()
+    best = ckpt_dir / "best_head.pt"
+    if best.is_file():
+        head.load_state_dict(torch.load(best, map_location="cpu", weights_only=True))
     head.eval()
     return log
 
