@@ -282,7 +282,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.models.registry import evospec_home
     from evospec.train.datagen import feature_shards, generate_responses
     from evospec.train.prompts import training_prompts
-    from evospec.train.trainer import TrainConfig, init_head_from_target, load_sequences, train_head
+    from evospec.train.trainer import TrainConfig, load_sequences, train_head
 
     progress = not args.no_progress
     t0 = time.perf_counter()
@@ -307,7 +307,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     cfg = TrainConfig(epochs=args.epochs, lr=args.lr)
     seqs = load_sequences(shards, cfg.max_seq_len)
     head = new_eagle_for(loaded.model)
-    init_head_from_target(head, loaded.model)
     for p in head.parameters():
         p.requires_grad_(True)
     log = train_head(head, loaded.model, seqs, work / "ckpt", cfg, progress=progress)

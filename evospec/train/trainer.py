@@ -157,23 +157,6 @@ def pair_losses(
     return {"loss": cfg.w_reg * reg + cfg.w_cls * cls, "reg": reg, "cls": cls, "top1": top1}
 
 
-def init_head_from_target(head: EagleHead, target: Transformer) -> None:
-    """Start from the target's last decoder layer; fc passes the feature half through."""
-    last = target.layers[-1]
-    with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(head.layers[0].self_attn, name).weight.copy_(getattr(last.self_attn, name).weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(head.layers[0].mlp, name).weight.copy_(getattr(last.mlp, name).weight)
-        head.layers[0].post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
-        d = head.cfg.hidden_size
-        head.fc.weight.zero_()
-        head.fc.weight[:, d:] = torch.eye(d)
-        head.fc.weight[:, :d] = torch.randn(d, d) * 0.01
-        if head.fc.bias is not None:
-            head.fc.bias.zero_()
-
-
 def train_head(
     head: EagleHead,
     target: Transformer,

@@ -14,7 +14,6 @@ from evospec.train.trainer import (
     TrainConfig,
     collate,
     evaluate,
-    init_head_from_target,
     load_sequences,
     train_head,
 )
@@ -47,7 +46,6 @@ def test_training_lowers_loss_and_raises_agreement(tmp_path):
     target = tiny_target(0, sharp=4.0)
     seqs = make_sequences(target)
     head = new_eagle_for(target)
-    init_head_from_target(head, target)
     for p in head.parameters():
         p.requires_grad_(True)
     cfg = TrainConfig(epochs=6, lr=3e-3, warmup_steps=2, tokens_per_batch=256, holdout=0.2, noise=0.05)
