@@ -1,0 +1,35 @@
+"""The EAGLE-2 head shipped for the default model: loads, fits the model, and is lossless."""
+
+from __future__ import annotations
+
+import pytest
+
+from evospec.decoding.methods import make_decoder
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.tree import TreeConfig
+from evospec.models.eagle import load_eagle
+from evospec.models.loading import LoadedModel
+from evospec.models.registry import DEFAULT_MODEL, default_head
+
+
+def test_head_ships_small_and_in_the_eagle_layout() -> None:
+    folder = default_head(DEFAULT_MODEL)
+    assert folder is not None
+    assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
+    head = load_eagle(folder)
+    assert head.embed_tokens is None  # shares the target's embedding
+    assert set(head.state_dict()) >= {"fc.weight", "layers.0.self_attn.q_proj.weight"}
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(4, 4, 16), TreeConfig()], ids=["small", "eagle2-default"])
+def test_eagle2_with_shipped_head_equals_ar(default_model: LoadedModel, tree: TreeConfig) -> None:
+    model, codec = default_model.model, default_model.codec
+    ids = codec.encode_chat([{"role": "user", "content": "List three primary colors."}])
+    params = SamplingParams(max_new_tokens=24)
+    eos = codec.eos_ids
+    ar = [t for ev in make_decoder("ar", model, eos_ids=eos).generate(ids, params) for t in ev.tokens]
+    draft = load_eagle(default_head(DEFAULT_MODEL))
+    events = list(make_decoder("eagle2", model, eos_ids=eos, draft=draft, tree=tree).generate(ids, params))
+    assert [t for ev in events for t in ev.tokens] == ar
+    rounds = [ev for ev in events if not ev.prefill]
+    assert sum(ev.accepted for ev in rounds) > 0  # a trained head gets drafts accepted
