@@ -18,7 +18,15 @@ from evospec.models.transformer import Transformer
 VOCAB = 64
 
 
-def tiny_target(seed: int = 0, *, family: str = "llama", sharp: float = 6.0, ctx: int = 160) -> Transformer:
+def tiny_target(
+    seed: int = 0,
+    *,
+    family: str = "llama",
+    sharp: float = 6.0,
+    ctx: int = 160,
+    vocab: int = VOCAB,
+    eos: tuple[int, ...] = (),
+) -> Transformer:
     """A random target whose next-token distributions are peaked (``sharp`` scales the head)."""
     torch.manual_seed(seed)
     extra = {}
@@ -32,7 +40,7 @@ def tiny_target(seed: int = 0, *, family: str = "llama", sharp: float = 6.0, ctx
         )
     cfg = ModelConfig(
         family=family,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_layers=2,
@@ -40,7 +48,7 @@ def tiny_target(seed: int = 0, *, family: str = "llama", sharp: float = 6.0, ctx
         num_kv_heads=2,
         head_dim=8,
         max_position_embeddings=ctx,
-        eos_token_ids=(),
+        eos_token_ids=eos,
         **extra,
     )
     model = Transformer(cfg).eval()

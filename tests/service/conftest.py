@@ -18,13 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import ARDecoder, Decoder, make_decoder
 from evospec.decoding.sampling import SamplingParams
-from evospec.models.config import ModelConfig
 from evospec.models.transformer import Transformer
 from evospec.tokenizer import TextCodec
 from service.admin import ADMIN_TOKEN_ENV
@@ -32,6 +30,7 @@ from service.app import create_app
 from service.config import ServeConfig
 from service.context import ServedModel
 from service.engine import Engine
+from tests.decoding.spec_helpers import tiny_target
 
 MODEL_NAME = "tiny-llama"
 CONTEXT = 256
@@ -47,23 +46,8 @@ def codec() -> TextCodec:
 
 @pytest.fixture(scope="session")
 def tiny(codec: TextCodec) -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=codec.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=CONTEXT,
-        eos_token_ids=codec.eos_ids,
-    )
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)  # peaked next-token distributions
-    return model
+    """A 2-layer random llama over the real tokenizer's vocabulary (peaked distributions)."""
+    return tiny_target(0, ctx=CONTEXT, vocab=codec.vocab_size, eos=codec.eos_ids)
 
 
 def ar_ids(model: Transformer, codec: TextCodec, prompt_ids: list[int], n: int) -> list[int]:
