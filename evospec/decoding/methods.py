@@ -82,6 +82,9 @@ def make_decoder(
     if name == "eagle2":
         if draft is None:
             raise ValueError("method eagle2 needs a draft head (--draft PATH)")
+        tree = tree or TreeConfig()
+        if tree.top_k > model.cfg.vocab_size:
+            raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
         drafter = EagleDrafter(draft.attach(model), FullHead(model.lm_head.weight))
-        return SpeculativeDecoder(name, model, drafter, tree or TreeConfig(), eos_ids)
+        return SpeculativeDecoder(name, model, drafter, tree, eos_ids)
     raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")

@@ -193,3 +193,15 @@ def test_sampled_tokens_follow_the_target_end_to_end():
         )
         < 1e-3
     )
+
+
+def test_make_decoder_refuses_bad_configurations(target):
+    from evospec.decoding.methods import make_decoder
+    from evospec.models.eagle import new_eagle_for
+
+    with pytest.raises(ValueError, match="needs a draft head"):
+        make_decoder("eagle2", target)
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        make_decoder("eagle2", target, draft=new_eagle_for(target), tree=TreeConfig(top_k=65))
+    with pytest.raises(ValueError, match="unknown method"):
+        make_decoder("medusa", target)
