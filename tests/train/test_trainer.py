@@ -77,19 +77,23 @@ def test_generated_shards_hold_teacher_forced_features(tmp_path):
     target = tiny_target(1)
     prompts = [TrainPrompt(f"x:{i}", "x", str(i)) for i in range(7)]
     encode = {p.uid: prompt_of(int(p.text), 4 + int(p.text)) for p in prompts}
-    have = generate_responses(
-        target,
-        lambda p: encode[p.uid],
-        (5,),
-        prompts,
-        tmp_path,
-        target_tokens=10_000,
-        batch_size=3,
-        max_new_tokens=9,
-        cache_len=64,
-        shard_tokens=30,
-        progress=False,
-    )
+
+    def run(**kw) -> int:
+        return generate_responses(
+            target,
+            lambda p: encode[p.uid],
+            (5,),
+            prompts,
+            tmp_path,
+            target_tokens=10_000,
+            batch_size=3,
+            max_new_tokens=9,
+            cache_len=64,
+            progress=False,
+            **kw,
+        )
+
+    have = run(shard_tokens=30)
     shards = feature_shards(tmp_path)
     assert len(shards) >= 2
     recs = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
@@ -108,16 +112,5 @@ def test_generated_shards_hold_teacher_forced_features(tmp_path):
             ).hidden[0]
         assert torch.allclose(s.features[:-1].float(), hid[:-1], atol=1e-2)
     # Resuming with everything done generates nothing more.
-    again = generate_responses(
-        target,
-        lambda p: encode[p.uid],
-        (5,),
-        prompts,
-        tmp_path,
-        target_tokens=10_000,
-        batch_size=3,
-        max_new_tokens=9,
-        cache_len=64,
-        progress=False,
-    )
+    again = run()
     assert again == have and feature_shards(tmp_path) == shards
