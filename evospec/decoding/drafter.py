@@ -23,24 +23,15 @@ import torch
 from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
+from evospec.vocab.head import FullHead
+
+__all__ = ["DraftHeadFn", "Drafter", "EagleDrafter", "FullHead", "TargetDrafter"]
 
 
 class DraftHeadFn(Protocol):
     def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [n, D] -> top-k (log-probs [n, k], target token ids [n, k])."""
         ...
-
-
-class FullHead:
-    """Top-k over the full vocabulary through the target's LM head."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight  # [V, D]
-
-    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax((hidden @ self.weight.T).float(), dim=-1)  # [n, V]
-        top = torch.topk(logp, k, dim=-1)
-        return top.values, top.indices
 
 
 class Drafter(Protocol):
@@ -142,8 +133,8 @@ class EagleDrafter(_TreeDrafterBase):
 class TargetDrafter(_TreeDrafterBase):
     """The target drafting for itself: feeds token x_{i+1} at position i+1 and ignores features."""
 
-    def __init__(self, model: Transformer) -> None:
-        super().__init__(FullHead(model.lm_head.weight))
+    def __init__(self, model: Transformer, head_fn: DraftHeadFn | None = None) -> None:
+        super().__init__(head_fn or FullHead(model.lm_head.weight))
         self.model = model
         self._first: int | None = None
 

@@ -7,6 +7,10 @@ ids, max_new_tokens, context end). Knows nothing about models.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from evospec.vocab.active import VocabRoundStats
 
 
 @dataclass
@@ -25,6 +29,7 @@ class StepEvent:
     verify_s: float = 0.0  # wall time of the target forward (AR: the decode step)
     finish_reason: str | None = None  # "stop" | "length" | None (keep going)
     prefill: bool = False  # the prompt's forward produced this token (not a round; MAL skips it)
+    vocab: VocabRoundStats | None = None  # active-vocabulary facts of the round (speculative only)
 
 
 @dataclass(frozen=True)

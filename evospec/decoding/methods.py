@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from evospec.decoding.autoregressive import generate_ar, plan_budget
-from evospec.decoding.drafter import Drafter, EagleDrafter, FullHead
+from evospec.decoding.drafter import Drafter, EagleDrafter
 from evospec.decoding.events import StepEvent
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.speculative import generate_speculative
@@ -19,8 +19,11 @@ from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
+from evospec.vocab.active import ActiveVocab
+from evospec.vocab.factory import POLICIES, VocabConfig, make_policy
 
-METHODS = ("ar", "eagle2")
+METHODS = ("ar", "eagle2", *POLICIES)
+SPECULATIVE = ("eagle2", *POLICIES)  # methods that need an EAGLE-2 draft head
 
 
 class Decoder(Protocol):
@@ -50,9 +53,16 @@ class SpeculativeDecoder:
     """Draft-tree speculative decoding with any :class:`Drafter`; lossless by construction."""
 
     def __init__(
-        self, name: str, model: Transformer, drafter: Drafter, tree: TreeConfig, eos_ids: Sequence[int] = ()
+        self,
+        name: str,
+        model: Transformer,
+        drafter: Drafter,
+        tree: TreeConfig,
+        eos_ids: Sequence[int] = (),
+        vocab: ActiveVocab | None = None,
     ) -> None:
         self.name = name
+        self.vocab = vocab  # owns the drafter's head function when given
         self.model = model
         self.drafter = drafter
         self.tree = tree
@@ -64,7 +74,14 @@ class SpeculativeDecoder:
         if self.cache is None or self.cache.max_len < slots:
             self.cache = self.model.new_cache(slots)
         return generate_speculative(
-            self.model, self.drafter, prompt, params, self.tree, eos_ids=self.eos_ids, cache=self.cache
+            self.model,
+            self.drafter,
+            prompt,
+            params,
+            self.tree,
+            eos_ids=self.eos_ids,
+            cache=self.cache,
+            vocab=self.vocab,
         )
 
 
@@ -75,16 +92,27 @@ def make_decoder(
     eos_ids: Sequence[int] = (),
     draft: EagleHead | None = None,
     tree: TreeConfig | None = None,
+    vocab: VocabConfig | None = None,
+    indices=None,
 ) -> Decoder:
-    """``ar`` or ``eagle2`` (needs ``draft``, an EAGLE-2 head attached to ``model``)."""
+    """``ar``; or a speculative method (needs ``draft``, an EAGLE-2 head for ``model``):
+    ``eagle2`` drafts over the full vocabulary, the others over a policy's active vocabulary
+    (``frspec``/``evospec`` also need ``indices``, an ``indices.IndexBundle`` for ``model``)."""
     if name == "ar":
         return ARDecoder(model, eos_ids)
-    if name == "eagle2":
-        if draft is None:
-            raise ValueError("method eagle2 needs a draft head (--draft PATH)")
-        tree = tree or TreeConfig()
-        if tree.top_k > model.cfg.vocab_size:
-            raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
-        drafter = EagleDrafter(draft.attach(model), FullHead(model.lm_head.weight))
-        return SpeculativeDecoder(name, model, drafter, tree, eos_ids)
-    raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    if name not in SPECULATIVE:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    if draft is None:
+        raise ValueError(f"method {name} needs a draft head (--draft PATH)")
+    tree = tree or TreeConfig()
+    if tree.top_k > model.cfg.vocab_size:
+        raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
+    weight = model.lm_head.weight
+    policy = None
+    if name != "eagle2":
+        policy = make_policy(
+            name, model.cfg.vocab_size, cfg=vocab or VocabConfig(), indices=indices, device=weight.device
+        )
+    active = ActiveVocab(policy, weight, always_ids=eos_ids)
+    drafter = EagleDrafter(draft.attach(model), active.head)
+    return SpeculativeDecoder(name, model, drafter, tree, eos_ids, vocab=active)

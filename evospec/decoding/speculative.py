@@ -23,6 +23,7 @@ from evospec.decoding.tree import TreeConfig, build_tree
 from evospec.decoding.verify import accept
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
+from evospec.vocab.active import ActiveVocab
 
 
 @torch.inference_mode()
@@ -35,7 +36,10 @@ def generate_speculative(
     *,
     eos_ids: Sequence[int] = (),
     cache: KVCache | None = None,
+    vocab: ActiveVocab | None = None,
 ) -> Iterator[StepEvent]:
+    """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
+    loads each round's active ids before drafting and observes each verified round."""
     max_new, slots = plan_budget(target, len(prompt), params, slack=tree_cfg.max_nodes)
     if cache is None or cache.max_len < slots:
         cache = target.new_cache(slots)
@@ -54,11 +58,15 @@ def generate_speculative(
     yield StepEvent(tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True)
     if reason is not None:
         return
+    if vocab is not None:
+        vocab.start(ids[0], out.hidden[0])
     pending_features = out.hidden[0]  # [P, D] features of the pairs not yet in the draft cache
     pending_tokens = [*ids[0, 1:].tolist(), root]  # [P] the token after each of them
 
     while True:
         t0 = time.perf_counter()
+        if vocab is not None:
+            vocab.begin_round()
         tok_t = torch.tensor(pending_tokens, dtype=torch.long, device=device)
         root_logp, root_ids = drafter.commit(pending_features, tok_t, tree_cfg.top_k)
         prefix = cache.length
@@ -72,6 +80,10 @@ def generate_speculative(
         accepted = tree.tokens[path[1:]].tolist()
         new, reason = rule.clip([*accepted, bonus], produced)
         produced += len(new)
+        stats = None
+        if vocab is not None:
+            verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]
+            stats = vocab.end_round(tree.tokens, verified, vout.logits[0, path], vout.hidden[0, path[-1]])
         yield StepEvent(
             tokens=new,
             accepted=len(accepted),
@@ -80,6 +92,7 @@ def generate_speculative(
             draft_s=t1 - t0,
             verify_s=t2 - t1,
             finish_reason=reason,
+            vocab=stats,
         )
         if reason is not None:
             return

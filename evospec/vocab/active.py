@@ -1,0 +1,186 @@
+"""The active vocabulary of one speculative decoder: a policy driving a draft head.
+
+Owns: :class:`ActiveVocab`, the glue the round loop calls at three points -- ``start`` (after
+the prefill: seeds the policy, with the prompt's top target ids if it wants them),
+``begin_round`` (before drafting: the policy's active ids, plus the always-active EOS ids,
+are loaded into the reduced head) and ``end_round`` (after verification: coverage and the
+OOV flag are measured against the set the round drafted from, and the policy observes the
+round). With ``policy=None`` the draft uses the full LM head (EAGLE-2) and coverage is 1.
+Returns one :class:`VocabRoundStats` per round for the step event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from evospec.vocab.head import FullHead, ReducedHead
+from evospec.vocab.policy import RoundFeedback, VocabPolicy
+
+
+@dataclass
+class VocabRoundStats:
+    """Vocabulary facts of one round (see the glossary in docs/engine.md)."""
+
+    active_size: int  # ids the draft could propose this round
+    verified: int  # accepted + bonus tokens of the round
+    covered: int  # of those, how many were active
+    oov: bool  # the bonus token was not active (an OOV event)
+    lm_head_s: float = 0.0  # draft LM-head projection + top-k, summed over the round's calls
+    gather_s: float = 0.0  # loading newly active rows into the packed head
+    rows_gathered: int = 0
+    policy_s: float = 0.0  # the policy's own bookkeeping after verification
+    retrieval_s: list[float] = field(default_factory=list)  # latency of each result merged this round
+    late: int = 0  # merged results that came after the round they were meant for
+    errors: int = 0  # retrievals that raised
+    dropped: int = 0  # OOV events not retrieved because the worker was saturated
+
+
+@dataclass
+class VocabTotals:
+    """:class:`VocabRoundStats` summed over rounds (one request, a benchmark run, a server's life)."""
+
+    rounds: int = 0  # rounds that reported vocabulary facts (every speculative round)
+    verified: int = 0  # accepted + bonus tokens of those rounds (before clipping at a stop)
+    covered: int = 0  # of those, how many were in the round's active vocabulary
+    oov_events: int = 0  # rounds whose bonus token was not active
+    active_size_sum: int = 0  # active vocabulary size, summed over rounds
+    lm_head_s: float = 0.0
+    gather_s: float = 0.0
+    rows_gathered: int = 0
+    policy_s: float = 0.0
+    retrievals: int = 0  # retrieval results merged (late ones included)
+    retrieval_s: float = 0.0  # their latencies, summed
+    late: int = 0  # merged results that missed the round right after their OOV event
+    errors: int = 0  # retrievals that raised
+    dropped: int = 0  # OOV events not retrieved because the worker was saturated
+    latencies: list[float] | None = None  # each merged result's latency, kept only when not None
+
+    def add(self, st: VocabRoundStats) -> None:
+        self.rounds += 1
+        self.verified += st.verified
+        self.covered += st.covered
+        self.oov_events += st.oov
+        self.active_size_sum += st.active_size
+        self.lm_head_s += st.lm_head_s
+        self.gather_s += st.gather_s
+        self.rows_gathered += st.rows_gathered
+        self.policy_s += st.policy_s
+        self.retrievals += len(st.retrieval_s)
+        self.retrieval_s += sum(st.retrieval_s)
+        self.late += st.late
+        self.errors += st.errors
+        self.dropped += st.dropped
+        if self.latencies is not None:
+            self.latencies.extend(st.retrieval_s)
+
+    @property
+    def coverage(self) -> float | None:
+        """Share of verified tokens that were active; None before the first round."""
+        return self.covered / self.verified if self.verified else None
+
+    @property
+    def mean_active_size(self) -> float | None:
+        return self.active_size_sum / self.rounds if self.rounds else None
+
+
+_PREFILL_CHUNK = 64  # prompt positions per LM-head chunk when taking prefill top ids
+
+
+class ActiveVocab:
+    def __init__(
+        self, policy: VocabPolicy | None, lm_head: torch.Tensor, always_ids: Sequence[int] = ()
+    ) -> None:
+        vocab = lm_head.shape[0]
+        self.policy = policy
+        self.lm_head = lm_head  # [V, D]
+        self.always = torch.zeros(vocab, dtype=torch.bool, device=lm_head.device)  # [V]
+        self.always[[i for i in always_ids if 0 <= i < vocab]] = True
+        self.head: FullHead | ReducedHead
+        if policy is None:
+            self.head = FullHead(lm_head)
+        else:
+            self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()))
+        self._round = 0
+        self._mask = torch.ones(vocab, dtype=torch.bool, device=lm_head.device)  # [V] this round's set
+
+    @property
+    def name(self) -> str:
+        return "full" if self.policy is None else self.policy.name
+
+    @torch.inference_mode()
+    def prefill_top(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """hidden [P, D] -> the top-k target ids of every prompt position [P, k] (chunked)."""
+        out = [
+            torch.topk(hidden[i : i + _PREFILL_CHUNK] @ self.lm_head.T, k, dim=-1).indices
+            for i in range(0, hidden.shape[0], _PREFILL_CHUNK)
+        ]
+        return torch.cat(out)
+
+    def start(self, prompt: torch.Tensor, prefill_hidden: torch.Tensor) -> None:
+        """prompt [P] ids; prefill_hidden [P, D] the target's features at the prompt positions."""
+        self._round = 0
+        self.head.take_timings()
+        if self.policy is None:
+            return
+        k = self.policy.prefill_top_k
+        self.policy.start(prompt, self.prefill_top(prefill_hidden, k) if k else None)
+
+    def begin_round(self) -> None:
+        if self.policy is None:
+            return
+        self._mask = self.policy.active_mask(self._round) | self.always
+        self.head.set_active(self._mask)
+
+    def end_round(
+        self,
+        tree_tokens: torch.Tensor,  # [N] incl. the root
+        verified: torch.Tensor,  # [a + 1] accepted then bonus
+        path_logits: torch.Tensor,  # [a + 1, V]
+        bonus_hidden: torch.Tensor,  # [D]
+    ) -> VocabRoundStats:
+        timings = self.head.take_timings()
+        covered_mask = self._mask[verified]  # [a + 1]
+        oov = not bool(covered_mask[-1])
+        stats = VocabRoundStats(
+            active_size=self.head.size,
+            verified=verified.numel(),
+            covered=int(covered_mask.sum()),
+            oov=oov,
+            lm_head_s=timings.lm_head_s,
+            gather_s=timings.gather_s,
+            rows_gathered=timings.rows_gathered,
+        )
+        if self.policy is not None:
+            t0 = time.perf_counter()
+            self.policy.observe(
+                RoundFeedback(tree_tokens, verified, path_logits, bonus_hidden, oov, self._round)
+            )
+            extra = self.policy.take_stats()
+            stats.policy_s = time.perf_counter() - t0
+            stats.retrieval_s = extra.retrieval_s
+            stats.late, stats.errors, stats.dropped = extra.late, extra.errors, extra.dropped
+        self._round += 1
+        return stats
+
+    def state(self) -> dict:
+        """JSON-able snapshot for the admin API."""
+        out = {
+            "policy": self.name,
+            "active_size": self.head.size,
+            "capacity": self.head.size if self.policy is None else self.head.capacity,
+        }
+        if self.policy is not None:
+            out.update(self.policy.state())
+        return out
+
+    def reset_dynamic(self) -> dict | None:
+        """Forget the policy's served-traffic state (ARC buffer); None if it keeps none."""
+        return None if self.policy is None else self.policy.reset_dynamic()
+
+    def close(self) -> None:
+        if self.policy is not None:
+            self.policy.close()

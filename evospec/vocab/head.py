@@ -1,0 +1,127 @@
+"""The reduced draft LM head: logits over the active vocabulary only.
+
+Owns: the one mapping between draft-vocabulary *slots* and absolute target token ids, a
+preallocated packed buffer of LM-head rows (one row per slot), and the incremental update
+that gathers only the rows of ids that became active. Knows nothing about how the active set
+is chosen (that is a :class:`~evospec.vocab.policy.VocabPolicy`).
+
+Shapes are static: the buffer holds ``capacity`` rows for the whole request; a free slot has
+id ``FREE`` (-1) and a logit bias of ``-inf``, so the projection is always ``[n, capacity]``
+and a free slot can never be proposed. Tree tokens leave this module as target ids; the
+target still verifies over its full vocabulary, so the active set changes speed, never output.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+FREE = -1  # slot id placeholder of an unused slot
+
+
+@dataclass
+class HeadTimings:
+    """Wall time spent in the reduced head since the last :meth:`ReducedHead.take_timings`."""
+
+    lm_head_s: float = 0.0  # projection + log-softmax + top-k
+    gather_s: float = 0.0  # copying newly active rows into the packed buffer
+    rows_gathered: int = 0
+
+
+class FullHead:
+    """Top-k over the full vocabulary through the target's LM head (the EAGLE-2 baseline)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # [V, D]
+        self.timings = HeadTimings()
+
+    @property
+    def size(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        logp = torch.log_softmax((hidden @ self.weight.T).float(), dim=-1)  # [n, V]
+        top = torch.topk(logp, k, dim=-1)
+        self.timings.lm_head_s += time.perf_counter() - t0
+        return top.values, top.indices
+
+    def take_timings(self) -> HeadTimings:
+        out, self.timings = self.timings, HeadTimings()
+        return out
+
+
+class ReducedHead:
+    """Top-k over the active slots; a :class:`~evospec.decoding.drafter.DraftHeadFn`."""
+
+    def __init__(self, weight: torch.Tensor, capacity: int) -> None:
+        vocab, dim = weight.shape
+        if capacity < 1:
+            raise ValueError(f"reduced head capacity must be >= 1, got {capacity}")
+        self.weight = weight  # [V, D] the target's LM head (shared, never copied whole)
+        self.capacity = min(capacity, vocab)
+        self.rows = torch.zeros(self.capacity, dim, dtype=weight.dtype, device=weight.device)  # [C, D]
+        self.slot_ids = torch.full((self.capacity,), FREE, dtype=torch.long, device=weight.device)  # [C]
+        self.slot_of = torch.full((vocab,), FREE, dtype=torch.long, device=weight.device)  # [V]
+        self.bias = torch.full((self.capacity,), float("-inf"), dtype=torch.float32, device=weight.device)
+        self.size = 0  # active slots (host-side count)
+        self.timings = HeadTimings()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.slot_of.shape[0]
+
+    def active_mask(self) -> torch.Tensor:
+        """[V] bool: ids that currently hold a slot."""
+        return self.slot_of >= 0
+
+    def set_active(self, mask: torch.Tensor) -> int:
+        """Make the active ids exactly ``mask`` ([V] bool); gather only new rows. Returns rows gathered.
+
+        Raises ``ValueError`` if ``mask`` holds more ids than the capacity.
+        """
+        t0 = time.perf_counter()
+        have = self.slot_of >= 0
+        drop = torch.nonzero(have & ~mask).flatten()  # [d] ids leaving
+        add = torch.nonzero(mask & ~have).flatten()  # [a] ids entering
+        new_size = self.size - drop.numel() + add.numel()
+        if new_size > self.capacity:
+            raise ValueError(f"active vocabulary of {new_size} ids exceeds the head capacity {self.capacity}")
+        if drop.numel():
+            slots = self.slot_of[drop]
+            self.slot_ids[slots] = FREE
+            self.bias[slots] = float("-inf")
+            self.slot_of[drop] = FREE
+        if add.numel():
+            free = torch.nonzero(self.slot_ids == FREE).flatten()[: add.numel()]  # [a]
+            self.rows[free] = self.weight[add]
+            self.slot_ids[free] = add
+            self.slot_of[add] = free
+            self.bias[free] = 0.0
+        self.size = new_size
+        self.timings.gather_s += time.perf_counter() - t0
+        self.timings.rows_gathered += add.numel()
+        return add.numel()
+
+    def clear(self) -> None:
+        self.set_active(torch.zeros(self.vocab_size, dtype=torch.bool, device=self.slot_of.device))
+
+    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [n, D] -> top-k over the active ids: (log-probs [n, k'], target ids [n, k']).
+
+        k' = min(k, active size): a free slot is never returned.
+        """
+        t0 = time.perf_counter()
+        logits = (hidden @ self.rows.T).float() + self.bias  # [n, C]
+        logp = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(logp, min(k, self.size), dim=-1)
+        ids = self.slot_ids[top.indices]  # [n, k'] absolute target ids
+        self.timings.lm_head_s += time.perf_counter() - t0
+        return top.values, ids
+
+    def take_timings(self) -> HeadTimings:
+        """Return and reset the accumulated timings."""
+        out, self.timings = self.timings, HeadTimings()
+        return out

@@ -1,0 +1,71 @@
+"""The reduced head proposes only active ids, with the full head's ranking restricted to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evospec.vocab.head import FREE, FullHead, ReducedHead
+
+
+def _mask(ids, vocab=50):
+    m = torch.zeros(vocab, dtype=torch.bool)
+    m[list(ids)] = True
+    return m
+
+
+@pytest.fixture
+def weight():
+    torch.manual_seed(0)
+    return torch.randn(50, 8)
+
+
+def test_topk_equals_full_logits_restricted_to_active(weight):
+    head = ReducedHead(weight, capacity=12)
+    active = [3, 7, 8, 20, 31, 44, 49]
+    head.set_active(_mask(active))
+    hidden = torch.randn(5, 8)
+    logp, ids = head(hidden, 4)
+    full = hidden @ weight.T  # [5, 50]
+    ref = torch.log_softmax(full[:, active], dim=-1)  # renormalised over the active ids
+    top = torch.topk(ref, 4, dim=-1)
+    assert ids.tolist() == torch.tensor(active)[top.indices].tolist()
+    torch.testing.assert_close(logp, top.values)
+
+
+def test_only_new_rows_are_gathered_and_slots_map_to_ids(weight):
+    head = ReducedHead(weight, capacity=6)
+    assert head.set_active(_mask([1, 2, 3])) == 3
+    assert head.set_active(_mask([2, 3, 4, 5])) == 2  # 1 leaves, 4 and 5 enter
+    assert head.size == 4
+    live = head.slot_ids[head.slot_ids != FREE]
+    assert sorted(live.tolist()) == [2, 3, 4, 5]
+    for tok in (2, 3, 4, 5):
+        slot = int(head.slot_of[tok])
+        assert int(head.slot_ids[slot]) == tok
+        assert torch.equal(head.rows[slot], weight[tok])
+    assert int(head.slot_of[1]) == FREE
+    assert head.active_mask().nonzero().flatten().tolist() == [2, 3, 4, 5]
+
+
+def test_free_slots_are_never_proposed(weight):
+    head = ReducedHead(weight, capacity=10)
+    head.set_active(_mask([5, 6]))
+    logp, ids = head(torch.randn(3, 8), 4)  # asks for more than are active
+    assert ids.shape == (3, 2) and set(ids.flatten().tolist()) <= {5, 6}
+    assert torch.isfinite(logp).all()
+
+
+def test_capacity_overflow_is_a_clear_error(weight):
+    head = ReducedHead(weight, capacity=3)
+    with pytest.raises(ValueError, match="exceeds the head capacity 3"):
+        head.set_active(_mask([1, 2, 3, 4]))
+
+
+def test_full_head_matches_plain_topk_and_times_itself(weight):
+    head = FullHead(weight)
+    hidden = torch.randn(2, 8)
+    _, ids = head(hidden, 3)
+    ref = torch.topk(torch.log_softmax(hidden @ weight.T, -1), 3, -1)
+    assert torch.equal(ids, ref.indices)
+    assert head.take_timings().lm_head_s > 0 and head.timings.lm_head_s == 0

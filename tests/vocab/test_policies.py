@@ -1,0 +1,184 @@
+"""Vocabulary policies: what each makes active, and that every one of them is lossless."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from evospec.decoding.methods import make_decoder
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.tree import TreeConfig
+from evospec.models.eagle import new_eagle_for
+from evospec.vocab.factory import POLICIES, VocabConfig, make_policy, static_table
+from evospec.vocab.policy import NanoSpecConfig, NanoSpecVocab, RoundFeedback, frspec_size
+from tests.decoding.spec_helpers import ar_tokens, prompt_of, tiny_target
+
+V = 64
+SMALL = VocabConfig(
+    frspec_k=16,
+    w_max=24,
+    arc_capacity=8,
+    arc_ghost=8,
+    arc_p_init=4,
+    arc_max_insert=4,
+    arc_min_residency=2,
+    arc_warmup=3,
+    n_top=3,
+    n_sem=3,
+    per_seed=2,
+    synchronous=True,
+)
+
+
+class ExactSearch:
+    """Brute-force inner-product search standing in for the HNSW index."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.w = weight.detach().numpy()
+
+    def search(self, h: np.ndarray, k: int) -> np.ndarray:
+        return np.argsort(-(h @ self.w.T), axis=-1, kind="stable")[:, :k]
+
+
+class SuccGraph:
+    def successors(self, u: int, k: int) -> np.ndarray:
+        return np.array([(u * 7 + j) % V for j in range(1, k + 1)], dtype=np.int64)
+
+
+def bundle(target, counts=None):
+    counts = counts if counts is not None else np.arange(V)[::-1].copy()  # id 0 most frequent
+    return SimpleNamespace(counts=counts, hnsw=ExactSearch(target.lm_head.weight), graph=SuccGraph())
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(3)
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return new_eagle_for(target, seed=1)
+
+
+def test_frspec_size_rule():
+    assert frspec_size(151_936) == 32768 and frspec_size(262_144) == 32768
+    assert frspec_size(49_152) == 12_288  # V / 4 below 128k
+    assert frspec_size(64) == 64
+
+
+def test_static_table_is_topk_by_count_ties_to_lower_id():
+    counts = np.array([5, 9, 9, 1, 9, 0])
+    assert static_table(counts, 3).tolist() == [1, 2, 4]
+    assert static_table(counts, 4).tolist() == [0, 1, 2, 4]
+
+
+def _feedback(tree, verified, logits, round_index=0, oov=False, dim=32):
+    return RoundFeedback(
+        tree_tokens=torch.tensor(tree),
+        verified=torch.tensor(verified),
+        path_logits=logits,
+        bonus_hidden=torch.zeros(dim),
+        oov=oov,
+        round_index=round_index,
+    )
+
+
+def test_nanospec_stream_by_hand():
+    pol = NanoSpecVocab(10, NanoSpecConfig(k_pre=1, k_ver=1, w_max=6))
+    pol.start(torch.tensor([1, 2, 2]), torch.tensor([[3], [4], [1]]))  # stream 1 2 2 3 4 1
+    assert pol.active_mask(0).nonzero().flatten().tolist() == [1, 2, 3, 4]
+    logits = torch.zeros(2, 10)
+    logits[0, 8] = logits[1, 9] = 1.0  # top-1 of the two path rows: 8, 9
+    pol.observe(_feedback([1, 5, 5, 6], [5, 9], logits))  # draft uniques 5 6, then 8 9
+    # stream ... 2 3 4 1 | 5 6 8 9 -> last 6: 4 1 5 6 8 9
+    assert pol.active_mask(1).nonzero().flatten().tolist() == [1, 4, 5, 6, 8, 9]
+
+
+def test_evospec_oov_event_admits_retrieved_ids_next_round(target):
+    pol = make_policy("evospec", V, cfg=SMALL, indices=bundle(target))
+    pol.start(torch.tensor([1, 2]), None)
+    core = pol.active_mask(0).clone()
+    assert core.nonzero().flatten().tolist() == list(range(16))  # the 16 most frequent ids
+    logits = torch.zeros(1, V)
+    logits[0, [40, 41, 42]] = torch.tensor([3.0, 2.0, 1.0])
+    pol.observe(_feedback([0, 5], [40], logits, oov=True))
+    active = pol.active_mask(1)
+    dyn = (active & ~core).nonzero().flatten().tolist()
+    assert 40 in dyn and len(dyn) <= SMALL.arc_max_insert
+    assert torch.equal(active & core, core)  # the core never leaves
+    stats = pol.take_stats()
+    assert stats.admitted == len(dyn) and len(stats.retrieval_s) == 1 and stats.late == 0
+
+
+PROMPTS = [prompt_of(s, 4 + 3 * s) for s in range(4)]
+TREES = (TreeConfig(top_k=4, depth=4, total_tokens=12), TreeConfig(top_k=2, depth=3, total_tokens=5))
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["k4d4t12", "k2d3t5"])
+@pytest.mark.parametrize("method", POLICIES)
+def test_greedy_output_equals_ar_under_every_policy(target, head, method, tree):
+    dec = make_decoder(
+        method, target, draft=head, tree=tree, vocab=SMALL, indices=bundle(target), eos_ids=(V - 1,)
+    )
+    params = SamplingParams(max_new_tokens=30)
+    oov_rounds = 0
+    for prompt in PROMPTS:
+        events = list(dec.generate(prompt, params))
+        assert [t for ev in events for t in ev.tokens] == ar_tokens(target, prompt, params, eos=(V - 1,))
+        rounds = [ev.vocab for ev in events if not ev.prefill]
+        assert all(r is not None and r.active_size <= dec.vocab.head.capacity for r in rounds)
+        assert all(r.covered >= r.verified - 1 for r in rounds)  # accepted tokens are always active
+        oov_rounds += sum(r.oov for r in rounds)
+    assert oov_rounds > 0  # the small vocabularies really miss tokens here
+
+
+def test_eagle2_reports_full_coverage(target, head):
+    dec = make_decoder("eagle2", target, draft=head, tree=TREES[0])
+    evs = [ev for ev in dec.generate(PROMPTS[1], SamplingParams(max_new_tokens=12)) if not ev.prefill]
+    assert all(ev.vocab.covered == ev.vocab.verified and ev.vocab.active_size == V for ev in evs)
+
+
+def test_sampled_output_repeats_under_a_seed(target, head):
+    dec = make_decoder("nanospec", target, draft=head, tree=TREES[0], vocab=SMALL)
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=5)
+    runs = [[t for ev in dec.generate(PROMPTS[2], params) for t in ev.tokens] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+class _Failing:
+    """A retrieval index that raises, or blocks until released."""
+
+    def __init__(self, stall: bool) -> None:
+        self.stall = stall
+        self.gate = threading.Event()
+
+    def search(self, h, k):
+        if self.stall:
+            self.gate.wait(10)
+            return np.zeros((1, k), dtype=np.int64)
+        raise RuntimeError("corrupt index")
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["raises", "stalls"])
+def test_failing_retrieval_leaves_output_unchanged_and_is_reported(target, head, stall):
+    broken = _Failing(stall)
+    indices = SimpleNamespace(counts=np.arange(V)[::-1].copy(), hnsw=broken, graph=None)
+    cfg = VocabConfig(**{**SMALL.__dict__, "synchronous": False, "max_pending": 1})
+    dec = make_decoder("evospec", target, draft=head, tree=TREES[0], vocab=cfg, indices=indices)
+    params = SamplingParams(max_new_tokens=40)
+    prompt = PROMPTS[3]
+    events = list(dec.generate(prompt, params))
+    broken.gate.set()
+    assert [t for ev in events for t in ev.tokens] == ar_tokens(target, prompt, params)
+    rounds = [ev.vocab for ev in events if not ev.prefill]
+    assert sum(r.oov for r in rounds) >= 2
+    if stall:
+        assert sum(r.dropped for r in rounds) >= 1  # saturated pool: later events are dropped
+    else:
+        assert sum(r.errors for r in rounds) >= 1
+    assert all(not r.retrieval_s for r in rounds)  # nothing was merged
+    dec.vocab.close()
