@@ -1,0 +1,244 @@
+"""The ``evospec-index`` command line (also ``python -m indices``): build, info, check.
+
+Owns: argument parsing, choosing the corpus (training-side shared data and/or corpus files),
+and printing. Exit codes: 0 ok, 2 a usage, data, model or index error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from evospec.models.registry import DEFAULT_MODEL, REGISTRY
+from evospec.paths import DEFAULT_DATA
+from indices.bigram import BigramParams
+from indices.hnsw import DEFAULT_EF, HnswParams
+from indices.manifest import Manifest
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _model_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "--model",
+        default=default,
+        required=default is None,
+        help=f"registered name ({', '.join(REGISTRY)}), a Hugging Face folder or a .gguf file"
+        + (f" (default: {default})" if default else ""),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="evospec-index",
+        description="Offline indices for dynamic draft vocabularies: token frequencies, a bigram "
+        "successor graph and an HNSW index over LM-head rows, bound to a model by a manifest.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser(
+        "build",
+        help="count a corpus and index a model's LM head into a directory",
+        description="Build frequency.npy, bigram.npz, hnsw.bin and manifest.json in --out. The corpus "
+        "is --training-data (training-side sets of the shared data) and/or --corpus files; "
+        "evaluation sets are refused. An existing index directory at --out is replaced when the "
+        "build completes.",
+    )
+    _model_arg(b, DEFAULT_MODEL)
+    b.add_argument(
+        "--corpus",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="PATH",
+        help=".txt (split at blank lines), .jsonl/.json (a record's 'text' field or all its strings) "
+        "files, or folders searched recursively",
+    )
+    b.add_argument(
+        "--training-data",
+        nargs="?",
+        type=Path,
+        const=DEFAULT_DATA,
+        default=None,
+        metavar="DIR",
+        help=f"add the training-side sets of a shared data folder (bare flag: {DEFAULT_DATA})",
+    )
+    b.add_argument("--out", type=Path, required=True, help="index directory to write")
+    b.add_argument(
+        "--hnsw-m",
+        type=_positive_int,
+        default=HnswParams.m,
+        help=f"HNSW graph degree M (default: {HnswParams.m})",
+    )
+    b.add_argument(
+        "--ef-construction",
+        type=_positive_int,
+        default=HnswParams.ef_construction,
+        help=f"HNSW build beam (default: {HnswParams.ef_construction})",
+    )
+    b.add_argument(
+        "--ef",
+        type=_positive_int,
+        default=DEFAULT_EF,
+        help=f"HNSW search beam stored as the default (default: {DEFAULT_EF})",
+    )
+    b.add_argument(
+        "--min-count",
+        type=_positive_int,
+        default=BigramParams.min_count,
+        help=f"bigram: min count(u,v) (default: {BigramParams.min_count})",
+    )
+    b.add_argument(
+        "--min-prob",
+        type=float,
+        default=BigramParams.min_prob,
+        help=f"bigram: min p(v|u) (default: {BigramParams.min_prob:g})",
+    )
+    b.add_argument(
+        "--max-degree",
+        type=_positive_int,
+        default=BigramParams.max_degree,
+        help=f"bigram: successors kept per u (default: {BigramParams.max_degree})",
+    )
+    b.add_argument("--no-hnsw", action="store_true", help="skip the HNSW index (frequency + bigram only)")
+    b.add_argument(
+        "--max-tokens", type=_positive_int, default=None, help="stop counting after N tokens (default: all)"
+    )
+    b.add_argument("--threads", type=int, default=-1, help="HNSW build threads (default: -1, every core)")
+    b.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    i = sub.add_parser("info", help="print the manifest of an index directory")
+    i.add_argument("directory", type=Path)
+    i.add_argument("--json", action="store_true", help="print manifest.json as is")
+
+    c = sub.add_parser(
+        "check",
+        help="verify an index directory against a model (exit 0 ok, 2 with the error)",
+        description="Check that DIRECTORY was built for --model (vocab size, hidden size, "
+        "fingerprint) and that every file listed in its manifest is intact (size and sha256).",
+    )
+    _model_arg(c, None)
+    c.add_argument("directory", type=Path)
+    c.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return parser
+
+
+def _describe(args: argparse.Namespace) -> str:
+    parts = []
+    if args.training_data is not None:
+        parts.append(f"training-side sets of {args.training_data}")
+    parts += [str(p) for p in args.corpus]
+    text = "; ".join(parts)
+    return text + (f" (first {args.max_tokens} tokens)" if args.max_tokens else "")
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from evospec.models.loading import load_model
+    from indices.build import build_from_texts
+    from indices.corpus import corpus_files, read_corpus_files, training_texts
+    from indices.default import model_source
+
+    if args.training_data is None and not args.corpus:
+        raise ValueError("nothing to count: give --training-data [DIR] and/or --corpus PATH...")
+    files = corpus_files(args.corpus)  # checked before the model loads
+    if args.training_data is not None and not Path(args.training_data).is_dir():
+        raise FileNotFoundError(f"{args.training_data}: shared data folder not found")
+    progress = not args.no_progress
+    loaded = load_model(args.model, progress=progress)
+    if loaded.codec is None:
+        raise ValueError(f"{args.model}: the model carries no tokenizer, cannot tokenize a corpus")
+    sources: list[Iterator[str]] = []
+    if args.training_data is not None:
+        sources.append(training_texts(args.training_data))
+    if files:
+        sources.append(read_corpus_files(files))
+    manifest = build_from_texts(
+        loaded.model.lm_head.weight,
+        loaded.codec,
+        itertools.chain(*sources),
+        args.out,
+        max_tokens=args.max_tokens,
+        progress=progress,
+        model_name=loaded.name,
+        model_source=model_source(loaded),
+        corpus_description=_describe(args),
+        bigram_params=BigramParams(args.min_count, args.min_prob, args.max_degree),
+        hnsw_params=HnswParams(m=args.hnsw_m, ef_construction=args.ef_construction, ef=args.ef),
+        hnsw=not args.no_hnsw,
+        hnsw_threads=args.threads,
+    )
+    print(f"wrote {args.out}")
+    print(summary(manifest))
+    return 0
+
+
+def summary(m: Manifest) -> str:
+    hnsw = (
+        f"M={m.hnsw.params.m} ef_construction={m.hnsw.params.ef_construction} ef={m.hnsw.params.ef} "
+        f"max_norm={m.hnsw.max_norm:.4g}"
+        if m.hnsw
+        else "none (built with --no-hnsw)"
+    )
+    lines = [
+        f"model:    {m.model_name} ({m.model_source}), vocab {m.vocab_size} x hidden {m.hidden_size}",
+        f"          fingerprint {m.model_fingerprint}",
+        f"corpus:   {m.corpus.description}",
+        f"          {m.corpus.num_documents} documents, {m.corpus.num_tokens} tokens",
+        f"bigram:   {m.num_edges} edges (min_count={m.bigram.min_count} min_prob={m.bigram.min_prob:g} "
+        f"max_degree={m.bigram.max_degree})",
+        f"hnsw:     {hnsw}",
+        "files:    " + ", ".join(f"{name} {e.size / 1e6:.2f} MB" for name, e in m.files.items()),
+        "seconds:  " + ", ".join(f"{k} {v:.1f}" for k, v in m.build_seconds.items()),
+        f"created:  {m.created} (format {m.format_version})",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from indices.manifest import MANIFEST_NAME, read_manifest
+
+    manifest = read_manifest(args.directory)
+    if args.json:
+        print((Path(args.directory) / MANIFEST_NAME).read_text(), end="")
+    else:
+        print(summary(manifest))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from evospec.models.loading import load_model
+    from indices.manifest import load_indices, read_manifest
+
+    manifest = read_manifest(args.directory)  # a missing directory fails before the model loads
+    loaded = load_model(args.model, progress=not args.no_progress)
+    bundle = load_indices(args.directory, loaded.model.lm_head.weight, need_hnsw=manifest.hnsw is not None)
+    print(
+        f"ok: {args.directory} matches {args.model} ({len(bundle.manifest.files)} files verified, "
+        f"hnsw {'present' if bundle.hnsw is not None else 'absent'})"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from evospec.models.config import UnsupportedModelError
+    from evospec.models.errors import CheckpointError
+
+    commands = {"build": cmd_build, "info": cmd_info, "check": cmd_check}
+    try:
+        return commands[args.command](args)
+    except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:
+        print(f"evospec-index: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The manifest that binds an index directory to the model it was built from, and its loader.
+
+Owns: the ``manifest.json`` format (``Manifest``), the model fingerprint, and
+``load_indices``, which refuses -- with ``IndexLoadError`` naming the file, the problem and
+the command that rebuilds it -- a directory whose manifest is missing or unreadable, whose
+model (vocabulary size, hidden size, fingerprint) is not the served one, or whose files are
+missing, truncated or altered (size and sha256 of every file, checked on each load).
+
+Directory layout: ``manifest.json`` (written last) + the files it lists
+(``frequency.npy``, ``bigram.npz``, ``hnsw.bin``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from indices.bigram import BigramGraph, BigramParams
+from indices.frequency import load_counts
+from indices.hnsw import HnswParams, LMHeadIndex
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+FREQUENCY_FILE = "frequency.npy"
+BIGRAM_FILE = "bigram.npz"
+HNSW_FILE = "hnsw.bin"
+FINGERPRINT_STRIDE = 61  # rows hashed: 0, 61, 122, ... and the last
+
+
+class IndexLoadError(ValueError):
+    """An index directory cannot serve this model; the message names the path, the problem and
+    how to rebuild. ``kind`` is one of: missing, unreadable, model_mismatch, corrupt, no_hnsw."""
+
+    def __init__(self, path: Path, problem: str, kind: str, rebuild_hint: str) -> None:
+        self.path = path
+        self.problem = problem
+        self.kind = kind
+        super().__init__(f"{path}: {problem}. {rebuild_hint}")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size: int  # bytes
+
+
+@dataclass(frozen=True)
+class CorpusInfo:
+    description: str  # e.g. "training-side sets of /work/shared/data" or the corpus paths
+    num_documents: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class HnswInfo:
+    params: HnswParams
+    max_norm: float  # M of the norm augmentation (largest row norm after centring, if centred)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_name: str
+    model_source: str  # what --model was given (registered name, folder or .gguf path)
+    model_fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    corpus: CorpusInfo
+    bigram: BigramParams
+    num_edges: int  # edges of the pruned bigram graph
+    hnsw: HnswInfo | None  # None: built with --no-hnsw
+    files: dict[str, FileEntry]  # file name (relative to the directory) -> checksum and size
+    build_seconds: dict[str, float]  # part ("tokenize+count", "bigram", "hnsw", ...) -> seconds
+    created: str  # ISO 8601 UTC
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        hnsw = d.get("hnsw")
+        return cls(
+            model_name=d["model_name"],
+            model_source=d["model_source"],
+            model_fingerprint=d["model_fingerprint"],
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            corpus=CorpusInfo(**d["corpus"]),
+            bigram=BigramParams(**d["bigram"]),
+            num_edges=int(d["num_edges"]),
+            hnsw=None if hnsw is None else HnswInfo(HnswParams(**hnsw["params"]), float(hnsw["max_norm"])),
+            files={name: FileEntry(**entry) for name, entry in d["files"].items()},
+            build_seconds={k: float(v) for k, v in d["build_seconds"].items()},
+            created=d["created"],
+            format_version=int(d["format_version"]),
+        )
+
+
+@dataclass
+class IndexBundle:
+    manifest: Manifest
+    counts: np.ndarray  # [V] int64 token frequencies
+    graph: BigramGraph
+    hnsw: LMHeadIndex | None  # None when not requested (need_hnsw=False) or not built
+    directory: Path  # where it was loaded from
+
+
+def model_fingerprint(lm_head_weight: torch.Tensor) -> str:
+    """sha256 over the shape and a strided subset of LM-head rows (every 61st and the last).
+
+    Values are rounded to bfloat16 first, so one checkpoint served in fp32 or bf16 has one
+    fingerprint (an fp16 copy may differ: fp32 -> fp16 -> bf16 can round differently).
+    """
+    w = lm_head_weight.detach()
+    rows = torch.cat([w[::FINGERPRINT_STRIDE], w[-1:]])  # [ceil(V / 61) + 1, D]
+    rows = rows.to(device="cpu", dtype=torch.bfloat16).to(torch.float32).contiguous()
+    h = hashlib.sha256()
+    h.update(("x".join(str(s) for s in w.shape)).encode())
+    h.update(rows.numpy().tobytes())
+    return h.hexdigest()
+
+
+def file_entry(path: Path) -> FileEntry:
+    return FileEntry(sha256=_sha256(path), size=path.stat().st_size)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` atomically (temp file, then rename)."""
+    tmp = directory / f".{MANIFEST_NAME}.tmp"
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, directory / MANIFEST_NAME)
+
+
+def rebuild_hint(directory: Path, model_source: str | None = None) -> str:
+    model = model_source or "MODEL"
+    return (
+        f"Rebuild it with: evospec-index build --model {model} --training-data --out {directory} "
+        "(or --corpus FILES...; see evospec-index build --help)"
+    )
+
+
+def read_manifest(directory: Path) -> Manifest:
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        why = (
+            "no such directory"
+            if not directory.is_dir()
+            else f"no {MANIFEST_NAME} (not built, or interrupted)"
+        )
+        raise IndexLoadError(directory, why, "missing", rebuild_hint(directory))
+    try:
+        raw = json.loads(path.read_text())
+        manifest = Manifest.from_dict(raw)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise IndexLoadError(
+            path, f"unreadable manifest ({exc!r})", "unreadable", rebuild_hint(directory)
+        ) from exc
+    if manifest.format_version != FORMAT_VERSION:
+        raise IndexLoadError(
+            path,
+            f"format version {manifest.format_version}, this code reads {FORMAT_VERSION}",
+            "unreadable",
+            rebuild_hint(directory, manifest.model_source),
+        )
+    return manifest
+
+
+def check_model(directory: Path, manifest: Manifest, lm_head_weight: torch.Tensor) -> None:
+    """Raise ``IndexLoadError`` unless the manifest was built from this LM head."""
+    hint = rebuild_hint(directory, manifest.model_source)
+    vocab, hidden = lm_head_weight.shape
+    path = directory / MANIFEST_NAME
+    if manifest.vocab_size != vocab or manifest.hidden_size != hidden:
+        raise IndexLoadError(
+            path,
+            f"built for vocab {manifest.vocab_size} x hidden {manifest.hidden_size} "
+            f"({manifest.model_name}), the served model has {vocab} x {hidden}",
+            "model_mismatch",
+            hint,
+        )
+    fingerprint = model_fingerprint(lm_head_weight)
+    if manifest.model_fingerprint != fingerprint:
+        raise IndexLoadError(
+            path,
+            f"built for another model (fingerprint {manifest.model_fingerprint[:12]}... of "
+            f"{manifest.model_name}, the served LM head has {fingerprint[:12]}...)",
+            "model_mismatch",
+            hint,
+        )
+
+
+def check_files(directory: Path, manifest: Manifest, names: list[str]) -> None:
+    """Raise ``IndexLoadError`` unless each of ``names`` exists with its listed size and sha256."""
+    hint = rebuild_hint(directory, manifest.model_source)
+    for name in names:
+        entry = manifest.files.get(name)
+        path = directory / name
+        if entry is None:
+            raise IndexLoadError(path, f"not listed in {MANIFEST_NAME}", "unreadable", hint)
+        if not path.is_file():
+            raise IndexLoadError(path, f"file missing (listed in {MANIFEST_NAME})", "corrupt", hint)
+        size = path.stat().st_size
+        if size != entry.size:
+            raise IndexLoadError(
+                path, f"size {size} bytes, expected {entry.size} (truncated?)", "corrupt", hint
+            )
+        if _sha256(path) != entry.sha256:
+            raise IndexLoadError(path, "sha256 mismatch (file altered or corrupt)", "corrupt", hint)
+
+
+def load_indices(directory: Path, lm_head_weight: torch.Tensor, *, need_hnsw: bool = True) -> IndexBundle:
+    """Read and verify the indices in ``directory`` for the model whose LM head is ``lm_head_weight``
+    ([V, D]). With ``need_hnsw=False`` the HNSW file is neither checked nor loaded."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_model(directory, manifest, lm_head_weight)
+    hint = rebuild_hint(directory, manifest.model_source)
+    if need_hnsw and manifest.hnsw is None:
+        raise IndexLoadError(directory, "built without the HNSW index (--no-hnsw)", "no_hnsw", hint)
+    names = [FREQUENCY_FILE, BIGRAM_FILE] + ([HNSW_FILE] if need_hnsw else [])
+    check_files(directory, manifest, names)
+    try:
+        counts = load_counts(directory / FREQUENCY_FILE)
+        graph = BigramGraph.load(directory / BIGRAM_FILE)
+        hnsw = None
+        if need_hnsw and manifest.hnsw is not None:
+            hnsw = LMHeadIndex.load(directory / HNSW_FILE, manifest.hidden_size, ef=manifest.hnsw.params.ef)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # checksum ok but unreadable
+        raise IndexLoadError(directory, f"cannot read index files ({exc!r})", "unreadable", hint) from exc
+    if counts.size != manifest.vocab_size or graph.vocab_size != manifest.vocab_size:
+        raise IndexLoadError(
+            directory, "index files disagree with the manifest's vocab size", "corrupt", hint
+        )
+    return IndexBundle(manifest, counts, graph, hnsw, directory)

@@ -1,0 +1,102 @@
+"""``evospec-index`` end to end on a tiny random model folder and a tiny corpus: build, info and
+check (0 when intact, 2 naming the file when not, 2 for another model), refusals, ``-m``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from indices.cli import main
+from indices.manifest import BIGRAM_FILE, HNSW_FILE, MANIFEST_NAME
+from tests.indices.helpers import CORPUS, tiny_codec, tiny_model_for, write_model_folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(model folder, another model's folder with the same tokenizer, corpus folder)."""
+    root = tmp_path_factory.mktemp("cli")
+    codec = tiny_codec(CORPUS.split("\n\n") * 4)
+    model = write_model_folder(root / "tiny-model", tiny_model_for(codec, 0), codec)
+    other = write_model_folder(root / "other-model", tiny_model_for(codec, 1), codec)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(CORPUS)
+    (corpus / "b.jsonl").write_text("\n".join(json.dumps({"text": p}) for p in CORPUS.split("\n\n")))
+    return model, other, corpus
+
+
+def test_build_info_check(setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, other, corpus = setup
+    out = tmp_path / "idx"
+    argv = ["build", "--model", str(model), "--corpus", str(corpus), "--out", str(out), "--min-count", "1"]
+    assert main([*argv, "--threads", "1", "--no-progress"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"wrote {out}" in stdout and "edges (min_count=1" in stdout
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["model_name"] == "tiny-model" and manifest["model_source"] == str(model)
+    assert manifest["corpus"]["num_documents"] == 8 and manifest["bigram"]["min_count"] == 1
+
+    assert main(["info", str(out)]) == 0
+    assert "fingerprint" in capsys.readouterr().out
+    assert main(["info", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == manifest
+
+    assert main(["check", "--model", str(model), str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {out}")
+    assert main(["check", "--model", str(other), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "built for another model" in err and f"evospec-index build --model {model}" in err
+
+    data = bytearray((out / BIGRAM_FILE).read_bytes())
+    data[-30] ^= 1
+    (out / BIGRAM_FILE).write_bytes(bytes(data))
+    assert main(["check", "--model", str(model), str(out), "--no-progress"]) == 2
+    assert f"{out / BIGRAM_FILE}: sha256 mismatch" in capsys.readouterr().err
+
+
+def test_no_hnsw_and_max_tokens(setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, _, corpus = setup
+    out = tmp_path / "idx"
+    argv = ["build", "--model", str(model), "--corpus", str(corpus / "a.txt"), "--out", str(out)]
+    assert main([*argv, "--no-hnsw", "--max-tokens", "25", "--no-progress"]) == 0
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["hnsw"] is None and manifest["corpus"]["num_tokens"] == 25
+    assert not (out / HNSW_FILE).exists()
+    assert main(["check", "--model", str(model), str(out), "--no-progress"]) == 0  # checks what it lists
+    assert "hnsw absent" in capsys.readouterr().out
+
+
+def test_refusals_exit_2(setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, _, _ = setup
+    evil = tmp_path / "humaneval"
+    evil.mkdir()
+    (evil / "p.txt").write_text("def f(): pass")
+    base = ["build", "--model", str(model), "--out", str(tmp_path / "idx"), "--no-progress"]
+    assert main([*base, "--corpus", str(evil)]) == 2
+    assert "evaluation-only set 'humaneval'" in capsys.readouterr().err
+    assert main(base) == 2
+    assert "--training-data" in capsys.readouterr().err
+    assert main([*base, "--training-data", str(tmp_path / "no-data")]) == 2
+    assert main(["info", str(tmp_path / "nothing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(["check", "--model", str(tmp_path / "no-model"), str(tmp_path / "nothing")]) == 2
+
+
+def test_module_help_subprocess() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "indices", "build", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--corpus", "--training-data", "--hnsw-m", "--ef-construction", "--min-prob", "--no-hnsw"):
+        assert flag in proc.stdout
+    assert "(default: 32)" in proc.stdout and "(default: 0.0001)" in proc.stdout and "None" not in proc.stdout
