@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
-
-DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+from evospec.paths import DEFAULT_DATA
 
 
 def _positive_int(text: str) -> int:
@@ -55,6 +54,33 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
         default=60,
         help="tree: draft tokens verified per round (default 60)",
     )
+    p.add_argument(
+        "--tree",
+        choices=["fixed", "auto"],
+        default="fixed",
+        help="'fixed': the three flags above; 'auto': pick the fastest tree shape for this machine, "
+        "model, head and method by a short calibration run on training-side prompts (cached under "
+        "$EVOSPEC_HOME/tuning)",
+    )
+    v = p.add_argument_group("active vocabulary (frspec, nanospec, evospec, nanospec+evospec)")
+    v.add_argument(
+        "--frspec-k",
+        type=_positive_int,
+        default=None,
+        help="static frequency table size (frspec; evospec's core); default 32768 for vocabularies "
+        ">= 128k, else V/4 rounded up to 256",
+    )
+    v.add_argument("--w-max", type=_positive_int, default=3072, help="NanoSpec window (default 3072)")
+    v.add_argument(
+        "--arc-capacity", type=_positive_int, default=256, help="EvoSpec dynamic buffer (default 256)"
+    )
+    v.add_argument(
+        "--indices",
+        type=Path,
+        default=None,
+        help="index folder from evospec-index build (default: $EVOSPEC_HOME/indices/<model>, built on "
+        "first use from the training-side data)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
@@ -81,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
-    g.add_argument("--method", default="ar", help="decoding method: ar | eagle2 (default: ar)")
+    g.add_argument(
+        "--method",
+        default="ar",
+        help="decoding method: ar | eagle2 | frspec | nanospec | evospec | nanospec+evospec (default: ar)",
+    )
     _add_model_args(g)
     _add_draft_args(g)
     _add_sampling_args(g, 128)
@@ -93,7 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
         "and optionally writes JSON. 'hf' is transformers' generate on the same weights.",
     )
     b.add_argument(
-        "--methods", default="ar,hf", help="comma-separated methods: ar, eagle2, hf (default: ar,hf)"
+        "--methods",
+        default="ar,hf",
+        help="comma-separated methods: ar, hf, eagle2, frspec, nanospec, evospec, nanospec+evospec "
+        "(default: ar,hf)",
+    )
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run for CI: 2 prompts and 16 new tokens unless --limit/--max-new-tokens say otherwise",
+    )
+    b.add_argument("--markdown", type=Path, default=None, help="also write the tables as markdown here")
+    b.add_argument(
+        "--plots", type=Path, default=None, help="write PNG plots (speed, acceptance, draft split) here"
     )
     b.add_argument(
         "--data",
@@ -106,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     _add_draft_args(b)
     _add_sampling_args(b, 64)
+    b.set_defaults(max_new_tokens=None)
 
     t = sub.add_parser(
         "train-draft",
@@ -141,8 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--config", type=Path, default=None, help="YAML preset, e.g. configs/eagle2.yaml")
     s.add_argument("--model", default=None, help=f"model to serve (default: {DEFAULT_MODEL})")
-    s.add_argument("--draft", default=None, help="EAGLE-2 head folder (method eagle2)")
-    s.add_argument("--method", default=None, help="decoding method: ar | eagle2 (default: ar)")
+    s.add_argument("--draft", default=None, help="EAGLE-2 head folder (speculative methods)")
+    s.add_argument(
+        "--method",
+        default=None,
+        help="decoding method: ar | eagle2 | frspec | nanospec | evospec | nanospec+evospec (default: ar)",
+    )
     s.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="listen port (default: 8000)")
     s.add_argument("--device", default=None, help="torch device: cpu, cuda, cuda:1, auto (default: cpu)")
@@ -177,21 +224,70 @@ def _load(args: argparse.Namespace):
     return loaded
 
 
-def _decoder(name: str, args: argparse.Namespace, loaded, eos):
-    from evospec.decoding.methods import make_decoder
+def _indices(names: list[str], args: argparse.Namespace, loaded):
+    """The model's index bundle if any method needs one (loaded or built once per process)."""
+    from evospec.vocab.factory import NEEDS_COUNTS, NEEDS_RETRIEVAL
+
+    if not any(n in NEEDS_COUNTS or n in NEEDS_RETRIEVAL for n in names):
+        return None
+    from indices.default import ensure_indices
+
+    return ensure_indices(
+        loaded,
+        directory=args.indices,
+        need_hnsw=any(n in NEEDS_RETRIEVAL for n in names),
+        progress=not args.no_progress,
+    )
+
+
+def _vocab_config(args: argparse.Namespace):
+    from evospec.vocab.factory import VocabConfig
+
+    return VocabConfig(frspec_k=args.frspec_k, w_max=args.w_max, arc_capacity=args.arc_capacity)
+
+
+def _decoders(names: list[str], args: argparse.Namespace, loaded, eos) -> dict:
+    """One decoder per method name, sharing the draft head and the index bundle."""
+    from evospec.decoding.methods import METHODS, SPECULATIVE, make_decoder
     from evospec.decoding.tree import TreeConfig
 
+    for name in names:
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
     draft = None
-    if name != "ar":
+    if any(n in SPECULATIVE for n in names):
         from evospec.models.eagle import load_eagle
         from evospec.models.registry import default_head
 
         path = args.draft or default_head(loaded.name)
         if path is None:
-            raise ValueError(f"method {name} needs --draft PATH: no head ships for {loaded.name}")
+            raise ValueError(f"speculative methods need --draft PATH: no head ships for {loaded.name}")
         draft = load_eagle(path)
-    tree = TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
-    return make_decoder(name, loaded.model, eos_ids=eos, draft=draft, tree=tree)
+    indices = _indices(names, args, loaded)
+    vocab = _vocab_config(args)
+    fixed = TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
+
+    def build(name: str, tree: TreeConfig):
+        return make_decoder(
+            name, loaded.model, eos_ids=eos, draft=draft, tree=tree, vocab=vocab, indices=indices
+        )
+
+    out = {}
+    for name in names:
+        tree = fixed
+        if args.tree == "auto" and name in SPECULATIVE:
+            from evospec.bench.tune import tuned_tree
+
+            tree = tuned_tree(
+                name,
+                build,
+                loaded,
+                draft_id=str(args.draft or "shipped"),
+                eos=eos,
+                progress=not args.no_progress,
+            )
+        out[name] = build(name, tree)
+    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -202,7 +298,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     codec = loaded.codec
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = codec.encode_chat([{"role": "user", "content": text}]) if args.chat else codec.encode(text)
-    decoder = _decoder(args.method, args, loaded, codec.eos_ids or loaded.model.cfg.eos_token_ids)
+    decoder = _decoders([args.method], args, loaded, codec.eos_ids or loaded.model.cfg.eos_token_ids)[
+        args.method
+    ]
     detok = IncrementalDecoder(codec)
     n_tok = rounds = 0
     t0 = time.perf_counter()
@@ -224,9 +322,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from evospec.bench.prompts import load_prompts
     from evospec.bench.runner import format_table, run_side_by_side, summarise
 
+    if args.quick and args.limit is None:
+        args.limit = 2
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 16 if args.quick else 64
     params = _sampling(args)
     prompts = load_prompts(args.data, per_category=args.per_category, limit=args.limit)
     if not prompts:
@@ -234,14 +338,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     loaded = _load(args)
     codec = loaded.codec
     eos = codec.eos_ids or loaded.model.cfg.eos_token_ids
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    ours = _decoders([n for n in names if n != "hf"], args, loaded, eos)
     decoders = {}
-    for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+    for name in names:
         if name == "hf":
             from evospec.bench.hf_baseline import HFGenerateDecoder
 
             decoders[name] = HFGenerateDecoder(loaded.source, eos)
         else:
-            decoders[name] = _decoder(name, args, loaded, eos)
+            decoders[name] = ours[name]
 
     def encode(p):
         return codec.encode_chat([{"role": "user", "content": p.text}]) if p.chat else codec.encode(p.text)
@@ -259,12 +365,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "methods": list(decoders),
         "draft": args.draft,
-        "tree": {"top_k": args.tree_top_k, "depth": args.depth, "total_tokens": args.total_tokens},
+        "tree": {n: asdict(d.tree) for n, d in decoders.items() if hasattr(d, "tree")},
+        "vocab": asdict(_vocab_config(args)),
+        "quick": args.quick,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
     result = summarise(records, config)
-    print(format_table(result))
+    table = format_table(result)
+    print(table)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.plots:
+        from evospec.bench.plots import write_plots
+
+        for path in write_plots(result, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

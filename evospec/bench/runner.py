@@ -1,8 +1,16 @@
 """Run decoding methods side by side on the same prompts and summarise them.
 
 Owns: interleaved timing (prompt by prompt, every method in turn, after a warm-up), the
-per-method and per-category aggregates (MAL, tok/s, speedup vs AR, agreement with AR), and
-the JSON contract ``{"methods": ..., "per_category": ..., "config": ...}``.
+per-method and per-category aggregates (MAL, tok/s, speedup vs AR, agreement with AR, and for
+speculative methods the active-vocabulary figures: coverage, active size, OOV events, the
+draft time split and retrieval latency), the oracle speed, and the JSON contract
+``{"methods": ..., "per_category": ..., "config": ...}``.
+
+Draft time split per round: ``lm_head`` (the draft LM head: projection, log-softmax, top-k),
+``gather`` (loading newly active rows), ``backbone`` (the rest of drafting: the draft
+transformer layer and tree bookkeeping). Oracle speed (NanoSpec, Eq. 1) of a method: the
+full-vocabulary MAL (``eagle2`` in the same run) over that method's own mean verify + draft
+time per round; ``oracle_share`` = the method's end-to-end tok/s over its oracle speed.
 """
 
 from __future__ import annotations
@@ -11,11 +19,12 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from evospec.bench.prompts import BenchPrompt
 from evospec.decoding.methods import Decoder
 from evospec.decoding.sampling import SamplingParams
+from evospec.vocab.active import VocabTotals
 
 
 @dataclass
@@ -31,24 +40,26 @@ class RunRecord:
     accepted: int
     draft_s: float
     verify_s: float
-    extra: dict[str, float] = field(default_factory=dict)
+    vocab: VocabTotals | None = None
 
 
 def run_one(
-    decoder: Decoder, prompt_ids: Sequence[int], params: SamplingParams
-) -> tuple[list[int], float, int, int, float, float]:
-    """(tokens, seconds, rounds, accepted, draft_s, verify_s); the prefill token is no round."""
-    tokens: list[int] = []
-    rounds = accepted = 0
-    draft_s = verify_s = 0.0
+    decoder: Decoder, prompt_ids: Sequence[int], params: SamplingParams, method: str = "", category: str = ""
+) -> RunRecord:
+    """Generate once and time it; the prefill token is no round."""
+    rec = RunRecord(method, category, -1, [], 0.0, 0, 0, 0.0, 0.0)
     t0 = time.perf_counter()
     for ev in decoder.generate(prompt_ids, params):
-        tokens.extend(ev.tokens)
-        rounds += not ev.prefill
-        accepted += ev.accepted
-        draft_s += ev.draft_s
-        verify_s += ev.verify_s
-    return tokens, time.perf_counter() - t0, rounds, accepted, draft_s, verify_s
+        rec.tokens.extend(ev.tokens)
+        rec.rounds += not ev.prefill
+        rec.accepted += ev.accepted
+        rec.draft_s += ev.draft_s
+        rec.verify_s += ev.verify_s
+        if ev.vocab is not None:
+            rec.vocab = rec.vocab or VocabTotals(latencies=[])
+            rec.vocab.add(ev.vocab)
+    rec.seconds = time.perf_counter() - t0
+    return rec
 
 
 def run_side_by_side(
@@ -70,8 +81,9 @@ def run_side_by_side(
     for i, p in enumerate(prompts):
         ids = encode(p)
         for name, dec in decoders.items():
-            toks, secs, rounds, acc, d_s, v_s = run_one(dec, ids, params)
-            records.append(RunRecord(name, p.category, i, toks, secs, rounds, acc, d_s, v_s))
+            rec = run_one(dec, ids, params, name, p.category)
+            rec.prompt_index = i
+            records.append(rec)
             bar.update(1)
     bar.close()
     return records
@@ -103,7 +115,35 @@ def _summarise(recs: list[RunRecord], ar_by_prompt: dict[int, RunRecord] | None)
             r.tokens == ar_by_prompt[r.prompt_index].tokens for r in recs if r.prompt_index in ar_by_prompt
         ]
         out["matches_ar"] = sum(same) / len(same) if same else 0.0
+    vocab = [r.vocab for r in recs if r.vocab is not None]
+    if vocab:
+        out.update(_vocab_summary(vocab, out))
     return out
+
+
+def _vocab_summary(vocab: list[VocabTotals], base: dict[str, float]) -> dict[str, float]:
+    rounds = max(sum(v.rounds for v in vocab), 1)
+    lm_head = sum(v.lm_head_s for v in vocab)
+    gather = sum(v.gather_s for v in vocab)
+    latencies = [x for v in vocab for x in v.latencies or ()]
+    merged = len(latencies)
+    return {
+        "coverage": sum(v.covered for v in vocab) / max(sum(v.verified for v in vocab), 1),
+        "active_size": sum(v.active_size_sum for v in vocab) / rounds,
+        "oov_events": sum(v.oov_events for v in vocab),
+        "draft_ms_per_round": 1e3 * base["draft_s"] / rounds,
+        "verify_ms_per_round": 1e3 * base["verify_s"] / rounds,
+        "backbone_ms_per_round": 1e3 * (base["draft_s"] - lm_head - gather) / rounds,
+        "lm_head_ms_per_round": 1e3 * lm_head / rounds,
+        "gather_ms_per_round": 1e3 * gather / rounds,
+        "policy_ms_per_round": 1e3 * sum(v.policy_s for v in vocab) / rounds,
+        "rows_gathered_per_round": sum(v.rows_gathered for v in vocab) / rounds,
+        "retrievals": merged,
+        "retrieval_ms_median": 1e3 * statistics.median(latencies) if latencies else float("nan"),
+        "retrieval_late_share": sum(v.late for v in vocab) / merged if merged else float("nan"),
+        "retrieval_errors": sum(v.errors for v in vocab),
+        "retrieval_dropped": sum(v.dropped for v in vocab),
+    }
 
 
 def summarise(records: list[RunRecord], config: dict) -> dict:
@@ -124,15 +164,47 @@ def summarise(records: list[RunRecord], config: dict) -> dict:
 
 def _add_speedup(methods: dict[str, dict[str, float]]) -> None:
     base = methods.get("ar", {}).get("tok_per_s")
+    full_mal = methods.get("eagle2", {}).get("mal")
     for stats in methods.values():
         stats["speedup_vs_ar"] = stats["tok_per_s"] / base if base else float("nan")
+        if full_mal and "draft_ms_per_round" in stats:
+            round_s = (stats["draft_ms_per_round"] + stats["verify_ms_per_round"]) / 1e3
+            stats["oracle_tok_per_s"] = full_mal / round_s if round_s else float("nan")
+            stats["oracle_share"] = stats["tok_per_s"] / stats["oracle_tok_per_s"]
+
+
+SPEED_COLS = ("mal", "tok_per_s", "speedup_vs_ar", "median_prompt_speedup_vs_ar", "matches_ar")
+VOCAB_COLS = (
+    "coverage",
+    "active_size",
+    "oov_events",
+    "backbone_ms_per_round",
+    "lm_head_ms_per_round",
+    "gather_ms_per_round",
+    "verify_ms_per_round",
+    "retrieval_ms_median",
+    "retrieval_late_share",
+    "oracle_tok_per_s",
+    "oracle_share",
+)
+
+
+def _table(methods: dict[str, dict[str, float]], cols: Sequence[str]) -> list[str]:
+    lines = [f"| method | {' | '.join(cols)} |", "|" + "---|" * (len(cols) + 1)]
+    for name, s in methods.items():
+        vals = " | ".join(_fmt(s[c]) if c in s else "-" for c in cols)
+        lines.append(f"| {name} | {vals} |")
+    return lines
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3f}"
 
 
 def format_table(result: dict) -> str:
-    cols = ("mal", "tok_per_s", "speedup_vs_ar", "median_prompt_speedup_vs_ar", "matches_ar")
-    head = f"| method | {' | '.join(cols)} |"
-    lines = [head, "|" + "---|" * (len(cols) + 1)]
-    for name, s in result["methods"].items():
-        vals = " | ".join(f"{s[c]:.3f}" if c in s else "-" for c in cols)
-        lines.append(f"| {name} | {vals} |")
+    """Markdown: the speed table, then (if any method drafted) the vocabulary table."""
+    lines = _table(result["methods"], SPEED_COLS)
+    spec = {m: s for m, s in result["methods"].items() if "coverage" in s}
+    if spec:
+        lines += ["", *_table(spec, VOCAB_COLS)]
     return "\n".join(lines)

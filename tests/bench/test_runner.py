@@ -131,3 +131,34 @@ def test_speculative_method_side_by_side() -> None:
     assert spec["mal"] == pytest.approx(4.0)  # 12 tokens after the prefill, 3 rounds of depth 3 + 1
     assert summary["methods"]["ar"]["mal"] == pytest.approx(1.0)
     assert all(r.accepted == 9 for r in records if r.method == "spec")
+
+
+def test_vocabulary_methods_report_coverage_split_and_oracle() -> None:
+    from evospec.decoding.methods import make_decoder
+    from evospec.decoding.tree import TreeConfig
+    from evospec.models.eagle import new_eagle_for
+    from evospec.vocab.factory import VocabConfig
+    from tests.decoding.spec_helpers import prompt_of, tiny_target
+
+    target = tiny_target(0)
+    head = new_eagle_for(target, seed=0)
+    tree = TreeConfig(top_k=3, depth=3, total_tokens=8)
+    decoders = {
+        "ar": ARDecoder(target),
+        "eagle2": make_decoder("eagle2", target, draft=head, tree=tree),
+        "nanospec": make_decoder("nanospec", target, draft=head, tree=tree, vocab=VocabConfig(w_max=16)),
+    }
+    prompts = [BenchPrompt("x", str(i), False) for i in range(2)]
+    params = SamplingParams(max_new_tokens=12)
+    records = run_side_by_side(decoders, prompts, lambda p: prompt_of(int(p.text), 6), params, progress=False)
+    methods = summarise(records, {})["methods"]
+    assert "coverage" not in methods["ar"]
+    assert methods["eagle2"]["coverage"] == 1.0 and methods["eagle2"]["active_size"] == 64
+    nano = methods["nanospec"]
+    assert 0 < nano["coverage"] <= 1 and nano["active_size"] <= 16
+    assert nano["lm_head_ms_per_round"] > 0 and nano["backbone_ms_per_round"] > 0
+    round_ms = nano["draft_ms_per_round"] + nano["verify_ms_per_round"]
+    assert nano["oracle_tok_per_s"] == pytest.approx(1e3 * methods["eagle2"]["mal"] / round_ms)
+    assert nano["matches_ar"] == 1.0
+    table = format_table({"methods": methods})
+    assert "| nanospec |" in table.split("\n\n")[1] and "| ar |" not in table.split("\n\n")[1]

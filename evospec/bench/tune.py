@@ -1,0 +1,139 @@
+"""``--tree auto``: pick the draft-tree shape that decodes fastest on this machine.
+
+Owns: the candidate shapes, the calibration run and its cache. Verifying many tree tokens is
+not free on a CPU (PERF_NOTES: a 60-token verify costs several AR steps), while on a GPU it
+nearly is, so the best (top_k, depth, total_tokens) depends on the machine, the model, the
+draft head and the vocabulary method. The tuner measures instead of modelling: it decodes a
+few *training-side* prompts (never an evaluation set) with every candidate shape and with
+plain AR, keeps the shape with the highest tokens/s, and caches the choice in
+``$EVOSPEC_HOME/tuning/trees.json`` under a key naming all of those. If no shape beats AR the
+result says so (``beats_ar: false``) and the fastest shape is still returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from evospec.decoding.methods import ARDecoder, Decoder
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.tree import TreeConfig
+
+CANDIDATES = (
+    TreeConfig(top_k=1, depth=2, total_tokens=2),
+    TreeConfig(top_k=1, depth=4, total_tokens=4),
+    TreeConfig(top_k=2, depth=3, total_tokens=6),
+    TreeConfig(top_k=3, depth=4, total_tokens=10),
+    TreeConfig(top_k=4, depth=4, total_tokens=16),
+    TreeConfig(top_k=6, depth=5, total_tokens=30),
+    TreeConfig(top_k=10, depth=5, total_tokens=60),
+)
+CALIBRATION_PROMPTS = 3
+CALIBRATION_TOKENS = 48
+
+
+def machine_key() -> str:
+    """The hardware a timing belongs to: the GPU's name, or the CPU model and thread count."""
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name()}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"cpu:{cpu}:{torch.get_num_threads()}t"
+
+
+def _tok_per_s(decoder: Decoder, prompts: Sequence[list[int]], params: SamplingParams) -> float:
+    tokens, t0 = 0, time.perf_counter()
+    for ids in prompts:
+        tokens += sum(len(ev.tokens) for ev in decoder.generate(ids, params))
+    return tokens / (time.perf_counter() - t0)
+
+
+def calibrate(
+    build: Callable[[TreeConfig], Decoder],
+    ar: Decoder,
+    prompts: Sequence[list[int]],
+    *,
+    candidates: Sequence[TreeConfig] = CANDIDATES,
+    max_new_tokens: int = CALIBRATION_TOKENS,
+    progress: bool = True,
+) -> dict:
+    """Time AR and every candidate on ``prompts`` (greedy); the fastest shape and the table."""
+    from tqdm.auto import tqdm
+
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    warm = SamplingParams(max_new_tokens=4)
+    list(ar.generate(prompts[0], warm))
+    ar_speed = _tok_per_s(ar, prompts, params)
+    table = []
+    for tree in tqdm(candidates, desc="tune tree", unit="shape", disable=not progress):
+        dec = build(tree)
+        list(dec.generate(prompts[0], warm))
+        table.append({"tree": asdict(tree), "tok_per_s": _tok_per_s(dec, prompts, params)})
+    best = max(table, key=lambda row: row["tok_per_s"])
+    return {
+        "tree": best["tree"],
+        "tok_per_s": best["tok_per_s"],
+        "ar_tok_per_s": ar_speed,
+        "beats_ar": best["tok_per_s"] > ar_speed,
+        "table": table,
+    }
+
+
+def _cache_file() -> Path:
+    from evospec.models.registry import evospec_home
+
+    return evospec_home() / "tuning" / "trees.json"
+
+
+def tuned_tree(
+    method: str,
+    build: Callable[[str, TreeConfig], Decoder],
+    loaded,
+    *,
+    draft_id: str,
+    eos: Sequence[int],
+    progress: bool = True,
+    data_dir: Path | None = None,
+) -> TreeConfig:
+    """The cached or freshly calibrated shape for ``method`` on ``loaded`` (a LoadedModel)."""
+    key = "|".join([loaded.name, draft_id, method, machine_key(), torch.__version__])
+    path = _cache_file()
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    if key not in cache:
+        from evospec.paths import DEFAULT_DATA
+        from evospec.train.prompts import training_prompts
+
+        if loaded.codec is None:
+            raise ValueError("--tree auto needs a model with a tokenizer for its calibration prompts")
+        prompts = training_prompts(data_dir or DEFAULT_DATA)[:CALIBRATION_PROMPTS]
+        ids = [loaded.codec.encode_chat([{"role": "user", "content": p.text}]) for p in prompts]
+        result = calibrate(lambda t: build(method, t), ARDecoder(loaded.model, eos), ids, progress=progress)
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        cache[key] = result
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=2))
+        tmp.replace(path)
+    result = cache[key]
+    tree = TreeConfig(**result["tree"])
+    if progress:
+        verdict = "beats" if result["beats_ar"] else "does NOT beat"
+        print(
+            f"[evospec] --tree auto for {method}: top_k={tree.top_k} depth={tree.depth} "
+            f"total_tokens={tree.total_tokens} ({result['tok_per_s']:.2f} tok/s; {verdict} AR at "
+            f"{result['ar_tok_per_s']:.2f} tok/s on this machine)",
+            file=sys.stderr,
+        )
+    return tree

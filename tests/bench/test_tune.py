@@ -1,0 +1,77 @@
+"""--tree auto: the tuner keeps the fastest measured shape, says whether it beats AR, and caches."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from evospec.bench import tune
+from evospec.decoding.events import StepEvent
+from evospec.decoding.tree import TreeConfig
+
+SLOW, FAST = TreeConfig(top_k=1, depth=2, total_tokens=2), TreeConfig(top_k=2, depth=3, total_tokens=6)
+
+
+class _Sleepy:
+    """A decoder emitting one token per ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def generate(self, prompt, params):
+        for _ in range(params.max_new_tokens):
+            time.sleep(self.delay)
+            yield StepEvent(tokens=[1])
+
+
+def test_calibrate_picks_the_fastest_shape_and_compares_with_ar():
+    delays = {SLOW: 0.02, FAST: 0.002}
+    res = tune.calibrate(
+        lambda t: _Sleepy(delays[t]),
+        _Sleepy(0.01),
+        [[1, 2]],
+        candidates=[SLOW, FAST],
+        max_new_tokens=5,
+        progress=False,
+    )
+    assert res["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 6}
+    assert res["beats_ar"] and res["tok_per_s"] > res["ar_tok_per_s"]
+    assert [row["tree"]["total_tokens"] for row in res["table"]] == [2, 6]
+
+
+def test_calibrate_reports_when_no_shape_beats_ar():
+    res = tune.calibrate(
+        lambda t: _Sleepy(0.01), _Sleepy(0.001), [[1]], candidates=[SLOW], max_new_tokens=4, progress=False
+    )
+    assert not res["beats_ar"]
+
+
+def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    calls = []
+
+    def fake_calibrate(build, ar, prompts, **kw):
+        calls.append(len(prompts))
+        return {
+            "tree": {"top_k": 3, "depth": 4, "total_tokens": 10},
+            "tok_per_s": 2.0,
+            "ar_tok_per_s": 1.0,
+            "beats_ar": True,
+            "table": [],
+        }
+
+    monkeypatch.setattr(tune, "calibrate", fake_calibrate)
+    codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
+    loaded = SimpleNamespace(name="tiny", model=None, codec=codec)
+    for _ in range(2):
+        tree = tune.tuned_tree("nanospec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
+        assert tree == TreeConfig(top_k=3, depth=4, total_tokens=10)
+    assert calls == [tune.CALIBRATION_PROMPTS]  # the second call read the cache
+    assert (tmp_path / "tuning" / "trees.json").exists()
+    tune.tuned_tree("frspec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
+    assert len(calls) == 2  # another method, another key
+
+
+def test_machine_key_names_the_hardware():
+    key = tune.machine_key()
+    assert key.startswith(("cpu:", "cuda:")) and len(key) > 6

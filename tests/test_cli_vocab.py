@@ -1,0 +1,65 @@
+"""``evospec bench`` with every vocabulary method, end to end through the CLI on a tiny model
+folder: the index comes from ``evospec-index build``, the draft head from ``save_eagle``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evospec.cli import main
+from evospec.models.eagle import new_eagle_for, save_eagle
+from indices.cli import main as index_main
+from tests.indices.helpers import CORPUS, tiny_codec, tiny_model_for, write_model_folder
+
+METHODS = "ar,eagle2,frspec,nanospec,evospec,nanospec+evospec"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bench-vocab")
+    codec = tiny_codec(CORPUS.split("\n\n") * 4)
+    target = tiny_model_for(codec, 0)
+    model = write_model_folder(root / "model", target, codec)
+    draft = save_eagle(new_eagle_for(target, seed=0), root / "head")
+    (root / "corpus.txt").write_text(CORPUS)
+    idx = root / "idx"
+    argv = ["build", "--model", str(model), "--corpus", str(root / "corpus.txt"), "--out", str(idx)]
+    assert index_main([*argv, "--min-count", "1", "--threads", "1", "--no-progress"]) == 0
+    data = root / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "chat": False}) for p in CORPUS.split("\n\n")))
+    return {"model": model, "draft": draft, "idx": idx, "data": data, "root": root}
+
+
+def test_bench_quick_runs_every_method_side_by_side(setup, capsys: pytest.CaptureFixture[str]) -> None:
+    out = setup["root"] / "out"
+    argv = ["bench", "--quick", "--methods", METHODS, "--model", str(setup["model"])]
+    argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"]), "--data", str(setup["data"])]
+    argv += ["--frspec-k", "64", "--w-max", "300", "--arc-capacity", "32"]
+    argv += ["--top-k-tree", "3", "--depth", "3", "--total-tokens", "8", "--no-progress"]
+    argv += ["--json", str(out / "b.json"), "--markdown", str(out / "b.md"), "--plots", str(out / "plots")]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    result = json.loads((out / "b.json").read_text())
+    assert list(result["methods"]) == METHODS.split(",")
+    assert result["config"]["prompts"] == 2 and result["config"]["max_new_tokens"] == 16  # --quick
+    assert result["config"]["tree"]["nanospec"] == {"top_k": 3, "depth": 3, "total_tokens": 8}
+    assert result["config"]["vocab"]["w_max"] == 300
+    for name, stats in result["methods"].items():
+        assert stats["matches_ar"] == 1.0, name  # lossless under every policy
+        if name != "ar":
+            assert 0 < stats["coverage"] <= 1 and stats["active_size"] > 0
+    assert result["methods"]["frspec"]["active_size"] <= 64 + 1  # + the always-active EOS
+    assert (out / "b.md").read_text().strip() in stdout
+    assert sorted(p.name for p in (out / "plots").iterdir()) == [
+        "acceptance.png",
+        "draft_split.png",
+        "speed.png",
+    ]
+
+
+def test_unknown_method_is_a_clear_error(setup, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "hi", "--method", "evospek", "--model", str(setup["model"]), "--no-progress"]
+    assert main(argv) == 2
+    assert "unknown method 'evospek'" in capsys.readouterr().err
