@@ -1,11 +1,11 @@
 """Serve options: one typed, validated dataclass, loaded from a ``configs/*.yaml`` preset.
 
 Owns: :class:`ServeConfig` (what ``evospec serve`` runs: model, method, draft head, tree shape,
-listen address, queue and timeout limits), :func:`load_config` (YAML via ``yaml.safe_load``;
-unknown keys, wrong types and bad values are refused with a message naming the file and the
-key) and :meth:`ServeConfig.with_overrides` (command-line flags win over the file). Secrets never
-live here: the admin token is read from the environment by ``app.py``.
-Knows nothing about models, HTTP or threads.
+active-vocabulary settings, listen address, queue and timeout limits), :func:`load_config`
+(YAML via ``yaml.safe_load``; unknown keys, wrong types and bad values are refused with a
+message naming the file and the key) and :meth:`ServeConfig.with_overrides` (command-line flags
+win over the file). Secrets never live here: the admin token is read from the environment by
+``app.py``. Knows nothing about models, HTTP or threads.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from evospec.decoding.methods import METHODS
 from evospec.models.registry import DEFAULT_MODEL
+from evospec.vocab.factory import VocabConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,6 +35,37 @@ class TreeSettings:
     total_tokens: int = 60  # draft tokens verified per round
 
 
+_D = VocabConfig  # the engine's defaults (the papers' settings) are the only copy of them
+
+
+@dataclass(frozen=True)
+class VocabSettings:
+    """Active-vocabulary hyper-parameters (``evospec/vocab/factory.py: VocabConfig``) and the
+    index folder; read by ``frspec``, ``nanospec``, ``evospec``, ``nanospec+evospec`` only."""
+
+    frspec_k: int | None = _D.frspec_k  # static table size (frspec; evospec's core); null: V/4 or 32768
+    k_pre: int = _D.k_pre  # NanoSpec: top target ids per prompt position at prefill
+    k_ver: int = _D.k_ver  # NanoSpec: top target ids per verified-path node per round
+    w_max: int = _D.w_max  # NanoSpec window; the nanospec+evospec budget (window + ARC)
+    arc_capacity: int = _D.arc_capacity  # EvoSpec dynamic buffer: resident ids |T1| + |T2|
+    arc_ghost: int = _D.arc_ghost  # each ghost list: |B1|, |B2| <= this
+    arc_p_init: int = _D.arc_p_init  # ARC's initial target size of T1 (clamped to arc_capacity)
+    arc_max_insert: int = _D.arc_max_insert  # ids inserted per OOV event at most
+    arc_min_residency: int = _D.arc_min_residency  # rounds an id stays before it may be evicted
+    arc_warmup: int = _D.arc_warmup  # OOV events during which p stays at arc_p_init
+    n_top: int = _D.n_top  # retrieval seeds: the target's top ids at the OOV position
+    n_sem: int = _D.n_sem  # retrieval seeds: HNSW neighbours of the target hidden state (0: off)
+    per_seed: int = _D.per_seed  # bigram-graph successors added per seed (0: off)
+    max_pending: int = _D.max_pending  # retrievals in flight before new OOV events are dropped
+    persist: bool = _D.persist  # keep the ARC buffer across requests (false: empty it per request)
+    indices: str | None = None  # index folder; null: $EVOSPEC_HOME/indices/<model>, built on first use
+
+    def to_vocab_config(self) -> VocabConfig:
+        """The engine's config (asynchronous retrieval, as served)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "indices"}
+        return VocabConfig(**kw)
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """Everything ``evospec serve`` needs besides the admin token (an env variable)."""
@@ -42,6 +74,7 @@ class ServeConfig:
     method: str = "ar"  # decoding method: one of evospec.decoding.methods.METHODS
     draft: str | None = None  # EAGLE-2 head folder (default: the head shipped for the model)
     tree: TreeSettings = field(default_factory=TreeSettings)
+    vocab: VocabSettings = field(default_factory=VocabSettings)
     device: str = "cpu"  # torch device: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
@@ -68,8 +101,10 @@ class ServeConfig:
         values = dict(raw)
         if "tree" in values:
             values["tree"] = _tree_from(values["tree"], source)
+        if "vocab" in values:
+            values["vocab"] = _vocab_from(values["vocab"], source)
         for f in fields(cls):
-            if f.name in values and f.name != "tree":
+            if f.name in values and f.name not in _SECTIONS:
                 _check_type(f.name, values[f.name], _FIELD_TYPES[f.name], source)
         try:
             return cls(**values)
@@ -80,13 +115,15 @@ class ServeConfig:
         """A copy with the given fields replaced; ``None`` values are ignored (flag not given)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         for name, value in given.items():
-            if name == "tree":
+            if name in _SECTIONS:
                 continue
             if name not in _FIELD_TYPES:
                 raise ConfigError(f"unknown serve option {name!r}")
             _check_type(name, value, _FIELD_TYPES[name], "command line")
         return dataclasses.replace(self, **given)
 
+
+_SECTIONS = ("tree", "vocab")  # nested mappings, checked key by key
 
 # Accepted Python types per field (YAML ints are accepted where floats are expected).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -105,7 +142,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _check_type(name: str, value: Any, types: tuple[type, ...], source: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
         raise ConfigError(f"{source}: {name} must be {want}, got {value!r}")
 
@@ -123,6 +160,52 @@ def _tree_from(raw: Any, source: str) -> TreeSettings:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{source}: tree.{k} must be an integer >= 1, got {v!r}")
     return TreeSettings(**raw)
+
+
+_VOCAB_TYPES: dict[str, tuple[type, ...]] = {f.name: (int,) for f in fields(VocabSettings)} | {
+    "frspec_k": (int, type(None)),
+    "persist": (bool,),
+    "indices": (str, type(None)),
+}
+_AT_LEAST_1 = ("k_pre", "k_ver", "w_max", "arc_capacity", "n_top", "max_pending")
+_AT_LEAST_0 = (
+    "arc_ghost",
+    "arc_p_init",  # above arc_capacity it is clamped to it, as ARC does
+    "arc_max_insert",
+    "arc_min_residency",
+    "arc_warmup",
+    "n_sem",
+    "per_seed",
+)
+
+
+def _vocab_from(raw: Any, source: str) -> VocabSettings:
+    if isinstance(raw, VocabSettings):
+        return raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: vocab must be a mapping of vocabulary settings")
+    known = {f.name for f in fields(VocabSettings)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown vocab key(s) {unknown}; known: {sorted(known)}")
+    for k, v in raw.items():
+        _check_type(f"vocab.{k}", v, _VOCAB_TYPES[k], source)
+    return VocabSettings(**raw)
+
+
+def _vocab_problems(v: VocabSettings, method: str) -> list[str]:
+    out = [f"vocab.{k} must be >= 1, got {getattr(v, k)}" for k in _AT_LEAST_1 if getattr(v, k) < 1]
+    out += [f"vocab.{k} must be >= 0, got {getattr(v, k)}" for k in _AT_LEAST_0 if getattr(v, k) < 0]
+    if v.frspec_k is not None and v.frspec_k < 1:
+        out.append(f"vocab.frspec_k must be >= 1 or null, got {v.frspec_k}")
+    if v.indices == "":
+        out.append("vocab.indices must not be empty (null: the default folder)")
+    if method == "nanospec+evospec" and v.w_max <= v.arc_capacity:
+        out.append(
+            f"nanospec+evospec shares vocab.w_max ({v.w_max}) between the window and the ARC buffer: "
+            f"it must exceed vocab.arc_capacity ({v.arc_capacity})"
+        )
+    return out
 
 
 def _problems(c: ServeConfig) -> list[str]:
@@ -144,7 +227,7 @@ def _problems(c: ServeConfig) -> list[str]:
     t = c.tree
     if min(t.top_k, t.depth, t.total_tokens) < 1:
         out.append(f"tree values must be >= 1, got {t}")
-    return out
+    return out + _vocab_problems(c.vocab, c.method)
 
 
 def load_config(path: str | Path) -> ServeConfig:

@@ -1,10 +1,12 @@
 """The engine thread: the one thread that owns the model and its decoder.
 
 Owns: a bounded FIFO of typed :class:`GenerationRequest` s, the thread that serves them one at
-a time through a :class:`~evospec.decoding.methods.Decoder`, and the per-request and global
-counters (:class:`SpecStats`, :class:`EngineSnapshot`). HTTP handlers only validate, build a
-request and :meth:`Engine.submit` it with a *sink*; the engine pushes every
-:class:`~evospec.decoding.events.StepEvent` to that sink, then exactly one :class:`Done`.
+a time through a :class:`~evospec.decoding.methods.Decoder`, the per-request and global
+counters (:class:`SpecStats` with its :class:`VocabTotals`, :class:`EngineSnapshot`, the last
+OOV events), and *control calls* (:meth:`Engine.call`) that read or change the decoder's state
+on this thread. HTTP handlers only validate, build a request and :meth:`Engine.submit` it with
+a *sink*; the engine pushes every :class:`~evospec.decoding.events.StepEvent` to that sink,
+then exactly one :class:`Done`.
 
 Rules the engine keeps:
 - Full queue: :meth:`Engine.submit` raises :class:`EngineBusy` at once (the handler answers 503).
@@ -13,6 +15,9 @@ Rules the engine keeps:
 - The per-request deadline (arrival + timeout, queue wait included) is checked at dequeue and
   between rounds.
 - An exception in one request ends that request only (:attr:`Outcome.FAILED`); the thread goes on.
+- Control calls run at a *safe point*: between two rounds of the running request (the
+  decoder's generator is suspended at a ``yield``) or while the engine is idle, never in the
+  middle of a round and never on the caller's thread while the engine thread is running.
 
 Knows token ids only: no tokenizer, no web framework. :class:`AsyncSink` is the bridge from
 this thread to an asyncio handler.
@@ -27,14 +32,17 @@ import queue
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 from evospec.decoding.events import StepEvent
-from evospec.decoding.methods import Decoder
+from evospec.decoding.methods import Decoder, SpeculativeDecoder
 from evospec.decoding.sampling import SamplingParams
+from evospec.vocab.active import ActiveVocab, VocabTotals
 
 log = logging.getLogger("evospec.service.engine")
 
@@ -59,6 +67,7 @@ class SpecStats:
     accepted: int = 0  # draft tokens the target agreed with
     draft_s: float = 0.0  # wall time drafting
     verify_s: float = 0.0  # wall time of target forwards (prefill included)
+    vocab: VocabTotals = field(default_factory=VocabTotals)  # speculative rounds only
 
     def add(self, ev: StepEvent) -> None:
         self.tokens += len(ev.tokens)
@@ -66,6 +75,11 @@ class SpecStats:
         self.accepted += ev.accepted
         self.draft_s += ev.draft_s
         self.verify_s += ev.verify_s
+        if ev.vocab is not None:
+            self.vocab.add(ev.vocab)
+
+    def copy(self) -> SpecStats:
+        return replace(self, vocab=replace(self.vocab))
 
     @property
     def mal(self) -> float | None:
@@ -111,6 +125,19 @@ Item = StepEvent | Done
 Sink = Callable[[Item], None]  # called on the engine thread; must not block
 
 
+@dataclass(frozen=True)
+class OOVEvent:
+    """One round whose bonus token was outside the active vocabulary."""
+
+    request_id: str
+    round: int  # the request's round (1 = the first after the prefill)
+    token: int | None  # the bonus token id that was not active
+    time: float  # Unix time
+
+
+RECENT_OOV = 32  # OOV events kept for /admin/state
+
+
 class EngineBusy(Exception):
     """The queue is full; try again after ``retry_after_s`` seconds."""
 
@@ -138,10 +165,20 @@ class EngineSnapshot:
     outcomes: dict[str, int]  # Outcome value -> requests that ended so
     prompt_tokens: int
     stats: SpecStats
+    recent_oov: tuple[OOVEvent, ...]  # the last RECENT_OOV OOV events, oldest first
+
+
+def active_vocab_of(decoder: Decoder) -> ActiveVocab | None:
+    """The active vocabulary a speculative decoder drafts from; None for ``ar``."""
+    return decoder.vocab if isinstance(decoder, SpeculativeDecoder) else None
 
 
 class Engine:
-    """A bounded FIFO served by one thread that owns ``decoder`` (and so the model)."""
+    """A bounded FIFO served by one thread that owns ``decoder`` (and so the model).
+
+    ``vocab``: the decoder's active vocabulary, for control calls that inspect or reset it
+    (default: the one of a :class:`SpeculativeDecoder`; pass it for wrapped decoders).
+    """
 
     def __init__(
         self,
@@ -149,12 +186,18 @@ class Engine:
         *,
         max_queue: int = 64,
         listeners: Sequence[Callable[[Done], None]] = (),
+        vocab: ActiveVocab | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.decoder = decoder
+        self.vocab = vocab if vocab is not None else active_vocab_of(decoder)
         self.max_queue = max_queue
         self._listeners = list(listeners)
+        self._step_listeners: list[Callable[[StepEvent], None]] = []
+        self._controls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._controls_on_thread = False  # the engine thread will run queued control calls
+        self._recent_oov: deque[OOVEvent] = deque(maxlen=RECENT_OOV)
         self._queue: queue.Queue[tuple[GenerationRequest, Sink]] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -173,11 +216,30 @@ class Engine:
         """``fn(done)`` runs on the engine thread after each request; exceptions are logged."""
         self._listeners.append(fn)
 
+    def add_step_listener(self, fn: Callable[[StepEvent], None]) -> None:
+        """``fn(event)`` runs on the engine thread for each event; must be quick (exceptions are logged)."""
+        self._step_listeners.append(fn)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the engine thread at its next safe point (between two rounds, or when
+        idle); the future holds its result or exception. Without a running engine thread nothing
+        else can touch the decoder, so ``fn`` runs at once in the caller. A call cancelled before
+        it starts never runs."""
+        fut: Future = Future()
+        with self._lock:
+            if self._controls_on_thread:
+                self._controls.append((fn, fut))
+                return fut
+        _run_control(fn, fut)
+        return fut
+
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping.clear()
+        with self._lock:
+            self._controls_on_thread = True
         self._thread = threading.Thread(target=self._run, name="evospec-engine", daemon=True)
         self._thread.start()
 
@@ -224,20 +286,46 @@ class Engine:
                 rejected=self._rejected,
                 outcomes={o.value: self._outcomes[o.value] for o in Outcome},
                 prompt_tokens=self._prompt_tokens,
-                stats=SpecStats(s.tokens, s.rounds, s.accepted, s.draft_s, s.verify_s),
+                stats=s.copy(),
+                recent_oov=tuple(self._recent_oov),
             )
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopping.is_set():
+        try:
+            while not self._stopping.is_set():
+                self._run_controls()
+                try:
+                    request, sink = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                try:
+                    self._serve(request, sink)
+                except Exception:  # bookkeeping or a listener broke: never let the thread die
+                    log.exception("engine: unexpected error around request %s", request.request_id)
+        finally:
+            with self._lock:
+                self._controls_on_thread = False
+            self._run_controls()  # calls queued before the flag dropped still run, here
+
+    def _run_controls(self) -> None:
+        """A safe point: run every queued control call (engine thread only)."""
+        while self._controls:
+            fn, fut = self._controls.popleft()
+            _run_control(fn, fut)
+
+    def _book(self, request: GenerationRequest, ev: StepEvent, stats: SpecStats) -> None:
+        """Book one event before it is delivered: global counters, OOV log, step listeners."""
+        oov = ev.vocab is not None and ev.vocab.oov
+        with self._lock:
+            self._stats.add(ev)
+            if oov:
+                self._recent_oov.append(OOVEvent(request.request_id, stats.rounds, ev.bonus, time.time()))
+        for fn in self._step_listeners:
             try:
-                request, sink = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            try:
-                self._serve(request, sink)
-            except Exception:  # bookkeeping or a listener broke: never let the thread die
-                log.exception("engine: unexpected error around request %s", request.request_id)
+                fn(ev)
+            except Exception:
+                log.exception("engine: step listener failed")
 
     def _drain(self) -> None:
         while True:
@@ -266,10 +354,10 @@ class Engine:
                     if first is None:
                         first = time.monotonic() - request.submitted_at
                     stats.add(ev)
-                    with self._lock:
-                        self._stats.add(ev)
+                    self._book(request, ev, stats)
                     if not _deliver(sink, ev):
                         request.cancel(Outcome.DISCONNECTED)
+                    self._run_controls()
                     if ev.finish_reason is not None:
                         outcome = Outcome.FINISHED
                     elif request.cancelled_by is not None:
@@ -325,6 +413,15 @@ class Engine:
                 fn(done)
             except Exception:
                 log.exception("engine: listener failed")
+
+
+def _run_control(fn: Callable[[], Any], fut: Future) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn())
+    except Exception as exc:  # handed to the caller through the future
+        fut.set_exception(exc)
 
 
 def _deliver(sink: Sink, item: Item) -> bool:

@@ -3,12 +3,15 @@
 Owns: :class:`ServiceMetrics` -- the registry behind ``GET /metrics`` and what fills it:
 - read from the engine's counters at scrape time (one source of truth): requests by outcome,
   rejected requests, prompt/generated tokens, rounds, accepted tokens, MAL, queue depth,
-  active requests, engine liveness;
+  active requests, engine liveness, and the active-vocabulary totals (verified and covered
+  tokens, coverage, OOV events, retrieval results / late / errors / dropped);
+- observed per speculative round (an engine step listener, from ``StepEvent.vocab``): active
+  vocabulary size, retrieval latency of each merged result;
 - observed when a request ends (an engine listener): request latency, queue wait, time to
   first token, per-request MAL;
 - observed per HTTP response (an ASGI middleware in ``app.py``): responses by route and code;
-- declared but **not yet backed** (always 0 until the feature exists): OOV events, retrieval
-  latency, LoRA updates and LoRA update failures. Their help text says so.
+- declared but **not yet backed** (always 0 until online LoRA adaptation exists): LoRA updates
+  and LoRA update failures. Their help text says so.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from evospec.decoding.events import StepEvent
 from service.engine import Done, Engine
 
 NOT_BACKED = "NOT YET BACKED: always 0 until {what} exists"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_RETRIEVAL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
+_VOCAB_SIZE_BUCKETS = (256, 1024, 2048, 4096, 8192, 12288, 16384, 32768, 65536, 131072, 262144)
 
 
 class _EngineCollector(Collector):
@@ -65,6 +71,43 @@ class _EngineCollector(Collector):
             "evospec_active_requests", "Requests being generated now", value=int(s.active)
         )
         yield GaugeMetricFamily("evospec_engine_alive", "1 while the engine thread runs", value=int(s.alive))
+        v = s.stats.vocab
+        yield CounterMetricFamily(
+            "evospec_draft_verified_tokens",
+            "Accepted + bonus tokens of speculative rounds (the coverage denominator)",
+            value=v.verified,
+        )
+        yield CounterMetricFamily(
+            "evospec_draft_covered_tokens",
+            "Verified tokens that were in the round's active draft vocabulary",
+            value=v.covered,
+        )
+        yield GaugeMetricFamily(
+            "evospec_draft_coverage",
+            "Covered / verified tokens since start (1 for eagle2; 0 before the first speculative round)",
+            value=v.coverage or 0.0,
+        )
+        yield CounterMetricFamily(
+            "evospec_oov_events",
+            "Rounds whose bonus token was outside the active vocabulary",
+            value=v.oov_events,
+        )
+        yield CounterMetricFamily(
+            "evospec_retrievals",
+            "OOV retrieval results merged into the ARC buffer (late ones included)",
+            value=v.retrievals,
+        )
+        yield CounterMetricFamily(
+            "evospec_retrievals_late",
+            "Merged retrieval results that missed the round right after their OOV event",
+            value=v.late,
+        )
+        yield CounterMetricFamily("evospec_retrieval_errors", "OOV retrievals that raised", value=v.errors)
+        yield CounterMetricFamily(
+            "evospec_retrievals_dropped",
+            "OOV events not retrieved because max_pending retrievals were in flight",
+            value=v.dropped,
+        )
 
 
 class ServiceMetrics:
@@ -99,18 +142,19 @@ class ServiceMetrics:
         self.http = Counter(
             "evospec_http_responses", "HTTP responses by route and status code", ["route", "code"], registry=r
         )
-        # Declared now so dashboards and alerts can be written; nothing increments them yet.
-        self.oov_events = Counter(
-            "evospec_oov_events",
-            NOT_BACKED.format(what="the active-vocabulary policy (evospec/vocab)"),
+        self.active_vocab_size = Histogram(
+            "evospec_active_vocab_size",
+            "Ids the draft could propose, per speculative round (eagle2: the full vocabulary)",
+            buckets=_VOCAB_SIZE_BUCKETS,
             registry=r,
         )
         self.retrieval_latency = Histogram(
             "evospec_retrieval_latency_seconds",
-            NOT_BACKED.format(what="OOV retrieval (HNSW / bigram graph)"),
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05),
+            "OOV retrieval (target top ids, HNSW, bigram graph), submit to finish, per merged result",
+            buckets=_RETRIEVAL_BUCKETS,
             registry=r,
         )
+        # Declared now so dashboards and alerts can be written; nothing increments them yet.
         self.lora_updates = Counter(
             "evospec_lora_updates",
             NOT_BACKED.format(what="online LoRA adaptation (evospec/adapt)"),
@@ -122,6 +166,15 @@ class ServiceMetrics:
             registry=r,
         )
         engine.add_listener(self.observe)
+        engine.add_step_listener(self.observe_step)
+
+    def observe_step(self, ev: StepEvent) -> None:
+        """Engine step listener: one round's vocabulary facts."""
+        if ev.vocab is None:
+            return
+        self.active_vocab_size.observe(ev.vocab.active_size)
+        for latency in ev.vocab.retrieval_s:
+            self.retrieval_latency.observe(latency)
 
     def observe(self, done: Done) -> None:
         """Engine listener: one ended request."""

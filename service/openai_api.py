@@ -6,7 +6,7 @@ temperature 1, top_p 1, ``max_tokens`` 16 for completions and "up to the context
 submitting it, and shaping what comes back -- one JSON body, or Server-Sent Events ending in
 ``data: [DONE]``. Every response carries ``usage`` (streams: with
 ``stream_options.include_usage``) and an ``evospec`` object with the request's speculative
-stats (method, rounds, accepted, MAL; coverage is not measured yet and says so).
+stats (method, rounds, accepted, MAL, draft coverage, mean active vocabulary size, OOV events).
 
 Handlers never touch the model: they validate, enqueue and await the engine's events. A client
 that disconnects (mid-stream or while waiting) cancels its request between rounds.
@@ -34,10 +34,6 @@ from service.schemas import ChatRequest, CompletionRequest, SamplingFields, pars
 from service.textstream import TextAssembler
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-COVERAGE_NOTE = (
-    "not implemented yet: no active-vocabulary policy exists, the draft proposes over the full "
-    "vocabulary, so coverage is not measured"
-)
 _GRACE_S = 2.0  # the handler waits this much past the deadline for the engine's own timeout
 _POLL_S = 0.5  # non-streaming handlers check for a client disconnect this often
 
@@ -263,8 +259,10 @@ def _timeout(ctx: ServiceContext) -> APIError:
 
 # -- engine -> response ---------------------------------------------------------------------------
 def spec_fields(method: str, stats: SpecStats) -> dict[str, Any]:
-    """The ``evospec`` object of a response: this request's speculative stats."""
-    mal = stats.mal
+    """The ``evospec`` object of a response: this request's speculative stats (the vocabulary
+    fields are null for ``ar``, which does not draft, and before a request's first round)."""
+    mal, v = stats.mal, stats.vocab
+    coverage, active = v.coverage, v.mean_active_size
     return {
         "method": method,
         "rounds": stats.rounds,
@@ -272,8 +270,9 @@ def spec_fields(method: str, stats: SpecStats) -> dict[str, Any]:
         "mal": None if mal is None else round(mal, 4),
         "draft_s": round(stats.draft_s, 6),
         "verify_s": round(stats.verify_s, 6),
-        "coverage": None,
-        "coverage_note": COVERAGE_NOTE,
+        "coverage": None if coverage is None else round(coverage, 4),
+        "active_vocab_size": None if active is None else round(active, 1),
+        "oov_events": v.oov_events if v.rounds else None,
     }
 
 

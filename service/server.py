@@ -1,8 +1,10 @@
 """``evospec serve``: load the model named by a :class:`ServeConfig`, build the app, run uvicorn.
 
 Owns: turning a config into a running server -- model and tokenizer (``load_model``), the
-draft head (``load_eagle``) and tree, the decoder (``make_decoder``), the :class:`Engine`, the
-app -- and the ready-to-paste curl line printed to stderr just before uvicorn starts.
+draft head (``load_eagle``) and tree, the model's indices when the vocabulary policy reads
+them (``indices.default.ensure_indices``: loaded, or built on first use), the decoder
+(``make_decoder``), the :class:`Engine`, the app -- a line per loaded part and the
+ready-to-paste curl line, printed to stderr just before uvicorn starts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fastapi import FastAPI
 
 from service.config import ServeConfig
 from service.context import ServedModel
-from service.engine import Engine
+from service.engine import Engine, active_vocab_of
 
 
 @dataclass
@@ -28,13 +30,15 @@ class Built:
     model: ServedModel
 
 
-def build(config: ServeConfig, *, progress: bool = True) -> Built:
-    """Load everything ``config`` names; errors (bad paths, shapes) surface as ValueError/CheckpointError."""
+def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stderr) -> Built:
+    """Load everything ``config`` names; errors (bad paths, shapes, stale indices) surface as
+    ValueError / CheckpointError / IndexLoadError. ``log`` gets one line per loaded part."""
     import torch
 
     from evospec.decoding.methods import make_decoder
     from evospec.decoding.tree import TreeConfig
     from evospec.models.loading import load_model
+    from evospec.vocab.factory import NEEDS_COUNTS, NEEDS_RETRIEVAL
     from service.app import create_app
 
     dtype = getattr(torch, config.dtype)
@@ -42,6 +46,7 @@ def build(config: ServeConfig, *, progress: bool = True) -> Built:
     loaded = load_model(config.model, dtype=dtype, device=device, progress=progress)
     if loaded.codec is None:
         raise ValueError(f"{loaded.source} has no tokenizer.json; the server needs one to handle text")
+    print(f"[evospec] model: {loaded.name} from {loaded.source} ({config.dtype} on {device})", file=log)
     draft = None
     if config.method != "ar":
         from evospec.models.eagle import load_eagle
@@ -51,6 +56,19 @@ def build(config: ServeConfig, *, progress: bool = True) -> Built:
         if path is None:
             raise ValueError(f"method {config.method} needs draft: no head ships for {loaded.name}")
         draft = load_eagle(path, dtype=dtype, device=device)
+        print(f"[evospec] draft head: {path}", file=log)
+    indices = None
+    if config.method in NEEDS_COUNTS or config.method in NEEDS_RETRIEVAL:
+        from indices.default import ensure_indices
+
+        folder = config.vocab.indices
+        indices = ensure_indices(
+            loaded,
+            directory=Path(folder).expanduser() if folder else None,
+            need_hnsw=config.method in NEEDS_RETRIEVAL,
+            progress=progress,
+        )
+        print(f"[evospec] indices: {describe_indices(indices)}", file=log)
     t = config.tree
     decoder = make_decoder(
         config.method,
@@ -58,7 +76,12 @@ def build(config: ServeConfig, *, progress: bool = True) -> Built:
         eos_ids=loaded.codec.eos_ids or loaded.model.cfg.eos_token_ids,
         draft=draft,
         tree=TreeConfig(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens),
+        vocab=config.vocab.to_vocab_config(),
+        indices=indices,
     )
+    vocab = active_vocab_of(decoder)
+    if vocab is not None:
+        print(f"[evospec] draft vocabulary: {describe_vocab(vocab.state())}", file=log)
     served = ServedModel(
         name=config.served_model_name or loaded.name,
         codec=loaded.codec,
@@ -67,6 +90,25 @@ def build(config: ServeConfig, *, progress: bool = True) -> Built:
     )
     engine = Engine(decoder, max_queue=config.max_queue)
     return Built(create_app(engine, served, config), engine, served)
+
+
+def describe_indices(bundle) -> str:
+    """One line about an ``indices.IndexBundle``: where it is, what it holds, what it counted."""
+    m = bundle.manifest
+    parts = [f"frequency table ({m.corpus.num_tokens:,} tokens of {m.corpus.description})"]
+    parts.append(f"bigram graph ({m.num_edges:,} edges)")
+    if bundle.hnsw is not None:
+        parts.append("HNSW over the LM head")
+    return f"{bundle.directory}: " + ", ".join(parts) + f"; built {m.created}"
+
+
+def describe_vocab(state: dict) -> str:
+    """One line from ``ActiveVocab.state()``: policy and sizes."""
+    keys = ("capacity", "static_size", "window", "arc_size")
+    sizes = " ".join(f"{k}={state[k]}" for k in keys if state.get(k) is not None)
+    if "arc" in state:
+        sizes += f" arc_capacity={state['arc']['config']['capacity']}"
+    return f"policy={state['policy']} {sizes}"
 
 
 def resolve_device(name: str) -> str:
@@ -97,7 +139,7 @@ def curl_example(host: str, port: int, model: ServedModel) -> str:
 def serve(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stderr) -> None:
     import uvicorn
 
-    built = build(config, progress=progress)
+    built = build(config, progress=progress, log=log)
     print(f"[evospec] serving {built.model.name} with method={config.method}; try:", file=log)
     print(curl_example(config.host, config.port, built.model), file=log, flush=True)
     uvicorn.run(built.app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)

@@ -25,6 +25,7 @@ from evospec.decoding.methods import ARDecoder, Decoder, make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.models.transformer import Transformer
 from evospec.tokenizer import TextCodec
+from evospec.vocab.active import ActiveVocab
 from service.admin import ADMIN_TOKEN_ENV
 from service.app import create_app
 from service.config import ServeConfig
@@ -134,10 +135,17 @@ class LiveServer:
 
 
 def start_server(
-    decoder: Decoder, codec: TextCodec, model: Transformer, *, admin_token: str | None = None, **config: Any
+    decoder: Decoder,
+    codec: TextCodec,
+    model: Transformer,
+    *,
+    admin_token: str | None = None,
+    vocab: ActiveVocab | None = None,
+    **config: Any,
 ) -> LiveServer:
+    """``vocab``: the active vocabulary of a wrapped speculative decoder (found by itself otherwise)."""
     cfg = ServeConfig(**{"max_tokens_limit": MAX_TOKENS_LIMIT, "served_model_name": MODEL_NAME, **config})
-    engine = Engine(decoder, max_queue=cfg.max_queue)
+    engine = Engine(decoder, max_queue=cfg.max_queue, vocab=vocab)
     served = ServedModel(
         name=MODEL_NAME,
         codec=codec,

@@ -1,5 +1,7 @@
 """Admin API: bearer-token auth (401 without or with a wrong token, 404 when no token is
-configured), the state document's shape (unbuilt features say so), 501 for the controls."""
+configured), the state document's shape under ``ar`` (no draft vocabulary: null fields with a
+note; adaptation is not built and says so), 409 for the vocabulary routes under ``ar``, 501 for
+the adapter controls. Vocabulary state under the drafting methods: ``test_vocab.py``."""
 
 from __future__ import annotations
 
@@ -9,13 +11,13 @@ from tests.service.conftest import LiveServer, wait_for
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-POSTS = [
+ADAPTER_POSTS = [
     ("/admin/adapter/reset", None),
     ("/admin/adapter/save", {"path": "/tmp/adapter"}),
     ("/admin/adapter/load", {"path": "/tmp/adapter"}),
-    ("/admin/vocab/reset", {}),
     ("/admin/adaptation", {"enabled": True}),
 ]
+POSTS = [*ADAPTER_POSTS, ("/admin/vocab/reset", {})]
 
 
 @pytest.fixture
@@ -40,6 +42,7 @@ def test_admin_needs_the_token(admin_server: LiveServer, headers: dict) -> None:
         r = http.get("/admin/state")
         _err(r, 401, "invalid_api_key")
         assert r.headers["WWW-Authenticate"] == "Bearer"
+        _err(http.get("/admin/vocab?ids=maybe"), 401, "invalid_api_key")  # before the query
         for path, body in POSTS:  # auth is checked before the body
             _err(http.post(path, json=body), 401, "invalid_api_key")
 
@@ -56,28 +59,42 @@ def test_admin_state_shape(admin_server: LiveServer) -> None:
     eng = state["engine"]
     assert eng["alive"] and eng["outcomes"]["finished"] == 1 and eng["generated_tokens"] == 3
     assert eng["mal"] == 1.0
-    for section in ("vocabulary", "arc", "oov", "adaptation"):
-        assert state[section]["implemented"] is False and "not implemented" in state[section]["note"]
-    assert {"t1", "t2", "b1", "b2", "p"} <= set(state["arc"])
-    assert {"adapter_version", "update_count", "last_loss", "replay_fill"} <= set(state["adaptation"])
-    assert state["adaptation"]["update_count"] is None and state["oov"]["recent_events"] is None
-    assert state["vocabulary"]["active_vocab_size"] is None  # ar has no draft
+    for section in ("vocabulary", "arc", "oov"):  # ar does not draft: measured, but nothing to show
+        sec = state[section]
+        assert sec["implemented"] is True and sec["note"] == "method ar has no draft vocabulary"
+        assert all(v is None for k, v in sec.items() if k not in ("implemented", "note")), sec
+    assert {"t1", "t2", "b1", "b2", "p", "capacity", "pending_retrievals"} <= set(state["arc"])
+    assert {"policy", "active_vocab_size", "coverage"} <= set(state["vocabulary"])
+    assert {"events_total", "recent_events", "retrievals_dropped"} <= set(state["oov"])
+    adapt = state["adaptation"]
+    assert adapt["implemented"] is False and "not implemented" in adapt["note"]
+    assert {"adapter_version", "update_count", "last_loss", "replay_fill"} <= set(adapt)
+    assert adapt["update_count"] is None
 
 
-def test_admin_controls_are_501_after_validation(admin_server: LiveServer) -> None:
+def test_admin_vocab_routes_refuse_ar(admin_server: LiveServer) -> None:
     with admin_server.http(headers=AUTH) as http:
-        for path, body in POSTS:
-            _err(http.post(path, json=body), 501, "not_implemented")
+        err = _err(http.get("/admin/vocab"), 409, "no_draft_vocabulary")
+        assert "method ar has no draft vocabulary" in err["message"]
+        _err(http.post("/admin/vocab/reset"), 409, "no_draft_vocabulary")
+        _err(http.post("/admin/vocab/reset", json={"surprise": 1}), 400, "invalid_value")  # body first
+
+
+def test_admin_adapter_controls_are_501_after_validation(admin_server: LiveServer) -> None:
+    with admin_server.http(headers=AUTH) as http:
+        for path, body in ADAPTER_POSTS:
+            err = _err(http.post(path, json=body), 501, "not_implemented")
+            assert "online LoRA adaptation" in err["message"]
         assert http.post("/admin/adapter/reset").status_code == 501  # empty body is fine
         _err(http.post("/admin/adaptation", json={"enabled": "yes"}), 400, "invalid_type")
         _err(http.post("/admin/adaptation", json={}), 400, "missing")
         _err(http.post("/admin/adaptation", content=b"{not json"), 400, "invalid_json")
         _err(http.post("/admin/adapter/load", json={}), 400, "missing")
         _err(http.post("/admin/adapter/save", json={"path": 3}), 400, "invalid_type")
-        _err(http.post("/admin/vocab/reset", json={"surprise": 1}), 400, "invalid_value")
 
 
 def test_admin_disabled_without_token(ar_server: LiveServer) -> None:
     with ar_server.http(headers=AUTH) as http:
         _err(http.get("/admin/state"), 404, "admin_disabled")
         _err(http.post("/admin/adaptation", json={"enabled": True}), 404, "admin_disabled")
+        _err(http.get("/admin/vocab"), 404, "admin_disabled")

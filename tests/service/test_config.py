@@ -1,27 +1,71 @@
-"""ServeConfig: the shipped presets load; bad files, keys, types and values are refused with
-messages naming the file and the key; command-line overrides win."""
+"""ServeConfig: the shipped presets load; bad files, keys, types and values (the ``tree`` and
+``vocab`` sections included) are refused with messages naming the file and the key; the vocab
+section mirrors the engine's VocabConfig; command-line overrides win."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from service.config import ConfigError, ServeConfig, TreeSettings, load_config
+from evospec.decoding.methods import METHODS
+from evospec.vocab.factory import VocabConfig
+from service.config import ConfigError, ServeConfig, TreeSettings, VocabSettings, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PRESET_METHODS = {
+    "ar.yaml": "ar",
+    "eagle2.yaml": "eagle2",
+    "eagle2-gpu.yaml": "eagle2",
+    "frspec.yaml": "frspec",
+    "nanospec.yaml": "nanospec",
+    "evospec.yaml": "evospec",
+    "nanospec-evospec.yaml": "nanospec+evospec",
+}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_presets_load(path: Path) -> None:
     cfg = load_config(path)
-    assert cfg.method in ("ar", "eagle2")
+    assert cfg.method == PRESET_METHODS[path.name]
+    assert cfg.vocab.to_vocab_config() == VocabConfig()  # presets spell out the papers' defaults
 
 
-def test_eagle2_preset() -> None:
-    cfg = load_config(CONFIGS / "eagle2.yaml")
-    assert cfg.method == "eagle2" and cfg.draft is None  # the model's shipped head
+def test_every_method_has_a_preset() -> None:
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(PRESET_METHODS)
+    assert set(PRESET_METHODS.values()) == set(METHODS)
+
+
+@pytest.mark.parametrize(
+    "name", ["eagle2.yaml", "frspec.yaml", "nanospec.yaml", "evospec.yaml", "nanospec-evospec.yaml"]
+)
+def test_cpu_presets_use_a_small_tree(name: str) -> None:
+    cfg = load_config(CONFIGS / name)
+    assert cfg.draft is None and cfg.device == "cpu"  # the model's shipped head
     assert cfg.tree == TreeSettings(top_k=4, depth=4, total_tokens=16)
+    assert cfg.vocab.indices is None  # $EVOSPEC_HOME/indices/<model>
+
+
+def test_vocab_settings_mirror_the_engine_config() -> None:
+    engine_only = {"synchronous"}  # a test/ablation switch, not a serving option
+    mirrored = {f.name for f in fields(VocabConfig)} - engine_only
+    assert {f.name for f in fields(VocabSettings)} == mirrored | {"indices"}
+    assert VocabSettings().to_vocab_config() == VocabConfig()
+
+
+def test_vocab_section(tmp_path: Path) -> None:
+    text = (
+        "method: evospec\n"
+        "vocab:\n  frspec_k: 16\n  arc_capacity: 8\n  arc_p_init: 4\n  n_sem: 0\n"
+        "  persist: false\n  indices: ~/idx\n"
+    )
+    cfg = load_config(_write(tmp_path, text))
+    assert cfg.vocab.indices == "~/idx"
+    vc = cfg.vocab.to_vocab_config()
+    assert (vc.frspec_k, vc.arc_capacity, vc.arc_p_init, vc.n_sem, vc.persist) == (16, 8, 4, 0, False)
+    assert vc.synchronous is False and vc.w_max == VocabConfig.w_max  # unset keys keep the defaults
+    assert load_config(_write(tmp_path, "vocab: {frspec_k: null}\n")).vocab.frspec_k is None
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -45,6 +89,20 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("tree: {top_k: 0}\n", "tree.top_k must be an integer >= 1"),
         ("tree: {width: 3}\n", "unknown tree key(s) ['width']"),
         ("tree: 5\n", "tree must be a mapping"),
+        ("vocab: {arc_size: 3}\n", "unknown vocab key(s) ['arc_size']"),
+        ("vocab: 5\n", "vocab must be a mapping"),
+        ("vocab: {w_max: '3072'}\n", "vocab.w_max must be int"),
+        ("vocab: {w_max: 3.5}\n", "vocab.w_max must be int"),
+        ("vocab: {k_pre: true}\n", "vocab.k_pre must be int"),
+        ("vocab: {persist: 1}\n", "vocab.persist must be bool"),
+        ("vocab: {frspec_k: x}\n", "vocab.frspec_k must be int or null"),
+        ("vocab: {indices: 3}\n", "vocab.indices must be str or null"),
+        ("vocab: {indices: ''}\n", "vocab.indices must not be empty"),
+        ("vocab: {w_max: 0}\n", "vocab.w_max must be >= 1"),
+        ("vocab: {frspec_k: 0}\n", "vocab.frspec_k must be >= 1"),
+        ("vocab: {arc_ghost: -1}\n", "vocab.arc_ghost must be >= 0"),
+        ("vocab: {max_pending: 0}\n", "vocab.max_pending must be >= 1"),
+        ("method: nanospec+evospec\nvocab: {w_max: 256}\n", "it must exceed vocab.arc_capacity (256)"),
         ("- a\n- b\n", "expected a mapping"),
         ("port: [\n", "not valid YAML"),
     ],
