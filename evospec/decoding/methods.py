@@ -114,5 +114,5 @@ def make_decoder(
             name, model.cfg.vocab_size, cfg=vocab or VocabConfig(), indices=indices, device=weight.device
         )
     active = ActiveVocab(policy, weight, always_ids=eos_ids)
-    drafter = EagleDrafter(draft.attach(model), active.head)
+    drafter = EagleDrafter(draft.attach(model), active.draft_head)
     return SpeculativeDecoder(name, model, drafter, tree, eos_ids, vocab=active)

@@ -2,11 +2,12 @@
 
 Owns: :class:`ActiveVocab`, the glue the round loop calls at three points -- ``start`` (after
 the prefill: seeds the policy, with the prompt's top target ids if it wants them),
-``begin_round`` (before drafting: the policy's active ids, plus the always-active EOS ids,
-are loaded into the reduced head) and ``end_round`` (after verification: coverage and the
-OOV flag are measured against the set the round drafted from, and the policy observes the
-round). With ``policy=None`` the draft uses the full LM head (EAGLE-2) and coverage is 1.
-Returns one :class:`VocabRoundStats` per round for the step event.
+``begin_round`` (before drafting: marks the active set stale; :meth:`ActiveVocab.draft_head`
+loads the policy's active ids, plus the always-active EOS ids, into the reduced head at the
+round's first LM-head call, after the draft backbone ran) and ``end_round`` (after
+verification: coverage and the OOV flag are measured against the set the round drafted from,
+and the policy observes the round). With ``policy=None`` the draft uses the full LM head
+(EAGLE-2) and coverage is 1. Returns one :class:`VocabRoundStats` per round for the step event.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class ActiveVocab:
         else:
             self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()))
         self._round = 0
+        self._stale = False  # the active set must be reloaded before the next head call
         self._mask = torch.ones(vocab, dtype=torch.bool, device=lm_head.device)  # [V] this round's set
 
     @property
@@ -130,10 +132,21 @@ class ActiveVocab:
         self.policy.start(prompt, self.prefill_top(prefill_hidden, k) if k else None)
 
     def begin_round(self) -> None:
-        if self.policy is None:
-            return
-        self._mask = self.policy.active_mask(self._round) | self.always
-        self.head.set_active(self._mask)
+        """A round starts: the active set is refreshed at the round's first draft LM-head call."""
+        self._stale = self.policy is not None
+
+    def draft_head(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's :class:`~evospec.decoding.drafter.DraftHeadFn`.
+
+        The first call of a round loads the policy's active ids first. That call comes after the
+        draft backbone has run over the newly verified tokens, so retrieval results that finish
+        while the backbone runs still make this round (the paper's deadline: the reduced head).
+        """
+        if self._stale:
+            self._stale = False
+            self._mask = self.policy.active_mask(self._round) | self.always
+            self.head.set_active(self._mask)
+        return self.head(hidden, k)
 
     def end_round(
         self,

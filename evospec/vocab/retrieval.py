@@ -6,11 +6,12 @@ bigram-graph successors of every seed, deduplicated in that priority order) and
 :class:`RetrievalPool` (a worker thread that runs retrievals beside the decode loop).
 
 Contract with the decode loop: :meth:`RetrievalPool.submit` never waits; :meth:`RetrievalPool.poll`
-returns only results that are already finished. A result is *late* when it was not ready for
-the first round that started after its event (round ``event + 1``) and merged into a later
-one. A retriever that raises yields a result with ``error`` set (counted, never merged); one
-that stalls keeps its slot, and once ``max_pending`` events are in flight new events are
-dropped (counted) instead of queueing without bound. None of this can change the output:
+returns only results that are already finished (the caller polls at each round's first draft
+LM-head call). A result is *late* when it was not ready at that point of the round right after
+its event (round ``event + 1``) and merged into a later one. A retriever that raises yields
+a result with ``error`` set (counted, never merged); one that stalls keeps its slot, and
+once ``max_pending`` events are in flight new events are dropped (counted) instead of
+queueing without bound. None of this can change the output:
 verification always runs over the target's full vocabulary.
 """
 

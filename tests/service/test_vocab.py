@@ -30,48 +30,16 @@ from evospec.decoding.methods import SpeculativeDecoder, make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import EagleHead, new_eagle_for
-from evospec.vocab.factory import VocabConfig
 from service.config import ServeConfig, TreeSettings, VocabSettings
 from service.engine import Done, Engine, GenerationRequest
 from tests.service.conftest import MODEL_NAME, GateDecoder, LiveServer, WrappedDecoder, ar_ids, wait_for
+from tests.vocab.helpers import SMALL, stand_in_indices
 
-SMALL = VocabConfig(
-    frspec_k=16,
-    w_max=24,
-    arc_capacity=8,
-    arc_ghost=8,
-    arc_p_init=4,
-    arc_max_insert=4,
-    arc_min_residency=2,
-    arc_warmup=3,
-    n_top=3,
-    n_sem=3,
-    per_seed=2,
-    synchronous=True,  # retrieval inline: deterministic ARC contents
-)
 TREE = TreeConfig(top_k=4, depth=3, total_tokens=8)
 TOKEN = "vocab-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 VOCAB_METHODS = ("frspec", "nanospec", "evospec", "nanospec+evospec")
-
-
-class ExactSearch:
-    """Brute-force inner-product search standing in for the HNSW index."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.w = weight.detach().float().numpy()  # [V, D]
-
-    def search(self, h: np.ndarray, k: int) -> np.ndarray:
-        return np.argsort(-(h @ self.w.T), axis=-1, kind="stable")[:, :k]
-
-
-class SuccGraph:
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def successors(self, u: int, k: int) -> np.ndarray:
-        return np.array([(u * 7 + j) % self.vocab for j in range(1, k + 1)], dtype=np.int64)
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +49,7 @@ def head(tiny) -> EagleHead:
 
 @pytest.fixture(scope="module")
 def bundle(tiny) -> SimpleNamespace:
-    vocab = tiny.cfg.vocab_size
-    counts = np.arange(vocab, dtype=np.int64)[::-1].copy()  # id 0 most frequent
-    return SimpleNamespace(counts=counts, hnsw=ExactSearch(tiny.lm_head.weight), graph=SuccGraph(vocab))
+    return stand_in_indices(tiny)
 
 
 @pytest.fixture

@@ -16,42 +16,13 @@ from evospec.models.eagle import new_eagle_for
 from evospec.vocab.factory import POLICIES, VocabConfig, make_policy, static_table
 from evospec.vocab.policy import NanoSpecConfig, NanoSpecVocab, RoundFeedback, frspec_size
 from tests.decoding.spec_helpers import ar_tokens, prompt_of, tiny_target
+from tests.vocab.helpers import SMALL, stand_in_indices
 
 V = 64
-SMALL = VocabConfig(
-    frspec_k=16,
-    w_max=24,
-    arc_capacity=8,
-    arc_ghost=8,
-    arc_p_init=4,
-    arc_max_insert=4,
-    arc_min_residency=2,
-    arc_warmup=3,
-    n_top=3,
-    n_sem=3,
-    per_seed=2,
-    synchronous=True,
-)
-
-
-class ExactSearch:
-    """Brute-force inner-product search standing in for the HNSW index."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.w = weight.detach().numpy()
-
-    def search(self, h: np.ndarray, k: int) -> np.ndarray:
-        return np.argsort(-(h @ self.w.T), axis=-1, kind="stable")[:, :k]
-
-
-class SuccGraph:
-    def successors(self, u: int, k: int) -> np.ndarray:
-        return np.array([(u * 7 + j) % V for j in range(1, k + 1)], dtype=np.int64)
 
 
 def bundle(target, counts=None):
-    counts = counts if counts is not None else np.arange(V)[::-1].copy()  # id 0 most frequent
-    return SimpleNamespace(counts=counts, hnsw=ExactSearch(target.lm_head.weight), graph=SuccGraph())
+    return stand_in_indices(target, counts)
 
 
 @pytest.fixture(scope="module")
