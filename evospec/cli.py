@@ -16,7 +16,7 @@ from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.paths import DEFAULT_DATA
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
@@ -42,15 +42,15 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--top-k-tree",
-        type=_positive_int,
+        type=positive_int,
         default=10,
         dest="tree_top_k",
         help="tree: children per expanded node and frontier width (default 10)",
     )
-    p.add_argument("--depth", type=_positive_int, default=5, help="tree: draft levels per round (default 5)")
+    p.add_argument("--depth", type=positive_int, default=5, help="tree: draft levels per round (default 5)")
     p.add_argument(
         "--total-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=60,
         help="tree: draft tokens verified per round (default 60)",
     )
@@ -65,14 +65,14 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     v = p.add_argument_group("active vocabulary (frspec, nanospec, evospec, nanospec+evospec)")
     v.add_argument(
         "--frspec-k",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="static frequency table size (frspec; evospec's core); default 32768 for vocabularies "
         ">= 128k, else V/4 rounded up to 256",
     )
-    v.add_argument("--w-max", type=_positive_int, default=3072, help="NanoSpec window (default 3072)")
+    v.add_argument("--w-max", type=positive_int, default=3072, help="NanoSpec window (default 3072)")
     v.add_argument(
-        "--arc-capacity", type=_positive_int, default=256, help="EvoSpec dynamic buffer (default 256)"
+        "--arc-capacity", type=positive_int, default=256, help="EvoSpec dynamic buffer (default 256)"
     )
     v.add_argument(
         "--indices",
@@ -84,7 +84,7 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
-    p.add_argument("--max-new-tokens", type=_positive_int, default=max_new, help=f"default {max_new}")
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new, help=f"default {max_new}")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_DATA / "spec_bench" / "question.jsonl"),
         help='Spec-Bench question.jsonl or {"prompt": ...} JSONL',
     )
-    b.add_argument("--per-category", type=_positive_int, default=None, help="at most N prompts per category")
-    b.add_argument("--limit", type=_positive_int, default=None, help="at most N prompts in all")
+    b.add_argument("--per-category", type=positive_int, default=None, help="at most N prompts per category")
+    b.add_argument("--limit", type=positive_int, default=None, help="at most N prompts in all")
     b.add_argument("--json", type=Path, default=None, help="write the results JSON here")
     _add_model_args(b)
     _add_draft_args(b)
@@ -166,14 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="work folder for generations, features, checkpoints (default: $EVOSPEC_HOME/train/<target>)",
     )
     t.add_argument(
-        "--tokens", type=_positive_int, default=200_000, help="response tokens to generate (default 200k)"
+        "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
     )
-    t.add_argument("--epochs", type=_positive_int, default=4, help="training epochs (default 4)")
+    t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
-    t.add_argument("--batch-size", type=_positive_int, default=16, help="generation batch size (default 16)")
-    t.add_argument(
-        "--max-new-tokens", type=_positive_int, default=192, help="answer length cap (default 192)"
-    )
+    t.add_argument("--batch-size", type=positive_int, default=16, help="generation batch size (default 16)")
+    t.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length cap (default 192)")
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     s = sub.add_parser(

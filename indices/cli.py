@@ -12,18 +12,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from evospec.cli import positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.paths import DEFAULT_DATA
 from indices.bigram import BigramParams
 from indices.hnsw import DEFAULT_EF, HnswParams
 from indices.manifest import Manifest
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _model_arg(p: argparse.ArgumentParser, default: str | None) -> None:
@@ -74,25 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, required=True, help="index directory to write")
     b.add_argument(
         "--hnsw-m",
-        type=_positive_int,
+        type=positive_int,
         default=HnswParams.m,
         help=f"HNSW graph degree M (default: {HnswParams.m})",
     )
     b.add_argument(
         "--ef-construction",
-        type=_positive_int,
+        type=positive_int,
         default=HnswParams.ef_construction,
         help=f"HNSW build beam (default: {HnswParams.ef_construction})",
     )
     b.add_argument(
         "--ef",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_EF,
         help=f"HNSW search beam stored as the default (default: {DEFAULT_EF})",
     )
     b.add_argument(
         "--min-count",
-        type=_positive_int,
+        type=positive_int,
         default=BigramParams.min_count,
         help=f"bigram: min count(u,v) (default: {BigramParams.min_count})",
     )
@@ -104,13 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--max-degree",
-        type=_positive_int,
+        type=positive_int,
         default=BigramParams.max_degree,
         help=f"bigram: successors kept per u (default: {BigramParams.max_degree})",
     )
     b.add_argument("--no-hnsw", action="store_true", help="skip the HNSW index (frequency + bigram only)")
     b.add_argument(
-        "--max-tokens", type=_positive_int, default=None, help="stop counting after N tokens (default: all)"
+        "--max-tokens", type=positive_int, default=None, help="stop counting after N tokens (default: all)"
     )
     b.add_argument("--threads", type=int, default=-1, help="HNSW build threads (default: -1, every core)")
     b.add_argument("--no-progress", action="store_true", help="hide progress bars")

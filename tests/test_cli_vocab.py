@@ -63,3 +63,18 @@ def test_unknown_method_is_a_clear_error(setup, capsys: pytest.CaptureFixture[st
     argv = ["generate", "hi", "--method", "evospek", "--model", str(setup["model"]), "--no-progress"]
     assert main(argv) == 2
     assert "unknown method 'evospek'" in capsys.readouterr().err
+
+
+def test_budget_smaller_than_the_arc_buffer_is_a_clear_error(
+    setup, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "hi", "--method", "nanospec+evospec", "--model", str(setup["model"]), "--no-progress"]
+    argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"]), "--w-max", "100"]
+    assert main([*argv, "--arc-capacity", "200"]) == 2
+    assert "budget 100 must exceed the ARC capacity 200" in capsys.readouterr().err
+
+
+def test_tree_flag_refuses_unknown_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--tree", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err

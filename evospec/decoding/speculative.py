@@ -83,7 +83,7 @@ def generate_speculative(
         stats = None
         if vocab is not None:
             verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]
-            stats = vocab.end_round(tree.tokens, verified, vout.logits[0, path], vout.hidden[0, path[-1]])
+            stats = vocab.end_round(tree.tokens, path, verified, vout.logits[0], vout.hidden[0])
         yield StepEvent(
             tokens=new,
             accepted=len(accepted),

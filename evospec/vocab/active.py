@@ -151,9 +151,10 @@ class ActiveVocab:
     def end_round(
         self,
         tree_tokens: torch.Tensor,  # [N] incl. the root
-        verified: torch.Tensor,  # [a + 1] accepted then bonus
-        path_logits: torch.Tensor,  # [a + 1, V]
-        bonus_hidden: torch.Tensor,  # [D]
+        path: torch.Tensor,  # [a + 1] node indices of the verified path, root first
+        verified: torch.Tensor,  # [a + 1] accepted ids then the bonus id
+        logits: torch.Tensor,  # [N, V] the verify forward's logits of every node
+        hidden: torch.Tensor,  # [N, D] its features of every node
     ) -> VocabRoundStats:
         timings = self.head.take_timings()
         covered_mask = self._mask[verified]  # [a + 1]
@@ -169,9 +170,8 @@ class ActiveVocab:
         )
         if self.policy is not None:
             t0 = time.perf_counter()
-            self.policy.observe(
-                RoundFeedback(tree_tokens, verified, path_logits, bonus_hidden, oov, self._round)
-            )
+            fb = RoundFeedback(tree_tokens, verified, logits[path], hidden[path[-1]], oov, self._round)
+            self.policy.observe(fb)
             extra = self.policy.take_stats()
             stats.policy_s = time.perf_counter() - t0
             stats.retrieval_s = extra.retrieval_s

@@ -239,8 +239,9 @@ class _RetrievalFed:
                 continue
             self.stats.retrieval_s.append(res.latency_s)
             self.stats.late += res.late
-            ids = [i for i in res.ids if 0 <= i < self.vocab_size and not bool(exclude[i])]
-            out = self.arc.admit(ids)
+            cand = torch.as_tensor(res.ids, dtype=torch.long, device=self.device)  # [c] priority order
+            cand = cand[(cand >= 0) & (cand < self.vocab_size)]
+            out = self.arc.admit(cand[~exclude[cand]].tolist())
             self.stats.admitted += len(out.inserted)
             self.stats.evicted += len(out.evicted)
             changed = True
