@@ -61,6 +61,10 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
         }
 
     monkeypatch.setattr(tune, "calibrate", fake_calibrate)
+    import evospec.train.prompts as train_prompts
+
+    fake = [SimpleNamespace(text=f"prompt {i}") for i in range(5)]
+    monkeypatch.setattr(train_prompts, "training_prompts", lambda data: fake)  # no shared data needed
     codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
     loaded = SimpleNamespace(name="tiny", model=None, codec=codec)
     for _ in range(2):
