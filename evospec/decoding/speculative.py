@@ -39,7 +39,8 @@ def generate_speculative(
     vocab: ActiveVocab | None = None,
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
-    loads each round's active ids before drafting and observes each verified round."""
+    loads each round's active ids at the round's first draft LM-head call and observes each
+    verified round."""
     max_new, slots = plan_budget(target, len(prompt), params, slack=tree_cfg.max_nodes)
     if cache is None or cache.max_len < slots:
         cache = target.new_cache(slots)
