@@ -147,15 +147,21 @@ def _check_type(name: str, value: Any, types: tuple[type, ...], source: str) -> 
         raise ConfigError(f"{source}: {name} must be {want}, got {value!r}")
 
 
+def _section(raw: Any, cls: type, name: str, what: str, source: str) -> dict[str, Any]:
+    """A nested config mapping whose keys are ``cls``'s fields (else a ConfigError naming them)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {name} must be a mapping {what}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown {name} key(s) {unknown}; known: {sorted(known)}")
+    return raw
+
+
 def _tree_from(raw: Any, source: str) -> TreeSettings:
     if isinstance(raw, TreeSettings):
         return raw
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: tree must be a mapping with top_k, depth, total_tokens")
-    known = {f.name for f in fields(TreeSettings)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{source}: unknown tree key(s) {unknown}; known: {sorted(known)}")
+    raw = _section(raw, TreeSettings, "tree", "with top_k, depth, total_tokens", source)
     for k, v in raw.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{source}: tree.{k} must be an integer >= 1, got {v!r}")
@@ -182,12 +188,7 @@ _AT_LEAST_0 = (
 def _vocab_from(raw: Any, source: str) -> VocabSettings:
     if isinstance(raw, VocabSettings):
         return raw
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: vocab must be a mapping of vocabulary settings")
-    known = {f.name for f in fields(VocabSettings)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{source}: unknown vocab key(s) {unknown}; known: {sorted(known)}")
+    raw = _section(raw, VocabSettings, "vocab", "of vocabulary settings", source)
     for k, v in raw.items():
         _check_type(f"vocab.{k}", v, _VOCAB_TYPES[k], source)
     return VocabSettings(**raw)
