@@ -448,7 +448,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         for name, entry in REGISTRY.items():
             folder = cache_dir(entry)
             state = f"converted at {folder}" if is_converted(folder, entry) else "not converted yet"
-            print(f"{name}\t{entry.package}=={entry.version}\t{entry.license}\t{state}")
+            pins = " ".join(f"{p}=={v}" for p, v in entry.packages)
+            print(f"{name}\t{pins}\t{entry.license}\t{state}")
         return 0
     print(ensure_converted(REGISTRY[args.name]))
     return 0

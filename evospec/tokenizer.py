@@ -19,10 +19,17 @@ class TextCodec:
     import on the serving path: loading stays well under a second).
     """
 
-    def __init__(self, tokenizer: Any, chat_template: str | None, special: dict[str, str | None]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None,
+        special: dict[str, str | None],
+        stop_tokens: tuple[str, ...] = (),
+    ) -> None:
         self.tok = tokenizer  # tokenizers.Tokenizer
         self.chat_template = chat_template
         self.special = special  # "bos_token" / "eos_token" -> text
+        self.stop_tokens = stop_tokens  # end generation besides EOS (e.g. Gemma's <end_of_turn>)
         self._template = None
 
     @classmethod
@@ -38,7 +45,7 @@ class TextCodec:
         if jinja_path.is_file():
             template = jinja_path.read_text()
         special = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token")}
-        return cls(tok, template, special)
+        return cls(tok, template, special, tuple(conf.get("stop_tokens", ())))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextCodec:
@@ -56,7 +63,9 @@ class TextCodec:
     def save(self, folder: str | Path) -> None:
         folder = Path(folder)
         self.tok.save(str(folder / "tokenizer.json"))
-        conf = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special}
+        conf: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special}
+        if self.stop_tokens:
+            conf["stop_tokens"] = list(self.stop_tokens)
         (folder / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))
         if self.chat_template:
             (folder / "chat_template.jinja").write_text(self.chat_template)
@@ -70,8 +79,9 @@ class TextCodec:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        eos = self.token_id(self.special.get("eos_token"))
-        return () if eos is None else (eos,)
+        """EOS, then the stop tokens, as ids (tokens unknown to the vocabulary are left out)."""
+        ids = (self.token_id(t) for t in (self.special.get("eos_token"), *self.stop_tokens))
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
 
     @property
     def vocab_size(self) -> int:

