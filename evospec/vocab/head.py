@@ -9,6 +9,14 @@ Shapes are static: the buffer holds ``capacity`` rows for the whole request; a f
 id ``FREE`` (-1) and a logit bias of ``-inf``, so the projection is always ``[n, capacity]``
 and a free slot can never be proposed. Tree tokens leave this module as target ids; the
 target still verifies over its full vocabulary, so the active set changes speed, never output.
+
+Two ways to load a set. :meth:`ReducedHead.set_active` plans on the host (``nonzero``) and
+copies the rows at once. :meth:`ReducedHead.stage` (the GPU path) plans with fixed-shape
+tensor ops (``evospec.kernels.slots``) and queues plan and row gather on the device's copy
+stream, then records an event; the next head call makes the compute stream wait for it right
+before the projection, so the gather hides behind whatever the compute stream runs meanwhile
+(the draft backbone). Both paths give bit-identical slots and rows; the row copy goes through
+``evospec.kernels.gather`` (Triton on CUDA, torch otherwise).
 """
 
 from __future__ import annotations
@@ -17,6 +25,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from evospec.kernels.dispatch import Backend, pick_backend
+from evospec.kernels.gather import gather_rows
+from evospec.kernels.slots import apply_swap, plan_swap
+from evospec.kernels.streams import copy_stream, follow_current, on_stream, record_event, wait_event
 
 FREE = -1  # slot id placeholder of an unused slot
 
@@ -56,7 +69,7 @@ class FullHead:
 class ReducedHead:
     """Top-k over the active slots; a :class:`~evospec.decoding.drafter.DraftHeadFn`."""
 
-    def __init__(self, weight: torch.Tensor, capacity: int) -> None:
+    def __init__(self, weight: torch.Tensor, capacity: int, backend: Backend | None = None) -> None:
         vocab, dim = weight.shape
         if capacity < 1:
             raise ValueError(f"reduced head capacity must be >= 1, got {capacity}")
@@ -68,6 +81,8 @@ class ReducedHead:
         self.bias = torch.full((self.capacity,), float("-inf"), dtype=torch.float32, device=weight.device)
         self.size = 0  # active slots (host-side count)
         self.timings = HeadTimings()
+        self.backend: Backend = backend or pick_backend(weight.device)  # row-gather kernel
+        self._ready: torch.cuda.Event | None = None  # a staged load still running on the copy stream
 
     @property
     def vocab_size(self) -> int:
@@ -75,6 +90,7 @@ class ReducedHead:
 
     def active_mask(self) -> torch.Tensor:
         """[V] bool: ids that currently hold a slot."""
+        self._wait_staged()
         return self.slot_of >= 0
 
     def set_active(self, mask: torch.Tensor) -> int:
@@ -83,6 +99,7 @@ class ReducedHead:
         Raises ``ValueError`` if ``mask`` holds more ids than the capacity.
         """
         t0 = time.perf_counter()
+        self._wait_staged()
         have = self.slot_of >= 0
         drop = torch.nonzero(have & ~mask).flatten()  # [d] ids leaving
         add = torch.nonzero(mask & ~have).flatten()  # [a] ids entering
@@ -96,7 +113,7 @@ class ReducedHead:
             self.slot_of[drop] = FREE
         if add.numel():
             free = torch.nonzero(self.slot_ids == FREE).flatten()[: add.numel()]  # [a]
-            self.rows[free] = self.weight[add]
+            gather_rows(self.weight, self.rows, add, free, self.backend)
             self.slot_ids[free] = add
             self.slot_of[add] = free
             self.bias[free] = 0.0
@@ -104,6 +121,38 @@ class ReducedHead:
         self.timings.gather_s += time.perf_counter() - t0
         self.timings.rows_gathered += add.numel()
         return add.numel()
+
+    def stage(self, mask: torch.Tensor) -> int:
+        """Start making the active ids ``mask`` ([V] bool): the GPU path of :meth:`set_active`.
+
+        Reads two counts back to the host (new size, rows to gather) -- call it where the
+        decode loop synchronises anyway (the accept boundary) -- then queues the slot plan and
+        the row gather on the copy stream (inline off CUDA) and returns the rows gathered. The
+        next :meth:`__call__` waits for them on the device. Raises ``ValueError`` if ``mask``
+        holds more ids than the capacity (nothing is changed then).
+        """
+        t0 = time.perf_counter()
+        self._wait_staged()
+        new_size, added = (int(x) for x in torch.stack([mask.sum(), (mask & (self.slot_of < 0)).sum()]))
+        if new_size > self.capacity:
+            raise ValueError(f"active vocabulary of {new_size} ids exceeds the head capacity {self.capacity}")
+        stream = copy_stream(self.rows.device)
+        follow_current(stream, mask)
+        with on_stream(stream):
+            plan = plan_swap(mask, self.slot_of, self.slot_ids)
+            gather_rows(self.weight, self.rows, plan.add_ids, plan.add_slots, self.backend)  # [C] padded
+            apply_swap(plan, self.slot_of, self.slot_ids, self.bias)
+        self._ready = record_event(stream)
+        self.size = new_size
+        self.timings.gather_s += time.perf_counter() - t0  # host time to queue it, on CUDA
+        self.timings.rows_gathered += added
+        return added
+
+    def _wait_staged(self) -> None:
+        """Order the current stream after a staged load, if one is pending (no host wait)."""
+        if self._ready is not None:
+            wait_event(self._ready)
+            self._ready = None
 
     def clear(self) -> None:
         self.set_active(torch.zeros(self.vocab_size, dtype=torch.bool, device=self.slot_of.device))
@@ -114,6 +163,7 @@ class ReducedHead:
         k' = min(k, active size): a free slot is never returned.
         """
         t0 = time.perf_counter()
+        self._wait_staged()  # a staged load: the compute stream waits here, not earlier
         logits = (hidden @ self.rows.T).float() + self.bias  # [n, C]
         logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, min(k, self.size), dim=-1)

@@ -13,14 +13,22 @@ verify top-K) nor their order inside one push; the caller builds the stream. It 
 know slots or LM-head rows either: the mask goes to the reduced head.
 
 Shapes are static: the ring is ``[w_max]`` and the counts ``[V]`` for the whole request.
-:meth:`CandidateWindow.push` works with tensor ops only (no host synchronisation; the
-stream length is host-side arithmetic on shapes). Reading :meth:`active_ids` or
-:attr:`size` synchronises, because their result size depends on the data.
+:meth:`CandidateWindow.push` works with tensor ops only (no host synchronisation).
+:meth:`CandidateWindow.push_padded` takes a fixed-size candidate buffer whose entries ``< 0``
+are skipped (e.g. ``evospec.kernels.window.unique_padded`` of the draft tree), so the number
+of entries it appends stays on the device; the stream length then lives in a device scalar
+too. On CUDA both pushes run the Triton kernel of ``evospec.kernels.window``; elsewhere the
+torch code (a plain push whose stream length is known on the host keeps the original
+host-arithmetic path). Reading :meth:`active_ids`, :attr:`size` or, after a padded push,
+:attr:`stream_length` synchronises, because their value depends on the data.
 """
 
 from __future__ import annotations
 
 import torch
+
+from evospec.kernels.dispatch import Backend, pick_backend
+from evospec.kernels.window import window_push
 
 EMPTY = -1  # ring entry that holds no stream entry yet
 
@@ -28,7 +36,13 @@ EMPTY = -1  # ring entry that holds no stream entry yet
 class CandidateWindow:
     """Sliding window of width ``w_max`` over a stream of token ids in ``[0, vocab_size)``."""
 
-    def __init__(self, vocab_size: int, w_max: int = 3072, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        w_max: int = 3072,
+        device: str | torch.device = "cpu",
+        backend: Backend | None = None,
+    ) -> None:
         if vocab_size < 1 or w_max < 1:
             raise ValueError(f"vocab_size and w_max must be >= 1, got {vocab_size}, {w_max}")
         self.vocab_size = vocab_size
@@ -39,18 +53,21 @@ class CandidateWindow:
         self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=self.device)  # [V]
         self._slots = torch.arange(w_max, dtype=torch.int64, device=self.device)  # [w_max]
         self._ones = torch.ones(w_max, dtype=torch.int32, device=self.device)  # [w_max]
-        self._length = 0  # entries pushed since the last reset (host-side)
+        self._head = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1] entries pushed
+        self._length: int | None = 0  # the same on the host; None after a padded push
+        self.backend: Backend = backend or pick_backend(self.device)
 
     def reset(self) -> None:
         """Empty stream, empty window."""
         self.ring.fill_(EMPTY)
         self.counts.zero_()
+        self._head.zero_()
         self._length = 0
 
     @property
     def stream_length(self) -> int:
         """Entries pushed since the last reset (including those already out of the window)."""
-        return self._length
+        return self._length if self._length is not None else int(self._head)
 
     def push(self, ids: torch.Tensor) -> None:
         """Append ``ids`` ([n], in order) to the stream; the oldest entries fall out of the window.
@@ -64,6 +81,11 @@ class CandidateWindow:
         n = ids.shape[0]
         if n == 0:
             return
+        if self.backend != "torch" or self._length is None:
+            window_push(self.ring, self.counts, self._head, ids, self.backend)
+            if self._length is not None:
+                self._length += n
+            return
         k = min(n, self.w_max)
         new = ids[n - k :].to(device=self.device, dtype=torch.int64)  # [k]
         # the last k of stream indices length .. length+n-1; their slots (distinct, as k <= w_max)
@@ -76,7 +98,21 @@ class CandidateWindow:
         delta = torch.cat([-left.to(torch.int32), self._ones[:k]])  # [2k]
         self.counts.index_add_(0, idx, delta)
         self.ring[slots] = new
+        self._head.add_(n)
         self._length += n
+
+    def push_padded(self, ids: torch.Tensor) -> None:
+        """Append the entries ``>= 0`` of ``ids`` ([n], in order); entries ``< 0`` are skipped.
+
+        Same window semantics as :meth:`push` on ``ids[ids >= 0]``, but the count of appended
+        entries never leaves the device (afterwards :attr:`stream_length` synchronises).
+        """
+        if ids.ndim != 1:
+            raise ValueError(f"push expects a 1-D tensor of ids, got shape {tuple(ids.shape)}")
+        if ids.shape[0] == 0:
+            return
+        window_push(self.ring, self.counts, self._head, ids, self.backend)
+        self._length = None
 
     def active_mask(self) -> torch.Tensor:
         """[V] bool: ids occurring among the last ``w_max`` stream entries."""
