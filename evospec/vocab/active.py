@@ -8,6 +8,14 @@ round's first LM-head call, after the draft backbone ran) and ``end_round`` (aft
 verification: coverage and the OOV flag are measured against the set the round drafted from,
 and the policy observes the round). With ``policy=None`` the draft uses the full LM head
 (EAGLE-2) and coverage is 1. Returns one :class:`VocabRoundStats` per round for the step event.
+
+With ``overlap`` (the default when the LM head lives on CUDA) the next round's set is asked of
+the policy at the end of ``end_round`` (and at ``start``) -- the accept boundary, where the
+loop synchronises anyway -- and staged into the reduced head (``ReducedHead.stage``): its rows
+are gathered on the copy stream while the next round's draft backbone runs, and the compute
+stream waits for them only at that round's first LM-head call. Retrieval results that finish
+after the accept boundary then make the round after. Off CUDA the default keeps the
+load-at-first-head-call path; ``overlap=True`` there runs the staged path inline (same sets).
 """
 
 from __future__ import annotations
@@ -93,7 +101,11 @@ _PREFILL_CHUNK = 64  # prompt positions per LM-head chunk when taking prefill to
 
 class ActiveVocab:
     def __init__(
-        self, policy: VocabPolicy | None, lm_head: torch.Tensor, always_ids: Sequence[int] = ()
+        self,
+        policy: VocabPolicy | None,
+        lm_head: torch.Tensor,
+        always_ids: Sequence[int] = (),
+        overlap: bool | None = None,
     ) -> None:
         vocab = lm_head.shape[0]
         self.policy = policy
@@ -108,6 +120,8 @@ class ActiveVocab:
         self._round = 0
         self._stale = False  # the active set must be reloaded before the next head call
         self._mask = torch.ones(vocab, dtype=torch.bool, device=lm_head.device)  # [V] this round's set
+        self.overlap = policy is not None and (lm_head.is_cuda if overlap is None else overlap)
+        self._next_mask = self._mask  # [V] the set staged for the next round (overlap only)
 
     @property
     def name(self) -> str:
@@ -130,6 +144,13 @@ class ActiveVocab:
             return
         k = self.policy.prefill_top_k
         self.policy.start(prompt, self.prefill_top(prefill_hidden, k) if k else None)
+        if self.overlap:
+            self._stage_next()
+
+    def _stage_next(self) -> None:
+        """Ask the policy for round ``self._round``'s set now and start gathering its rows."""
+        self._next_mask = self.policy.active_mask(self._round) | self.always
+        self.head.stage(self._next_mask)
 
     def begin_round(self) -> None:
         """A round starts: the active set is refreshed at the round's first draft LM-head call."""
@@ -144,8 +165,11 @@ class ActiveVocab:
         """
         if self._stale:
             self._stale = False
-            self._mask = self.policy.active_mask(self._round) | self.always
-            self.head.set_active(self._mask)
+            if self.overlap:  # staged at the last accept boundary; the head waits for its rows
+                self._mask = self._next_mask
+            else:
+                self._mask = self.policy.active_mask(self._round) | self.always
+                self.head.set_active(self._mask)
         return self.head(hidden, k)
 
     def end_round(
@@ -177,6 +201,8 @@ class ActiveVocab:
             stats.retrieval_s = extra.retrieval_s
             stats.late, stats.errors, stats.dropped = extra.late, extra.errors, extra.dropped
         self._round += 1
+        if self.overlap:
+            self._stage_next()
         return stats
 
     def state(self) -> dict:
