@@ -28,6 +28,7 @@ class StepEvent:
     draft_s: float = 0.0  # wall time spent drafting
     verify_s: float = 0.0  # wall time of the target forward (AR: the decode step)
     finish_reason: str | None = None  # "stop" | "length" | None (keep going)
+    round_s: float = 0.0  # wall time of the whole round: draft, verify and bookkeeping (0 for AR)
     prefill: bool = False  # the prompt's forward produced this token (not a round; MAL skips it)
     vocab: VocabRoundStats | None = None  # active-vocabulary facts of the round (speculative only)
 

@@ -8,22 +8,27 @@ tree buffers) between requests. Knows token ids only.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Protocol
 
+from evospec.adapt.config import AdaptConfig
+from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.autoregressive import generate_ar, plan_budget
 from evospec.decoding.drafter import Drafter, EagleDrafter
 from evospec.decoding.events import StepEvent
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.speculative import generate_speculative
 from evospec.decoding.tree import TreeConfig
-from evospec.models.eagle import EagleHead
+from evospec.models.eagle import EagleHead, clone_head
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
 from evospec.vocab.active import ActiveVocab
 from evospec.vocab.factory import POLICIES, VocabConfig, make_policy
 
-METHODS = ("ar", "eagle2", *POLICIES)
-SPECULATIVE = ("eagle2", *POLICIES)  # methods that need an EAGLE-2 draft head
+# online-adaptive methods: name -> (vocabulary policy, adaptation mode)
+ADAPTIVE = {"clora": ("frspec", "clora"), "osd": ("frspec", "osd"), "evospec-full": ("evospec", "clora")}
+METHODS = ("ar", "eagle2", *POLICIES, *ADAPTIVE)
+SPECULATIVE = ("eagle2", *POLICIES, *ADAPTIVE)  # methods that need an EAGLE-2 draft head
 
 
 class Decoder(Protocol):
@@ -60,9 +65,11 @@ class SpeculativeDecoder:
         tree: TreeConfig,
         eos_ids: Sequence[int] = (),
         vocab: ActiveVocab | None = None,
+        adapt: OnlineAdapter | None = None,
     ) -> None:
         self.name = name
         self.vocab = vocab  # owns the drafter's head function when given
+        self.adapt = adapt  # tunes the drafter's head weights from verification feedback
         self.model = model
         self.drafter = drafter
         self.tree = tree
@@ -82,6 +89,7 @@ class SpeculativeDecoder:
             eos_ids=self.eos_ids,
             cache=self.cache,
             vocab=self.vocab,
+            adapt=self.adapt,
         )
 
 
@@ -94,10 +102,13 @@ def make_decoder(
     tree: TreeConfig | None = None,
     vocab: VocabConfig | None = None,
     indices=None,
+    adapt: AdaptConfig | None = None,
 ) -> Decoder:
     """``ar``; or a speculative method (needs ``draft``, an EAGLE-2 head for ``model``):
     ``eagle2`` drafts over the full vocabulary, the others over a policy's active vocabulary
-    (``frspec``/``evospec`` also need ``indices``, an ``indices.IndexBundle`` for ``model``)."""
+    (``frspec``/``evospec`` also need ``indices``, an ``indices.IndexBundle`` for ``model``).
+    The :data:`ADAPTIVE` methods also tune a private copy of ``draft`` online (``adapt``
+    settings; its ``mode`` is the method's)."""
     if name == "ar":
         return ARDecoder(model, eos_ids)
     if name not in SPECULATIVE:
@@ -108,11 +119,20 @@ def make_decoder(
     if tree.top_k > model.cfg.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
     weight = model.lm_head.weight
+    policy_name, online = ADAPTIVE.get(name, (name, None))
     policy = None
-    if name != "eagle2":
+    if policy_name != "eagle2":
         policy = make_policy(
-            name, model.cfg.vocab_size, cfg=vocab or VocabConfig(), indices=indices, device=weight.device
+            policy_name,
+            model.cfg.vocab_size,
+            cfg=vocab or VocabConfig(),
+            indices=indices,
+            device=weight.device,
         )
     active = ActiveVocab(policy, weight, always_ids=eos_ids)
+    adapter = None
+    if online is not None:
+        draft = clone_head(draft)  # its weights will move: never share them with another decoder
+        adapter = OnlineAdapter(draft.attach(model), weight, replace(adapt or AdaptConfig(), mode=online))
     drafter = EagleDrafter(draft.attach(model), active.draft_head)
-    return SpeculativeDecoder(name, model, drafter, tree, eos_ids, vocab=active)
+    return SpeculativeDecoder(name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter)

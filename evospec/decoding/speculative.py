@@ -6,6 +6,11 @@ the tree mask; acceptance (``verify.py``) picks the accepted path and the bonus 
 target cache keeps only the root and the accepted path (``KVCache.compact``); the drafter
 rewinds its tree slots. Yields one :class:`StepEvent` per round (the prefill's first token
 is its own event). Host synchronisation happens only at the accept boundary.
+
+Two optional observers ride along: ``vocab`` (the active vocabulary, which owns the
+drafter's head function) and ``adapt`` (the online adapter: it sees the committed pairs at
+the round start, where it may also publish new draft weights, and the verified path at the
+round end). Neither can change the output: the target verifies every token.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.autoregressive import plan_budget, stop_rule
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
@@ -37,6 +43,7 @@ def generate_speculative(
     eos_ids: Sequence[int] = (),
     cache: KVCache | None = None,
     vocab: ActiveVocab | None = None,
+    adapt: OnlineAdapter | None = None,
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
     loads each round's active ids at the round's first draft LM-head call and observes each
@@ -61,6 +68,8 @@ def generate_speculative(
         return
     if vocab is not None:
         vocab.start(ids[0], out.hidden[0])
+    if adapt is not None:
+        adapt.start()
     pending_features = out.hidden[0]  # [P, D] features of the pairs not yet in the draft cache
     pending_tokens = [*ids[0, 1:].tolist(), root]  # [P] the token after each of them
 
@@ -69,6 +78,8 @@ def generate_speculative(
         if vocab is not None:
             vocab.begin_round()
         tok_t = torch.tensor(pending_tokens, dtype=torch.long, device=device)
+        if adapt is not None:
+            adapt.begin_round(pending_features, tok_t)
         root_logp, root_ids = drafter.commit(pending_features, tok_t, tree_cfg.top_k)
         prefix = cache.length
         tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg)
@@ -82,9 +93,13 @@ def generate_speculative(
         new, reason = rule.clip([*accepted, bonus], produced)
         produced += len(new)
         stats = None
-        if vocab is not None:
+        if vocab is not None or adapt is not None:
             verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]
-            stats = vocab.end_round(tree.tokens, path, verified, vout.logits[0], vout.hidden[0])
+            if vocab is not None:
+                stats = vocab.end_round(tree.tokens, path, verified, vout.logits[0], vout.hidden[0])
+            if adapt is not None:
+                mask = vocab.mask if vocab is not None else None
+                adapt.end_round(tree.parents, path, verified, vout.logits[0, path], mask)
         yield StepEvent(
             tokens=new,
             accepted=len(accepted),
@@ -93,6 +108,7 @@ def generate_speculative(
             draft_s=t1 - t0,
             verify_s=t2 - t1,
             finish_reason=reason,
+            round_s=time.perf_counter() - t0,
             vocab=stats,
         )
         if reason is not None:

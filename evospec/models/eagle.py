@@ -152,6 +152,15 @@ def save_eagle(head: EagleHead, path: str | Path, *, dtype: torch.dtype = torch.
     return folder
 
 
+def clone_head(head: EagleHead) -> EagleHead:
+    """An independent copy of ``head``'s own weights (the shared target embedding is not
+    copied; attach the copy to the target again)."""
+    twin = EagleHead(head.cfg, fc_bias=head.fc.bias is not None, own_embedding=head.embed_tokens is not None)
+    twin.load_state_dict(head.state_dict())
+    twin._shared[:] = head._shared
+    return twin.to(head.fc.weight.device, head.fc.weight.dtype).eval()
+
+
 def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -> EagleHead:
     """A randomly initialised head shaped for ``target`` (training starts here; tests use it)."""
     tc = target.cfg

@@ -1,0 +1,429 @@
+"""The online adapter: the decode loop's handle on draft adaptation, and its worker.
+
+Owns: per-key adapter states (trainer, replay buffer, published weights, version; at most
+``max_keys``, least recently used evicted), the worker that gates trajectories and runs
+updates, the double-buffered publication into the serving head, and save / load / reset.
+
+Decode-thread contract (called by ``decoding/speculative.py``; all cheap, never blocking):
+``select(key)`` before a request, ``start()`` after its prefill, ``begin_round(features,
+tokens)`` with the pairs the drafter commits (this is where a newer published version is
+copied into the serving head: between rounds, never inside one), and ``end_round(...)``
+after verification, which records a :class:`~evospec.adapt.trajectory.Trajectory` and
+hands it to the worker (a full queue drops it and counts the drop).
+
+Worker contract: trajectories are gated in batches under the current shadow weights
+(``loss.admit``); admitted steps fill the key's replay buffer; at ``buffer_size`` admitted
+steps one update runs and the buffer is cleared. A successful update publishes new
+serving weights (a fresh dict: the back buffer) and bumps the version; a discarded one
+publishes nothing. On CPU the worker is a niced background thread; on CUDA it runs on a
+low-priority side stream and the decode thread waits on the update's event only when it
+copies the published weights. With ``asynchronous=False`` everything runs inline at the
+round end (deterministic; tests).
+
+Output never changes: only the draft's weights move, and the target verifies every token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from evospec.adapt.config import AdaptConfig
+from evospec.adapt.trainers import OnlineTrainer, make_trainer, tensor_bytes
+from evospec.adapt.trajectory import Recorder, Trajectory
+from evospec.adapt.unroll import collate
+from evospec.models.eagle import EagleHead
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEY = ""  # the state of requests without a key
+_GATE_BATCH = 32  # trajectories gated per worker pass at most
+FORMAT = "evospec-adapter/1"
+
+
+@dataclass
+class AdaptStats:
+    trajectories: int = 0  # recorded rounds handed to the worker
+    dropped: int = 0  # recorded rounds dropped because the worker was behind
+    steps_seen: int = 0  # verified positions the gate looked at
+    routed_oov: int = 0  # ... left to the vocabulary path (verified token not active)
+    admitted: int = 0  # ... admitted to a replay buffer
+    by_kl: int = 0
+    by_reject: int = 0
+    updates: int = 0  # successful updates (each published a version)
+    discarded: int = 0  # updates thrown away (the previous adapter stayed)
+    discard_reasons: Counter = field(default_factory=Counter)
+    errors: int = 0  # worker exceptions (the batch was skipped)
+    update_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    publishes: int = 0  # weight copies into the serving head (decode thread)
+    publish_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        upd = sorted(self.update_s)
+        return {
+            "trajectories": self.trajectories,
+            "dropped": self.dropped,
+            "steps_seen": self.steps_seen,
+            "routed_oov": self.routed_oov,
+            "admitted": self.admitted,
+            "admitted_by_kl": self.by_kl,
+            "admitted_by_reject": self.by_reject,
+            "updates": self.updates,
+            "discarded": self.discarded,
+            "discard_reasons": dict(self.discard_reasons),
+            "errors": self.errors,
+            "update_ms_median": round(1e3 * upd[len(upd) // 2], 2) if upd else None,
+            "last_loss": self.losses[-1] if self.losses else None,
+            "publishes": self.publishes,
+            "publish_ms_total": round(1e3 * self.publish_s, 3),
+        }
+
+
+@dataclass
+class KeyState:
+    trainer: OnlineTrainer
+    buffer: list[tuple[Trajectory, torch.Tensor]] = field(default_factory=list)  # (traj, admitted [s])
+    buffered: int = 0  # admitted steps in the buffer
+    version: int = 0  # published versions so far (0: the base head)
+    front: dict[str, torch.Tensor] | None = None  # the latest published serving weights
+    event: object | None = None  # CUDA: marks when ``front`` is ready
+
+
+class OnlineAdapter:
+    def __init__(self, head: EagleHead, lm_head: torch.Tensor, cfg: AdaptConfig | None = None) -> None:
+        self.cfg = cfg or AdaptConfig()
+        self.head = head  # the serving head (the drafter's); its weights change between rounds
+        self.lm_head = lm_head
+        self.pristine = {  # the base weights, for new keys and resets
+            n: p.detach().clone() for n, p in head.named_parameters() if not n.startswith("embed_tokens")
+        }
+        self.stats = AdaptStats()
+        self._states: OrderedDict[str, KeyState] = OrderedDict()
+        self._lock = threading.Lock()
+        self._key = DEFAULT_KEY  # key of the request being decoded
+        self._serving: tuple[str, int] = (DEFAULT_KEY, 0)  # (key, version) loaded in the serving head
+        self.recorder = Recorder(self.cfg.context, self.cfg.k_logit)
+        self._device = head.fc.weight.device
+        self._queue: queue.Queue[Trajectory | None] = queue.Queue(maxsize=self.cfg.max_pending)
+        self._busy = threading.Event()  # the worker holds work taken from the queue
+        self._thread: threading.Thread | None = None
+        self._stream = None
+        if self.cfg.asynchronous:
+            if self._device.type == "cuda":
+                self._stream = torch.cuda.Stream(self._device, priority=0)  # 0 = lowest priority
+            self._thread = threading.Thread(target=self._worker, name="evospec-adapt", daemon=True)
+            self._thread.start()
+
+    @property
+    def mode(self) -> str:
+        return self.cfg.mode
+
+    # -- decode thread -----------------------------------------------------------------------
+    def select(self, key: str | None) -> None:
+        """The next request belongs to ``key`` (None: the default state)."""
+        self._key = key or DEFAULT_KEY
+        self._publish()
+
+    def start(self) -> None:
+        self.recorder.start()
+
+    def begin_round(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        """features [m, D], tokens [m]: the pairs the drafter commits this round."""
+        self._publish()
+        self.recorder.commit(features, tokens)
+
+    def end_round(
+        self,
+        tree_parents: torch.Tensor,  # [N]
+        path: torch.Tensor,  # [a + 1]
+        verified: torch.Tensor,  # [a + 1]
+        path_logits: torch.Tensor,  # [a + 1, V]
+        active: torch.Tensor | None,  # [V] bool, None: the full vocabulary
+    ) -> None:
+        traj = self.recorder.trajectory(tree_parents, path, verified, path_logits, active, self._key)
+        self.stats.trajectories += 1
+        if self._thread is None:
+            self._process([traj])
+            return
+        try:
+            self._queue.put_nowait(traj)
+        except queue.Full:
+            self.stats.dropped += 1
+
+    def _publish(self) -> None:
+        """Load the current key's newest published weights into the serving head, if newer."""
+        with self._lock:
+            st = self._states.get(self._key)
+            version = st.version if st is not None else 0
+            if (self._key, version) == self._serving:
+                return
+            weights = st.front if st is not None and st.front is not None else None
+            event = st.event if st is not None else None
+        t0 = time.perf_counter()
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+        if weights is None:  # a key without updates serves the base head
+            weights = {n: self.pristine[n] for n in self._restorable()}
+        named = dict(self.head.named_parameters())
+        with torch.no_grad():
+            for name, w in weights.items():
+                named[name].copy_(w)
+        self._serving = (self._key, version)
+        self.stats.publishes += 1
+        self.stats.publish_s += time.perf_counter() - t0
+
+    # -- worker ------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        if self._device.type == "cpu" and self.cfg.nice:
+            # Linux: niceness is per thread; torch's threads spawned from here inherit it
+            with contextlib.suppress(AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.nice)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._busy.set()
+            batch = [item]
+            while len(batch) < _GATE_BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # stop after this batch
+                    break
+                batch.append(nxt)
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._process(batch)
+                else:
+                    self._process(batch)
+            except Exception:
+                self.stats.errors += 1
+                log.exception("adapt: worker batch failed; skipped")
+            finally:
+                self._busy.clear()
+
+    def _state(self, key: str) -> KeyState:
+        with self._lock:
+            st = self._states.get(key)
+            if st is not None:
+                self._states.move_to_end(key)
+                return st
+        trainer = make_trainer(self.head, self.pristine, self.lm_head, self.cfg)  # outside the lock
+        with self._lock:
+            st = self._states.setdefault(key, KeyState(trainer))
+            self._states.move_to_end(key)
+            while len(self._states) > self.cfg.max_keys:
+                self._states.popitem(last=False)
+            return st
+
+    def _process(self, trajs: list[Trajectory]) -> None:
+        with torch.inference_mode(False), torch.enable_grad():  # inline mode runs inside the decode loop
+            self._process_batch(trajs)
+
+    def _process_batch(self, trajs: list[Trajectory]) -> None:
+        by_key: dict[str, list[Trajectory]] = {}
+        for t in trajs:
+            by_key.setdefault(t.key or DEFAULT_KEY, []).append(t)
+        for key, group in by_key.items():
+            st = self._state(key)
+            batch = collate(group, self._device)
+            adm, _ = st.trainer.gate(batch)
+            s = self.stats
+            s.steps_seen += int(batch.step_valid.sum())
+            s.routed_oov += adm.routed_oov
+            s.admitted += int(adm.mask.sum())
+            s.by_kl += adm.by_kl
+            s.by_reject += adm.by_reject
+            for i, t in enumerate(group):
+                m = adm.mask[i, : t.steps]
+                if bool(m.any()):
+                    st.buffer.append((t, m.clone()))
+                    st.buffered += int(m.sum())
+            if st.buffered >= self.cfg.buffer_size:
+                self._update(key, st)
+
+    def _update(self, key: str, st: KeyState) -> None:
+        items, st.buffer, st.buffered = st.buffer, [], 0
+        batch = collate([t for t, _ in items], self._device)
+        admitted = torch.zeros_like(batch.step_valid)
+        for i, (_, m) in enumerate(items):
+            admitted[i, : m.shape[0]] = m
+        res = st.trainer.step(batch, admitted)
+        self.stats.update_s.append(res.seconds)
+        self.stats.losses.append(res.loss)
+        if not res.ok:
+            self.stats.discarded += 1
+            self.stats.discard_reasons[res.reason] += 1
+            log.warning(
+                "adapt: update discarded (%s, loss %.4g); previous adapter kept", res.reason, res.loss
+            )
+            return
+        weights = st.trainer.serving_weights()
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        with self._lock:
+            if self._states.get(key) is st:  # not evicted or reset meanwhile
+                st.front, st.event = weights, event
+                st.version += 1
+        self.stats.updates += 1
+
+    # -- control (engine thread, between requests or rounds) --------------------------------
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until the worker has processed everything queued (bench and tests)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._queue.empty() and not self._busy.is_set():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def versions(self) -> dict[str, int]:
+        with self._lock:
+            return {k: st.version for k, st in self._states.items()}
+
+    def aux_bytes(self) -> dict[str, int]:
+        """Memory held for adaptation (all keys): trainer state + replay buffers + base copy."""
+        with self._lock:
+            states = list(self._states.values())
+        out = Counter()
+        for st in states:
+            out.update(st.trainer.aux_bytes())
+            out["buffer"] += sum(t.nbytes() for t, _ in st.buffer)
+            out["published"] += tensor_bytes((st.front or {}).values())
+        out["base_copy"] = tensor_bytes(self.pristine[n] for n in self._restorable())
+        out["total"] = sum(v for k, v in out.items() if k != "total")
+        return dict(out)
+
+    def _restorable(self) -> list[str]:
+        """Base tensors a reset needs: the ones this mode overwrites in the serving head."""
+        if self.cfg.mode == "clora":
+            return ["layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight"]
+        return list(self.pristine)
+
+    def state(self) -> dict:
+        with self._lock:
+            keys = {
+                (k or "default"): {"version": st.version, "buffered": st.buffered}
+                for k, st in self._states.items()
+            }
+        return {
+            "mode": self.cfg.mode,
+            "asynchronous": self.cfg.asynchronous,
+            "buffer_size": self.cfg.buffer_size,
+            "lr": self.cfg.lr,
+            "rank": self.cfg.rank if self.cfg.mode == "clora" else None,
+            "serving": {"key": self._serving[0] or "default", "version": self._serving[1]},
+            "keys": keys,
+            "max_keys": self.cfg.max_keys,
+            "queue": self._queue.qsize(),
+            "aux_bytes": self.aux_bytes(),
+            **self.stats.as_dict(),
+        }
+
+    def reset(self, key: str | None = None, *, all_keys: bool = False) -> dict:
+        """Forget one key's adapter (default key when None) or all; the serving head goes back
+        to the base weights at the next round boundary."""
+        self.wait_idle()
+        with self._lock:
+            if all_keys:
+                dropped = len(self._states)
+                self._states.clear()
+            else:
+                dropped = int(self._states.pop(key or DEFAULT_KEY, None) is not None)
+            self._serving = ("\0stale", -1)  # force a reload at the next boundary
+        self._publish()
+        return {"reset_keys": dropped}
+
+    def save(self, path: str | Path, key: str | None = None) -> Path:
+        """Write one key's adapter (safetensors + JSON metadata in the header)."""
+        import json
+
+        from safetensors.torch import save_file
+
+        self.wait_idle()
+        st = self._state(key or DEFAULT_KEY)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in st.trainer.adapter_tensors().items()}
+        meta = {
+            "format": FORMAT,
+            "mode": self.cfg.mode,
+            "rank": str(self.cfg.rank),
+            "alpha": str(self.cfg.alpha),
+            "version": str(st.version),
+            "head": json.dumps(_head_signature(self.head)),
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata=meta)
+        return path
+
+    def load(self, path: str | Path, key: str | None = None) -> dict:
+        """Install a saved adapter for ``key`` and publish it (next round boundary)."""
+        import json
+
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: adapter file not found")
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f}
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{path}: not an EvoSpec adapter (format {meta.get('format')!r})")
+        if meta.get("mode") != self.cfg.mode:
+            raise ValueError(
+                f"{path}: a {meta.get('mode')} adapter cannot load into a {self.cfg.mode} adapter"
+            )
+        if self.cfg.mode == "clora" and (
+            int(meta.get("rank", -1)) != self.cfg.rank or float(meta.get("alpha", -1)) != self.cfg.alpha
+        ):
+            raise ValueError(
+                f"{path}: LoRA rank/alpha {meta.get('rank')}/{meta.get('alpha')} != "
+                f"configured {self.cfg.rank}/{self.cfg.alpha}"
+            )
+        if json.loads(meta.get("head", "{}")) != _head_signature(self.head):
+            raise ValueError(f"{path}: saved for a different draft head")
+        self.wait_idle()
+        k = key or DEFAULT_KEY
+        st = self._state(k)
+        dev = self._device
+        st.trainer.load_adapter_tensors({n: t.to(dev) for n, t in tensors.items()})
+        weights = st.trainer.serving_weights()
+        with self._lock:
+            st.buffer, st.buffered = [], 0
+            st.front, st.event = weights, None
+            st.version += 1
+        if k == self._key:
+            self._publish()
+        return {"key": k or "default", "version": st.version, "tensors": len(tensors)}
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            while True:  # make room for the stop marker; queued rounds are dropped
+                try:
+                    self._queue.put_nowait(None)
+                    break
+                except queue.Full:
+                    with contextlib.suppress(queue.Empty):
+                        self._queue.get_nowait()
+            self._thread.join(timeout=30)
+
+
+def _head_signature(head: EagleHead) -> dict:
+    c = head.cfg
+    return {"hidden": c.hidden_size, "vocab": c.vocab_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads}
