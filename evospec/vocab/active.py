@@ -124,6 +124,11 @@ class ActiveVocab:
         self._next_mask = self._mask  # [V] the set staged for the next round (overlap only)
 
     @property
+    def mask(self) -> torch.Tensor:
+        """[V] bool: this round's active vocabulary (all True for the full head)."""
+        return self._mask
+
+    @property
     def name(self) -> str:
         return "full" if self.policy is None else self.policy.name
 
