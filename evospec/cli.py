@@ -223,6 +223,23 @@ def _load(args: argparse.Namespace):
 
 
 def _indices(names: list[str], args: argparse.Namespace, loaded):
+    t.add_argument(
+        "--loss-support",
+        choices=["auto", "full", "data", "topk+neg"],
+        default="auto",
+        help="vocabulary rows of the soft cross-entropy: 'full'; 'data' (ids seen in the data); "
+        "'topk+neg' (the target's top-k per pair plus sampled negatives, for huge vocabularies); "
+        "'auto' = topk+neg for vocabularies >= 128k, else data (default)",
+    )
+    t.add_argument(
+        "--support-k", type=positive_int, default=32, help="topk+neg: target top-k per pair (default 32)"
+    )
+    t.add_argument(
+        "--negatives",
+        type=positive_int,
+        default=1024,
+        help="topk+neg: uniformly sampled negative ids per step (default 1024)",
+    )
     """The model's index bundle if any method needs one (loaded or built once per process)."""
     from evospec.vocab.factory import NEEDS_COUNTS, NEEDS_RETRIEVAL
 
@@ -419,7 +436,13 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         progress=progress,
     )
     shards = feature_shards(work)
-    cfg = TrainConfig(epochs=args.epochs, lr=args.lr)
+    cfg = TrainConfig(
+        epochs=args.epochs,
+        lr=args.lr,
+        loss_vocab=args.loss_support,
+        support_k=args.support_k,
+        negatives=args.negatives,
+    )
     seqs = load_sequences(shards, cfg.max_seq_len)
     head = new_eagle_for(loaded.model)
     for p in head.parameters():
@@ -485,3 +508,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+    entry = REGISTRY.get(loaded.name)
+    if entry is not None and entry.notice:  # e.g. Gemma: derivatives carry the terms' notice
+        (args.out / "NOTICE").write_text(entry.notice)

@@ -3,7 +3,9 @@
 Owns: the sequence dataset over feature shards, the loss (feature regression + soft
 cross-entropy against the target's own next-token distribution, both through the frozen
 shared LM head; uniform noise on input features), AdamW with warm-up + cosine decay,
-checkpoints with resume, and held-out step-1 agreement.
+checkpoints with resume, and held-out step-1 agreement. Which vocabulary rows the soft
+cross-entropy runs over (all, those seen in the data, or the target's top-k plus sampled
+negatives for huge vocabularies) is decided in ``support.py``.
 
 Pair convention (as at inference, see ``decoding/drafter.py``): input i = (feature f_i,
 token x_{i+1}); the head's output should equal f_{i+1}, and LM-head(output) should match
@@ -27,6 +29,14 @@ from tqdm.auto import tqdm
 from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
+from evospec.train.support import (
+    DEFAULT_K,
+    DEFAULT_NEGATIVES,
+    dataset_supports,
+    full_soft_ce,
+    resolve_support,
+    sampled_soft_ce,
+)
 
 
 @dataclass
@@ -42,7 +52,11 @@ class TrainConfig:
     w_cls: float = 0.1  # distribution matching weight (EAGLE: p_w)
     grad_clip: float = 0.5
     holdout: float = 0.03  # share of sequences held out for agreement
-    loss_vocab: str = "data"  # "data": LM-head rows of tokens seen in the data (CPU-cheap) | "full"
+    # Soft-CE support: "data" (LM-head rows of tokens seen in the data), "full", "topk+neg" (the
+    # target's top-k per pair + sampled negatives), "auto" (topk+neg for V >= 128k, else data).
+    loss_vocab: str = "auto"
+    support_k: int = DEFAULT_K  # topk+neg: the target's top-k ids kept per pair
+    negatives: int = DEFAULT_NEGATIVES  # topk+neg: uniform negative ids per step (shared by the batch)
     seed: int = 0
 
 
@@ -51,6 +65,9 @@ class Sequence:
     tokens: torch.Tensor  # [T] int64
     features: torch.Tensor  # [T, D] fp16
     prompt_len: int
+    # topk+neg only: the target's top-k at rows prompt_len.. ([T - prompt_len, K] each)
+    support_ids: torch.Tensor | None = None  # int32
+    support_logp: torch.Tensor | None = None  # float32
 
 
 def load_sequences(shards: list[Path], max_len: int) -> list[Sequence]:
@@ -112,6 +129,23 @@ def collate(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return tokens, feats, mask
 
 
+def collate_support(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k per pair: ids [B, T-2, K] (int64), log-probs [B, T-2, K].
+
+    Pair i is scored against row i + 1; rows before a sequence's prompt_len stay zero (those
+    pairs are never scored).
+    """
+    t = max(len(s.tokens) for s in batch)
+    k = batch[0].support_ids.shape[1]
+    ids = torch.zeros(len(batch), t, k, dtype=torch.long)
+    logp = torch.zeros(len(batch), t, k)
+    for b, s in enumerate(batch):
+        lo = s.prompt_len
+        ids[b, lo : lo + len(s.support_ids)] = s.support_ids.long()
+        logp[b, lo : lo + len(s.support_logp)] = s.support_logp
+    return ids[:, 1:-1], logp[:, 1:-1]
+
+
 def head_forward(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Training forward over whole sequences: feats [B, T, D], tokens [B, T] -> [B, T, D]."""
     b, t, _ = feats.shape
@@ -130,10 +164,14 @@ def pair_losses(
     cfg: TrainConfig,
     train: bool,
     vocab_ids: torch.Tensor | None = None,
+    support: tuple[torch.Tensor, torch.Tensor] | None = None,
+    negatives: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Regression + soft CE + top-1 agreement over the scored pairs.
 
-    ``lm_head`` is [V', D]: the full head, or its rows ``vocab_ids`` ([V']).
+    ``lm_head`` is [V', D]: the full head, or its rows ``vocab_ids`` ([V']). With ``support``
+    (ids and log-probs [B, T-2, K] from ``collate_support``) the CE runs on the target's
+    top-k plus ``negatives`` ([M] ids into the full ``lm_head``) instead.
     """
     inp = feats[:, :-2]
     if train and cfg.noise:
@@ -143,17 +181,22 @@ def pair_losses(
     m = mask
     out_m, tgt_m = out[m], tgt[m]  # [N, D]
     reg = F.smooth_l1_loss(out_m / feat_std, tgt_m / feat_std)
-    logits = out_m @ lm_head.T  # [N, V]
-    with torch.no_grad():
-        p_tgt = torch.softmax(tgt_m @ lm_head.T, dim=-1)
-        label = tokens[:, 2:][m]
-        if vocab_ids is not None:
-            label = vocab_ids[logits.argmax(-1)] == label  # compare in target-id space
-        else:
-            label = logits.argmax(-1) == label
-    logp = torch.log_softmax(logits, dim=-1)
-    cls = -(p_tgt * logp).sum(-1).mean()
-    top1 = label.float().mean()
+    label = tokens[:, 2:][m]  # [N]
+    if support is not None:
+        neg = negatives if negatives is not None else torch.empty(0, dtype=torch.long)
+        cls, best = sampled_soft_ce(out_m, lm_head, support[0][m], support[1][m], neg)
+    elif train:
+        cls, best = full_soft_ce(out_m, tgt_m, lm_head)
+    else:  # no graph to keep: bound memory to ~64M logits per chunk of rows
+        rows = max(1, (1 << 26) // lm_head.shape[0])
+        pieces = [
+            full_soft_ce(o, t, lm_head) for o, t in zip(out_m.split(rows), tgt_m.split(rows), strict=True)
+        ]
+        cls = sum(c * len(b) for c, b in pieces) / max(len(out_m), 1)
+        best = torch.cat([b for _, b in pieces])
+    if vocab_ids is not None and support is None:
+        best = vocab_ids[best]  # compare in target-id space
+    top1 = (best == label).float().mean()
     return {"loss": cfg.w_reg * reg + cfg.w_cls * cls, "reg": reg, "cls": cls, "top1": top1}
 
 
@@ -168,17 +211,31 @@ def train_head(
 ) -> dict:
     """Train ``head`` in place (resumes from ``ckpt_dir``); returns the metrics log.
 
-    The head ends with the weights of the epoch with the best held-out top-1 agreement.
+    The head ends with the weights of the epoch with the best held-out top-1 agreement. The
+    target is frozen first: the head reads its embedding, and a gradient for that [V, D]
+    table (unused, never applied) would cost a dense V x D buffer per step.
     """
+    target.requires_grad_(False)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     train, hold = split_holdout(seqs, cfg.holdout, cfg.seed)
     full_head = target.lm_head.weight.detach()
     vocab_ids = None
     lm_head = full_head
-    if cfg.loss_vocab == "data":
+    mode = resolve_support(cfg.loss_vocab, full_head.shape[0])
+    if mode == "data":
         vocab_ids = torch.unique(torch.cat([s.tokens for s in seqs]))
         lm_head = full_head[vocab_ids].contiguous()
+    elif mode == "topk+neg":
+        supports = dataset_supports(
+            [s.features[s.prompt_len :] for s in seqs],
+            full_head,
+            cfg.support_k,
+            ckpt_dir / f"support_top{cfg.support_k}.safetensors",
+            progress=progress,
+        )
+        for s, (ids, logp) in zip(seqs, supports, strict=True):
+            s.support_ids, s.support_logp = ids, logp
     all_feats = torch.cat([s.features[:256].float() for s in train[:200]])
     feat_std = all_feats.std().clamp(min=1e-3)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -188,7 +245,7 @@ def train_head(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, total_steps))
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir / "trainer.pt"
-    step, log = 0, {"config": asdict(cfg), "epochs": [], "feat_std": float(feat_std)}
+    step, log = 0, {"config": asdict(cfg), "loss_support": mode, "epochs": [], "feat_std": float(feat_std)}
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         head.load_state_dict(state["head"])
@@ -208,8 +265,22 @@ def train_head(
             tokens, feats, mask = collate(batch)
             if not mask.any():
                 continue
+            support = negatives = None
+            if mode == "topk+neg":
+                support = collate_support(batch)
+                negatives = torch.randint(0, full_head.shape[0], (cfg.negatives,))
             out = pair_losses(
-                head, lm_head, feats, tokens, mask, feat_std, cfg, train=True, vocab_ids=vocab_ids
+                head,
+                lm_head,
+                feats,
+                tokens,
+                mask,
+                feat_std,
+                cfg,
+                train=True,
+                vocab_ids=vocab_ids,
+                support=support,
+                negatives=negatives,
             )
             opt.zero_grad(set_to_none=True)
             out["loss"].backward()
