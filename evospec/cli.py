@@ -83,6 +83,37 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_adapt_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("online adaptation (clora, osd, evospec-full)")
+    a.add_argument("--adapt-lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
+    a.add_argument(
+        "--adapt-buffer", type=positive_int, default=32, help="admitted positions per update (default 32)"
+    )
+    a.add_argument("--adapt-rank", type=positive_int, default=32, help="LoRA rank = alpha (default 32)")
+    a.add_argument(
+        "--adapt-context",
+        type=positive_int,
+        default=16,
+        help="committed pairs replayed before each round's root when training (default 16)",
+    )
+    a.add_argument(
+        "--adapt-sync", action="store_true", help="run gate and updates inline at the round end (debugging)"
+    )
+
+
+def _adapt_config(args: argparse.Namespace):
+    from evospec.adapt.config import AdaptConfig
+
+    return AdaptConfig(
+        lr=args.adapt_lr,
+        buffer_size=args.adapt_buffer,
+        rank=args.adapt_rank,
+        alpha=float(args.adapt_rank),
+        context=args.adapt_context,
+        asynchronous=not args.adapt_sync,
+    )
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new, help=f"default {max_new}")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -110,10 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--method",
         default="ar",
-        help="decoding method: ar | eagle2 | frspec | nanospec | evospec | nanospec+evospec (default: ar)",
+        help="decoding method: ar | eagle2 | frspec | nanospec | evospec | nanospec+evospec | clora | osd | "
+        "evospec-full (default: ar)",
     )
     _add_model_args(g)
     _add_draft_args(g)
+    _add_adapt_args(g)
     _add_sampling_args(g, 128)
 
     b = sub.add_parser(
@@ -124,9 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--methods",
-        default="ar,hf",
-        help="comma-separated methods: ar, hf, eagle2, frspec, nanospec, evospec, nanospec+evospec "
-        "(default: ar,hf)",
+        default=None,
+        help="comma-separated methods: ar, hf, eagle2, frspec, nanospec, evospec, nanospec+evospec, clora, "
+        "osd, evospec-full (default: ar,hf; topic-shift: frspec,clora,osd,evospec-full)",
+    )
+    b.add_argument(
+        "--scenario",
+        choices=["spec-bench", "topic-shift"],
+        default="spec-bench",
+        help="'spec-bench': prompts from --data, methods side by side; 'topic-shift': HumanEval requests "
+        "then law/medicine requests from the shared data folder, per-request MAL of each method with "
+        "its adapter carried across the stream (frspec is the frozen baseline)",
+    )
+    b.add_argument(
+        "--shift-requests",
+        type=positive_int,
+        default=12,
+        help="topic-shift: requests before and after the shift (default 12 + 12)",
+    )
+    b.add_argument(
+        "--shared-data", type=Path, default=DEFAULT_DATA, help="topic-shift: the shared data folder"
     )
     b.add_argument(
         "--quick",
@@ -147,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", type=Path, default=None, help="write the results JSON here")
     _add_model_args(b)
     _add_draft_args(b)
+    _add_adapt_args(b)
     _add_sampling_args(b, 64)
     b.set_defaults(max_new_tokens=None)
 
@@ -172,6 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
     t.add_argument("--batch-size", type=positive_int, default=16, help="generation batch size (default 16)")
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length cap (default 192)")
+    t.add_argument(
+        "--loss-support",
+        choices=["auto", "full", "data", "topk+neg"],
+        default="auto",
+        help="vocabulary rows of the soft cross-entropy: 'full'; 'data' (ids seen in the data); "
+        "'topk+neg' (the target's top-k per pair plus sampled negatives, for huge vocabularies); "
+        "'auto' = topk+neg for vocabularies >= 128k, else data (default)",
+    )
+    t.add_argument(
+        "--support-k", type=positive_int, default=32, help="topk+neg: target top-k per pair (default 32)"
+    )
+    t.add_argument(
+        "--negatives",
+        type=positive_int,
+        default=1024,
+        help="topk+neg: uniformly sampled negative ids per step (default 1024)",
+    )
     t.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     s = sub.add_parser(
@@ -223,26 +291,11 @@ def _load(args: argparse.Namespace):
 
 
 def _indices(names: list[str], args: argparse.Namespace, loaded):
-    t.add_argument(
-        "--loss-support",
-        choices=["auto", "full", "data", "topk+neg"],
-        default="auto",
-        help="vocabulary rows of the soft cross-entropy: 'full'; 'data' (ids seen in the data); "
-        "'topk+neg' (the target's top-k per pair plus sampled negatives, for huge vocabularies); "
-        "'auto' = topk+neg for vocabularies >= 128k, else data (default)",
-    )
-    t.add_argument(
-        "--support-k", type=positive_int, default=32, help="topk+neg: target top-k per pair (default 32)"
-    )
-    t.add_argument(
-        "--negatives",
-        type=positive_int,
-        default=1024,
-        help="topk+neg: uniformly sampled negative ids per step (default 1024)",
-    )
     """The model's index bundle if any method needs one (loaded or built once per process)."""
+    from evospec.decoding.methods import ADAPTIVE
     from evospec.vocab.factory import NEEDS_COUNTS, NEEDS_RETRIEVAL
 
+    names = [ADAPTIVE[n][0] if n in ADAPTIVE else n for n in names]
     if not any(n in NEEDS_COUNTS or n in NEEDS_RETRIEVAL for n in names):
         return None
     from indices.default import ensure_indices
@@ -280,11 +333,12 @@ def _decoders(names: list[str], args: argparse.Namespace, loaded, eos) -> dict:
         draft = load_eagle(path)
     indices = _indices(names, args, loaded)
     vocab = _vocab_config(args)
+    adapt = _adapt_config(args) if hasattr(args, "adapt_lr") else None
     fixed = TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
 
     def build(name: str, tree: TreeConfig):
         return make_decoder(
-            name, loaded.model, eos_ids=eos, draft=draft, tree=tree, vocab=vocab, indices=indices
+            name, loaded.model, eos_ids=eos, draft=draft, tree=tree, vocab=vocab, indices=indices, adapt=adapt
         )
 
     out = {}
@@ -342,6 +396,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from evospec.bench.prompts import load_prompts
     from evospec.bench.runner import format_table, run_side_by_side, summarise
 
+    if args.scenario == "topic-shift":
+        return _bench_topic_shift(args)
+    if args.methods is None:
+        args.methods = "ar,hf"
     if args.quick and args.limit is None:
         args.limit = 2
     if args.max_new_tokens is None:
@@ -404,6 +462,70 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_topic_shift(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    import torch
+
+    from evospec.bench.topic_shift import (
+        format_stream_table,
+        plot_stream,
+        run_stream,
+        summarise_stream,
+        topic_shift_stream,
+    )
+
+    n = 2 if args.quick else args.shift_requests
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 16 if args.quick else 64
+    stream = topic_shift_stream(args.shared_data, n, n)
+    loaded = _load(args)
+    codec = loaded.codec
+    eos = codec.eos_ids or loaded.model.cfg.eos_token_ids
+    names = [m.strip() for m in (args.methods or "frspec,clora,osd,evospec-full").split(",") if m.strip()]
+    if "hf" in names:
+        raise SystemExit("error: 'hf' is not part of the topic-shift scenario")
+    decoders = _decoders(names, args, loaded, eos)
+
+    def encode(p):
+        return codec.encode_chat([{"role": "user", "content": p.text}])
+
+    params = _sampling(args)
+    records, mismatches = run_stream(decoders, stream, encode, params, progress=not args.no_progress)
+    config = {
+        "scenario": "topic-shift",
+        "model": loaded.name,
+        "code_requests": n,
+        "shift_requests": n,
+        "max_new_tokens": args.max_new_tokens,
+        "methods": names,
+        "frozen": "frspec" if "frspec" in names else None,
+        "adapt": asdict(_adapt_config(args)),
+        "tree": {k: asdict(d.tree) for k, d in decoders.items() if hasattr(d, "tree")},
+        "outputs_differing_from_first_method": mismatches,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    result = summarise_stream(records, n, decoders, config)
+    table = format_stream_table(result)
+    print(table)
+    for dec in decoders.values():
+        if getattr(dec, "adapt", None) is not None:
+            dec.adapt.close()
+    if any(mismatches.values()):
+        print(f"error: outputs differ between methods: {mismatches}", file=sys.stderr)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.plots:
+        print(f"wrote {plot_stream(result, args.plots)}", file=sys.stderr)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 1 if any(mismatches.values()) else 0
+
+
 def cmd_train_draft(args: argparse.Namespace) -> int:
     import platform
 
@@ -449,6 +571,9 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         p.requires_grad_(True)
     log = train_head(head, loaded.model, seqs, work / "ckpt", cfg, progress=progress)
     save_eagle(head, args.out)
+    entry = REGISTRY.get(loaded.name)
+    if entry is not None and entry.notice:  # e.g. Gemma: derivatives carry the terms' notice
+        (args.out / "NOTICE").write_text(entry.notice)
     info = {
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
@@ -508,6 +633,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-    entry = REGISTRY.get(loaded.name)
-    if entry is not None and entry.notice:  # e.g. Gemma: derivatives carry the terms' notice
-        (args.out / "NOTICE").write_text(entry.notice)

@@ -382,7 +382,7 @@ class OnlineAdapter:
             raise FileNotFoundError(f"{path}: adapter file not found")
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path}: not an EvoSpec adapter (format {meta.get('format')!r})")
         if meta.get("mode") != self.cfg.mode:

@@ -1,0 +1,208 @@
+"""The controlled topic-shift scenario (EvoSpec paper section 4.3, scaled to a CPU).
+
+Owns: the request stream (HumanEval prompts, then law (LegalBench) and medicine (PubMedQA)
+prompts alternating, from the shared data folder), running methods through it interleaved
+request by request (each method keeps its own adapter state across the stream), and the
+summary: per-request MAL, mean MAL over the stream's second half, round-time percentiles,
+and each adaptive method's auxiliary memory and update counters. Plots per-request MAL.
+
+The stream is ``code`` requests then ``shift`` requests; "second half" means the requests
+after the shift. Adapters start from the base head (they are reset after the warm-up).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evospec.bench.prompts import BenchPrompt
+from evospec.decoding.sampling import SamplingParams
+
+_CLIP = 1400  # characters of a law clause / medical abstract put in a prompt
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (the topic-shift stream reads the shared data folder)")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def topic_shift_stream(data: Path, code: int, shift: int) -> list[BenchPrompt]:
+    """``code`` HumanEval prompts, then ``shift`` prompts alternating law / medicine."""
+    humaneval = _jsonl(data / "humaneval" / "prompts.jsonl")
+    law = [
+        r for r in _jsonl(data / "legalbench" / "legalbench_permissive.jsonl") if len(r.get("text", "")) > 200
+    ]
+    med = _jsonl(data / "pubmedqa" / "pqal.jsonl")
+    law = law[::-1]  # from the end of the file: the head's training prompts sample it from the front
+    if code > len(humaneval) or shift > len(law) + len(med):
+        raise ValueError(f"stream too long: {code} code / {shift} shifted requests")
+    out = [
+        BenchPrompt("code", f"Complete this Python function.\n\n```python\n{r['prompt']}```", True)
+        for r in humaneval[:code]
+    ]
+    for i in range(shift):
+        if i % 2 == 0:
+            r = law[i // 2]
+            text = f"What obligations does this contract clause create for each party?\n\n{r['text'][:_CLIP]}"
+            out.append(BenchPrompt("law", text, True))
+        else:
+            r = med[i // 2]
+            abstract = " ".join(r.get("contexts", []))[:_CLIP]
+            out.append(
+                BenchPrompt("medicine", f"{abstract}\n\nQuestion: {r['question']}\nAnswer briefly.", True)
+            )
+    return out
+
+
+@dataclass
+class RequestRecord:
+    method: str
+    index: int
+    category: str
+    tokens: int
+    rounds: int
+    seconds: float
+    round_s: list[float] = field(default_factory=list)
+
+    @property
+    def mal(self) -> float:
+        return (self.tokens - 1) / self.rounds if self.rounds else 1.0
+
+
+def run_stream(
+    decoders: dict,
+    stream: Sequence[BenchPrompt],
+    encode: Callable[[BenchPrompt], list[int]],
+    params: SamplingParams,
+    *,
+    reference: dict[int, list[int]] | None = None,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], dict[str, int]]:
+    """Every request on every method in turn. Returns the records and, per method, how many
+    outputs differ from the first method's (all must be 0: the methods are lossless)."""
+    from tqdm.auto import tqdm
+
+    warm = SamplingParams(max_new_tokens=4)
+    for dec in decoders.values():
+        list(dec.generate(encode(stream[0]), warm))
+        if getattr(dec, "adapt", None) is not None:
+            dec.adapt.reset(all_keys=True)
+    records: list[RequestRecord] = []
+    mismatches = dict.fromkeys(decoders, 0)
+    bar = tqdm(total=len(stream) * len(decoders), desc="topic-shift", unit="run", disable=not progress)
+    for i, p in enumerate(stream):
+        ids = encode(p)
+        first: list[int] | None = None
+        for name, dec in decoders.items():
+            rec = RequestRecord(name, i, p.category, 0, 0, 0.0)
+            out: list[int] = []
+            t0 = time.perf_counter()
+            for ev in dec.generate(ids, params):
+                out.extend(ev.tokens)
+                if not ev.prefill:
+                    rec.rounds += 1
+                    rec.round_s.append(ev.round_s)
+            rec.seconds = time.perf_counter() - t0
+            rec.tokens = len(out)
+            first = out if first is None else first
+            mismatches[name] += out != first
+            records.append(rec)
+            bar.update(1)
+    bar.close()
+    for dec in decoders.values():
+        if getattr(dec, "adapt", None) is not None:
+            dec.adapt.wait_idle()
+    return records, mismatches
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summarise_stream(records: list[RequestRecord], code: int, decoders: dict, config: dict) -> dict:
+    methods: dict[str, dict] = {}
+    for name in decoders:
+        recs = [r for r in records if r.method == name]
+        before = [r.mal for r in recs if r.index < code]
+        after = [r.mal for r in recs if r.index >= code]
+        rounds = [x for r in recs for x in r.round_s]
+        tokens = sum(r.tokens for r in recs)
+        seconds = sum(r.seconds for r in recs)
+        s = {
+            "mal": (tokens - len(recs)) / max(sum(r.rounds for r in recs), 1),
+            "mal_first_half": statistics.fmean(before) if before else float("nan"),
+            "mal_second_half": statistics.fmean(after) if after else float("nan"),
+            "tok_per_s": tokens / seconds if seconds else 0.0,
+            "round_ms_p50": 1e3 * _pct(rounds, 0.5),
+            "round_ms_p99": 1e3 * _pct(rounds, 0.99),
+            "per_request_mal": [round(r.mal, 4) for r in recs],
+        }
+        adapt = getattr(decoders[name], "adapt", None)
+        if adapt is not None:
+            st = adapt.state()
+            s["adapt"] = {k: v for k, v in st.items() if k not in ("keys",)}
+            s["aux_mib"] = st["aux_bytes"]["total"] / 2**20
+        methods[name] = s
+    base = config.get("frozen")
+    if base in methods:
+        b = methods[base]
+        for s in methods.values():
+            s["second_half_vs_frozen"] = s["mal_second_half"] / b["mal_second_half"]
+            s["p99_round_vs_frozen"] = s["round_ms_p99"] / b["round_ms_p99"]
+    if "clora" in methods and "osd" in methods and "aux_mib" in methods["osd"]:
+        methods["clora"]["aux_vs_osd"] = methods["clora"]["aux_mib"] / methods["osd"]["aux_mib"]
+    categories = [r.category for r in records if r.method == next(iter(decoders))]
+    return {"methods": methods, "categories": categories, "config": config}
+
+
+def format_stream_table(result: dict) -> str:
+    cols = (
+        "mal_first_half",
+        "mal_second_half",
+        "second_half_vs_frozen",
+        "tok_per_s",
+        "round_ms_p50",
+        "round_ms_p99",
+        "p99_round_vs_frozen",
+        "aux_mib",
+    )
+    lines = [f"| method | {' | '.join(cols)} | updates | discarded |", "|" + "---|" * (len(cols) + 3)]
+    for name, s in result["methods"].items():
+        vals = " | ".join(f"{s[c]:.3f}" if isinstance(s.get(c), float) else "-" for c in cols)
+        ad = s.get("adapt", {})
+        lines.append(f"| {name} | {vals} | {ad.get('updates', '-')} | {ad.get('discarded', '-')} |")
+    if "aux_vs_osd" in result["methods"].get("clora", {}):
+        lines.append(f"\nclora aux memory / osd aux memory: {result['methods']['clora']['aux_vs_osd']:.3f}")
+    return "\n".join(lines)
+
+
+def plot_stream(result: dict, out_dir: Path) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--plots needs matplotlib: pip install matplotlib") from exc
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for name, s in result["methods"].items():
+        ax.plot(range(len(s["per_request_mal"])), s["per_request_mal"], marker=".", lw=1, label=name)
+    shift = result["config"]["code_requests"]
+    ax.axvline(shift - 0.5, ls=":", color="k")
+    ax.set_xlabel("request (HumanEval | law / medicine)")
+    ax.set_ylabel("MAL (tokens per round)")
+    ax.set_title(f"topic shift: {result['config'].get('model', '')}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "topic_shift.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
