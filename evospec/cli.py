@@ -487,8 +487,10 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         raise SystemExit("error: 'hf' is not part of the topic-shift scenario")
     decoders = _decoders(names, args, loaded, eos)
 
-    def encode(p):
-        return codec.encode_chat([{"role": "user", "content": p.text}])
+    def encode(p):  # a base model without a chat template gets the plain text
+        if codec.has_chat_template:
+            return codec.encode_chat([{"role": "user", "content": p.text}])
+        return codec.encode(p.text)
 
     params = _sampling(args)
     records, mismatches = run_stream(decoders, stream, encode, params, progress=not args.no_progress)

@@ -4,15 +4,19 @@ Owns: bearer-token auth for ``/admin/*`` (token from ``EVOSPEC_ADMIN_TOKEN``, co
 ``hmac.compare_digest``; no token configured -> every admin route answers 404 "disabled";
 missing or wrong token -> 401) and the routes:
 - ``GET /admin/state`` -- method, model, engine counters, and the vocabulary / ARC / OOV
-  sections (measured) and the adaptation section (``"implemented": false``: online LoRA does
-  not exist yet, so its fields are null instead of invented numbers).
+  and adaptation sections (measured; null where the method has no such state).
 - ``GET /admin/vocab`` (``?ids=true`` adds the ARC lists) -- the decoder's active vocabulary
   now; ``POST /admin/vocab/reset`` -- empties the ARC buffer (evospec, nanospec+evospec) and
   drops in-flight retrievals. Both 409 for a method without such state.
-- ``POST /admin/adapter/{reset,save,load}``, ``POST /admin/adaptation {"enabled": bool}`` --
-  authenticated and body-validated, then ``501 not_implemented`` until LoRA adaptation lands.
+- ``GET /admin/adapter`` -- the online adapter (clora, osd, evospec-full): mode, versions per
+  key, counters, auxiliary memory; ``POST /admin/adapter/reset {"key"?, "all"?}`` -- back to
+  the base head; ``POST /admin/adapter/save {"path"?, "key"?}`` -- safetensors + metadata
+  (default ``$EVOSPEC_HOME/adapters/<model>/<method>[.<key>].safetensors``);
+  ``POST /admin/adapter/load {"path", "key"?}`` -- install and publish (404 missing file, 400
+  a file for another mode / rank / head); ``POST /admin/adaptation {"enabled": bool}`` --
+  pause or resume learning (the current adapter keeps serving). All 409 for other methods.
 
-Vocabulary state belongs to the engine thread: it is read and reset through
+Vocabulary and adapter state belong to the engine thread: it is read and reset through
 :meth:`~service.engine.Engine.call`, at the engine's next safe point (between two rounds of
 the running request, or while idle), never from the handler's thread.
 """
@@ -21,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from evospec.adapt.online import OnlineAdapter
 from evospec.vocab.active import ActiveVocab
 from service.context import ServiceContext
 from service.engine import EngineSnapshot
@@ -33,7 +39,6 @@ from service.errors import SERVER_ERROR, APIError
 from service.schemas import parse_body
 
 ADMIN_TOKEN_ENV = "EVOSPEC_ADMIN_TOKEN"
-ADAPT_NOTE = "not implemented yet: online LoRA adaptation (evospec/adapt) does not exist"
 CONTROL_TIMEOUT_S = 10.0  # longest wait for the engine's next safe point
 ARC_METHODS = ("evospec", "nanospec+evospec")  # methods whose policy keeps an ARC buffer
 
@@ -46,12 +51,22 @@ class EmptyBody(_AdminBody):
     pass
 
 
+_KEY = Field(default=None, min_length=1, max_length=256)  # adapter scope; None: the default state
+
+
+class AdapterResetBody(_AdminBody):
+    key: str | None = _KEY
+    all: bool = False
+
+
 class AdapterSaveBody(_AdminBody):
     path: str | None = Field(default=None, min_length=1)  # None: the default adapter location
+    key: str | None = _KEY
 
 
 class AdapterLoadBody(_AdminBody):
     path: str = Field(..., min_length=1)
+    key: str | None = _KEY
 
 
 class AdaptationBody(_AdminBody):
@@ -111,23 +126,45 @@ def router(ctx: ServiceContext) -> APIRouter:
         summary = await on_engine(lambda: vocab_summary(vocab, ids=ids), "vocab")
         return {"method": ctx.engine.method, **summary}
 
-    @r.post("/adapter/reset")
-    async def adapter_reset(request: Request) -> None:
+    @r.get("/adapter")
+    async def adapter_state(request: Request) -> dict[str, Any]:
         authorize(request)
-        await parse_body(request, EmptyBody, allow_empty=True)
-        raise _not_implemented("adapter reset", ADAPT_NOTE)
+        adapter = _require_adapter(ctx)
+        return {"method": ctx.engine.method, **await on_engine(adapter.state, "adapter")}
+
+    @r.post("/adapter/reset")
+    async def adapter_reset(request: Request) -> dict[str, Any]:
+        authorize(request)
+        body = await parse_body(request, AdapterResetBody, allow_empty=True) or AdapterResetBody()
+        adapter = _require_adapter(ctx)
+        done = await on_engine(lambda: adapter.reset(body.key, all_keys=body.all), "adapter reset")
+        return {"method": ctx.engine.method, **done}
 
     @r.post("/adapter/save")
-    async def adapter_save(request: Request) -> None:
+    async def adapter_save(request: Request) -> dict[str, Any]:
         authorize(request)
-        await parse_body(request, AdapterSaveBody, allow_empty=True)
-        raise _not_implemented("adapter save", ADAPT_NOTE)
+        body = await parse_body(request, AdapterSaveBody, allow_empty=True) or AdapterSaveBody()
+        adapter = _require_adapter(ctx)
+        path = Path(body.path).expanduser() if body.path else _default_adapter_path(ctx, body.key)
+        try:
+            saved = await on_engine(lambda: adapter.save(path, body.key), "adapter save")
+        except OSError as exc:
+            raise APIError(400, f"cannot write the adapter to {path}: {exc}", code="invalid_path") from None
+        return {"method": ctx.engine.method, "path": str(saved), "key": body.key or "default"}
 
     @r.post("/adapter/load")
-    async def adapter_load(request: Request) -> None:
+    async def adapter_load(request: Request) -> dict[str, Any]:
         authorize(request)
-        await parse_body(request, AdapterLoadBody)
-        raise _not_implemented("adapter load", ADAPT_NOTE)
+        body = await parse_body(request, AdapterLoadBody)
+        adapter = _require_adapter(ctx)
+        path = Path(body.path).expanduser()
+        try:
+            info = await on_engine(lambda: adapter.load(path, body.key), "adapter load")
+        except FileNotFoundError as exc:
+            raise APIError(404, str(exc), code="adapter_not_found") from None
+        except (ValueError, OSError) as exc:  # wrong mode / rank / head, or not a safetensors file
+            raise APIError(400, f"cannot load {path}: {exc}", code="invalid_adapter") from None
+        return {"method": ctx.engine.method, **info}
 
     @r.post("/vocab/reset")
     async def vocab_reset(request: Request) -> dict[str, Any]:
@@ -145,16 +182,36 @@ def router(ctx: ServiceContext) -> APIRouter:
         return {"method": ctx.engine.method, **await on_engine(lambda: reset_dynamic(vocab), "vocab reset")}
 
     @r.post("/adaptation")
-    async def adaptation(request: Request) -> None:
+    async def adaptation(request: Request) -> dict[str, Any]:
         authorize(request)
-        await parse_body(request, AdaptationBody)
-        raise _not_implemented("switching adaptation", ADAPT_NOTE)
+        body = await parse_body(request, AdaptationBody)
+        adapter = _require_adapter(ctx)
+
+        def switch() -> dict[str, Any]:
+            adapter.enabled = body.enabled
+            return {"enabled": adapter.enabled}
+
+        return {"method": ctx.engine.method, **await on_engine(switch, "adaptation switch")}
 
     return r
 
 
-def _not_implemented(what: str, note: str) -> APIError:
-    return APIError(501, f"{what}: {note}", type="not_implemented_error", code="not_implemented")
+def _require_adapter(ctx: ServiceContext) -> OnlineAdapter:
+    if ctx.engine.adapter is None:
+        raise APIError(
+            409,
+            f"method {ctx.engine.method} does not adapt its draft online (serve clora, osd or evospec-full)",
+            code="no_adapter",
+        )
+    return ctx.engine.adapter
+
+
+def _default_adapter_path(ctx: ServiceContext, key: str | None) -> Path:
+    from evospec.models.registry import evospec_home
+
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key) if key else ""
+    name = f"{ctx.engine.method}.{safe}" if safe else ctx.engine.method
+    return evospec_home() / "adapters" / ctx.model.name / f"{name}.safetensors"
 
 
 def _flag(request: Request, name: str) -> bool:
@@ -248,15 +305,36 @@ def admin_state(ctx: ServiceContext, vocab: dict[str, Any] | None) -> dict[str, 
             "mal": s.stats.mal,
         },
         **_vocab_sections(ctx, s, vocab),
-        "adaptation": {
-            "implemented": False,
-            "note": ADAPT_NOTE,
+        "adaptation": adaptation_section(ctx),
+    }
+
+
+def adaptation_section(ctx: ServiceContext) -> dict[str, Any]:
+    """The online adapter's headline numbers (read without the engine thread: plain counters)."""
+    a = ctx.engine.adapter
+    if a is None:
+        return {
+            "implemented": True,
+            "note": f"method {ctx.engine.method} does not adapt its draft online",
+            "mode": None,
             "enabled": False,
             "adapter_version": None,
             "update_count": None,
+            "discarded_updates": None,
             "last_loss": None,
             "replay_fill": None,
-        },
+        }
+    versions = a.versions()
+    return {
+        "implemented": True,
+        "mode": a.mode,
+        "enabled": a.enabled,
+        "adapter_version": versions.get("", 0),
+        "keys": len(versions),
+        "update_count": a.stats.updates,
+        "discarded_updates": a.stats.discarded,
+        "last_loss": a.stats.losses[-1] if a.stats.losses else None,
+        "replay_fill": a.buffered(),
     }
 
 

@@ -1,8 +1,8 @@
 """Serve options: one typed, validated dataclass, loaded from a ``configs/*.yaml`` preset.
 
 Owns: :class:`ServeConfig` (what ``evospec serve`` runs: model, method, draft head, tree shape,
-active-vocabulary settings, listen address, queue and timeout limits), :func:`load_config`
-(YAML via ``yaml.safe_load``; unknown keys, wrong types and bad values are refused with a
+active-vocabulary and online-adaptation settings, listen address, queue and timeout limits),
+:func:`load_config` (YAML via ``yaml.safe_load``; unknown keys, wrong types and bad values are refused with a
 message naming the file and the key) and :meth:`ServeConfig.with_overrides` (command-line flags
 win over the file). Secrets never live here: the admin token is read from the environment by
 ``app.py``. Knows nothing about models, HTTP or threads.
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from evospec.decoding.methods import METHODS
+from evospec.adapt.config import AdaptConfig
+from evospec.decoding.methods import ADAPTIVE, METHODS
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.vocab.factory import VocabConfig
 
@@ -66,6 +67,38 @@ class VocabSettings:
         return VocabConfig(**kw)
 
 
+_A = AdaptConfig
+SCOPES = ("global", "user")
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    """Online adaptation (``evospec/adapt/config.py: AdaptConfig``; the mode follows the method);
+    read by ``clora``, ``osd`` and ``evospec-full`` only."""
+
+    buffer_size: int = _A.buffer_size  # admitted positions per update (B)
+    lr: float = _A.lr  # AdamW learning rate
+    weight_decay: float = _A.weight_decay
+    temperature: float = _A.temperature  # distillation temperature T_KD
+    k_logit: int = _A.k_logit  # retained target logits per position
+    gate_kl: float = _A.gate_kl  # admission: KL(target || draft) above this, or a rejected draft
+    rank: int = _A.rank  # LoRA rank (clora, evospec-full)
+    alpha: float = _A.alpha  # LoRA alpha
+    beta: float = _A.beta  # curriculum decay
+    context: int = _A.context  # committed pairs replayed before each round's root
+    steps_per_update: int = _A.steps_per_update
+    grad_clip: float = _A.grad_clip  # max grad norm (<= 0: off)
+    max_loss: float = _A.max_loss  # a loss above this discards the update
+    max_pending: int = _A.max_pending  # rounds queued for the worker before new ones are dropped
+    max_keys: int = _A.max_keys  # adapter states kept (LRU) when scope is "user"
+    nice: int = _A.nice  # CPU: niceness added to the update thread
+    scope: str = "global"  # "global": one adapter; "user": one per request's OpenAI ``user`` field
+
+    def to_adapt_config(self, mode: str) -> AdaptConfig:
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scope"}
+        return AdaptConfig(mode=mode, **kw)
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """Everything ``evospec serve`` needs besides the admin token (an env variable)."""
@@ -75,6 +108,7 @@ class ServeConfig:
     draft: str | None = None  # EAGLE-2 head folder (default: the head shipped for the model)
     tree: TreeSettings = field(default_factory=TreeSettings)
     vocab: VocabSettings = field(default_factory=VocabSettings)
+    adapt: AdaptSettings = field(default_factory=AdaptSettings)
     device: str = "cpu"  # torch device: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
@@ -103,6 +137,8 @@ class ServeConfig:
             values["tree"] = _tree_from(values["tree"], source)
         if "vocab" in values:
             values["vocab"] = _vocab_from(values["vocab"], source)
+        if "adapt" in values:
+            values["adapt"] = _adapt_from(values["adapt"], source)
         for f in fields(cls):
             if f.name in values and f.name not in _SECTIONS:
                 _check_type(f.name, values[f.name], _FIELD_TYPES[f.name], source)
@@ -123,7 +159,7 @@ class ServeConfig:
         return dataclasses.replace(self, **given)
 
 
-_SECTIONS = ("tree", "vocab")  # nested mappings, checked key by key
+_SECTIONS = ("tree", "vocab", "adapt")  # nested mappings, checked key by key
 
 # Accepted Python types per field (YAML ints are accepted where floats are expected).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -194,6 +230,30 @@ def _vocab_from(raw: Any, source: str) -> VocabSettings:
     return VocabSettings(**raw)
 
 
+_ADAPT_TYPES: dict[str, tuple[type, ...]] = {
+    f.name: ((int, float) if f.type == "float" else (str,) if f.type == "str" else (int,))
+    for f in fields(AdaptSettings)
+}
+
+
+def _adapt_from(raw: Any, source: str) -> AdaptSettings:
+    if isinstance(raw, AdaptSettings):
+        return raw
+    raw = _section(raw, AdaptSettings, "adapt", "of online-adaptation settings", source)
+    for k, v in raw.items():
+        _check_type(f"adapt.{k}", v, _ADAPT_TYPES[k], source)
+    return AdaptSettings(**raw)
+
+
+def _adapt_problems(a: AdaptSettings, method: str) -> list[str]:
+    out = [] if a.scope in SCOPES else [f"adapt.scope {a.scope!r} is not one of {list(SCOPES)}"]
+    try:
+        a.to_adapt_config(ADAPTIVE[method][1] if method in ADAPTIVE else "clora")
+    except ValueError as exc:
+        out.append(str(exc).replace("adapt ", "adapt.", 1))
+    return out
+
+
 def _vocab_problems(v: VocabSettings, method: str) -> list[str]:
     out = [f"vocab.{k} must be >= 1, got {getattr(v, k)}" for k in _AT_LEAST_1 if getattr(v, k) < 1]
     out += [f"vocab.{k} must be >= 0, got {getattr(v, k)}" for k in _AT_LEAST_0 if getattr(v, k) < 0]
@@ -228,7 +288,7 @@ def _problems(c: ServeConfig) -> list[str]:
     t = c.tree
     if min(t.top_k, t.depth, t.total_tokens) < 1:
         out.append(f"tree values must be >= 1, got {t}")
-    return out + _vocab_problems(c.vocab, c.method)
+    return out + _vocab_problems(c.vocab, c.method) + _adapt_problems(c.adapt, c.method)
 
 
 def load_config(path: str | Path) -> ServeConfig:

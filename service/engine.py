@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import Decoder, SpeculativeDecoder
 from evospec.decoding.sampling import SamplingParams
@@ -94,6 +95,7 @@ class GenerationRequest:
     prompt_ids: list[int]  # [P] prompt token ids, already validated against the context window
     params: SamplingParams
     timeout_s: float  # from submission to the last token, queue wait included
+    adapter_key: str | None = None  # online adaptation scope (conversation / tenant); None: global
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     submitted_at: float = field(default_factory=time.monotonic)
     cancelled_by: Outcome | None = field(default=None, init=False)  # set once, from any thread
@@ -168,6 +170,11 @@ class EngineSnapshot:
     recent_oov: tuple[OOVEvent, ...]  # the last RECENT_OOV OOV events, oldest first
 
 
+def adapter_of(decoder: Decoder) -> OnlineAdapter | None:
+    """The online adapter of an adaptive speculative decoder (clora, osd, evospec-full), else None."""
+    return getattr(decoder, "adapt", None) if isinstance(decoder, SpeculativeDecoder) else None
+
+
 def active_vocab_of(decoder: Decoder) -> ActiveVocab | None:
     """The active vocabulary a speculative decoder drafts from; None for ``ar``."""
     return decoder.vocab if isinstance(decoder, SpeculativeDecoder) else None
@@ -192,6 +199,7 @@ class Engine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.decoder = decoder
         self.vocab = vocab if vocab is not None else active_vocab_of(decoder)
+        self.adapter = adapter_of(decoder)
         self.max_queue = max_queue
         self._listeners = list(listeners)
         self._step_listeners: list[Callable[[StepEvent], None]] = []
@@ -249,6 +257,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._drain()
+        if self.adapter is not None:
+            self.adapter.close()
 
     @property
     def alive(self) -> bool:
@@ -349,6 +359,8 @@ class Engine:
         events = None
         if outcome is None:
             try:
+                if self.adapter is not None:
+                    self.adapter.select(request.adapter_key)
                 events = self.decoder.generate(request.prompt_ids, request.params)
                 for ev in events:
                     if first is None:

@@ -10,8 +10,9 @@ Owns: :class:`ServiceMetrics` -- the registry behind ``GET /metrics`` and what f
 - observed when a request ends (an engine listener): request latency, queue wait, time to
   first token, per-request MAL;
 - observed per HTTP response (an ASGI middleware in ``app.py``): responses by route and code;
-- declared but **not yet backed** (always 0 until online LoRA adaptation exists): LoRA updates
-  and LoRA update failures. Their help text says so.
+- read from the online adapter at scrape time (clora, osd, evospec-full; 0 otherwise): updates,
+  failed updates (discarded or raised), dropped rounds, replay-buffer fill, adapter version of
+  the default key, auxiliary memory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from prometheus_client.registry import Collector
 from evospec.decoding.events import StepEvent
 from service.engine import Done, Engine
 
-NOT_BACKED = "NOT YET BACKED: always 0 until {what} exists"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _RETRIEVAL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 _VOCAB_SIZE_BUCKETS = (256, 1024, 2048, 4096, 8192, 12288, 16384, 32768, 65536, 131072, 262144)
@@ -36,6 +36,35 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    def _adapter(self) -> Iterator[Metric]:
+        a = self.engine.adapter
+        st = a.stats if a is not None else None
+        yield CounterMetricFamily(
+            "evospec_lora_updates",
+            "Online draft updates published (clora/evospec-full: LoRA; osd: full parameters)",
+            value=st.updates if st else 0,
+        )
+        yield CounterMetricFamily(
+            "evospec_lora_update_failures",
+            "Online updates discarded (non-finite or blown-up loss) or raised; the previous adapter stayed",
+            value=(st.discarded + st.errors) if st else 0,
+        )
+        yield CounterMetricFamily(
+            "evospec_adapt_dropped_rounds",
+            "Verified rounds not recorded for adaptation because the update worker was behind",
+            value=st.dropped if st else 0,
+        )
+        yield GaugeMetricFamily(
+            "evospec_adapt_replay_fill",
+            "Admitted positions in the default key's replay buffer",
+            value=a.buffered() if a is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "evospec_adapter_version",
+            "Published adapter version of the default key (0: the base head)",
+            value=a.versions().get("", 0) if a is not None else 0,
+        )
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.snapshot()
@@ -103,6 +132,7 @@ class _EngineCollector(Collector):
             value=v.late,
         )
         yield CounterMetricFamily("evospec_retrieval_errors", "OOV retrievals that raised", value=v.errors)
+        yield from self._adapter()
         yield CounterMetricFamily(
             "evospec_retrievals_dropped",
             "OOV events not retrieved because max_pending retrievals were in flight",
@@ -152,17 +182,6 @@ class ServiceMetrics:
             "evospec_retrieval_latency_seconds",
             "OOV retrieval (target top ids, HNSW, bigram graph), submit to finish, per merged result",
             buckets=_RETRIEVAL_BUCKETS,
-            registry=r,
-        )
-        # Declared now so dashboards and alerts can be written; nothing increments them yet.
-        self.lora_updates = Counter(
-            "evospec_lora_updates",
-            NOT_BACKED.format(what="online LoRA adaptation (evospec/adapt)"),
-            registry=r,
-        )
-        self.lora_update_failures = Counter(
-            "evospec_lora_update_failures",
-            NOT_BACKED.format(what="online LoRA adaptation (evospec/adapt)"),
             registry=r,
         )
         engine.add_listener(self.observe)

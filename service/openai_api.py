@@ -172,7 +172,8 @@ def _submit(
         )
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
-    request = GenerationRequest(ids, params, timeout_s=ctx.config.request_timeout)
+    key = body.user if ctx.config.adapt.scope == "user" else None
+    request = GenerationRequest(ids, params, timeout_s=ctx.config.request_timeout, adapter_key=key)
     sink = AsyncSink()
     try:
         ctx.engine.submit(request, sink)

@@ -35,7 +35,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     ValueError / CheckpointError / IndexLoadError. ``log`` gets one line per loaded part."""
     import torch
 
-    from evospec.decoding.methods import make_decoder
+    from evospec.decoding.methods import ADAPTIVE, make_decoder
     from evospec.decoding.tree import TreeConfig
     from evospec.models.loading import load_model
     from evospec.vocab.factory import NEEDS_COUNTS, NEEDS_RETRIEVAL
@@ -58,14 +58,15 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         draft = load_eagle(path, dtype=dtype, device=device)
         print(f"[evospec] draft head: {path}", file=log)
     indices = None
-    if config.method in NEEDS_COUNTS or config.method in NEEDS_RETRIEVAL:
+    policy = ADAPTIVE[config.method][0] if config.method in ADAPTIVE else config.method
+    if policy in NEEDS_COUNTS or policy in NEEDS_RETRIEVAL:
         from indices.default import ensure_indices
 
         folder = config.vocab.indices
         indices = ensure_indices(
             loaded,
             directory=Path(folder).expanduser() if folder else None,
-            need_hnsw=config.method in NEEDS_RETRIEVAL,
+            need_hnsw=policy in NEEDS_RETRIEVAL,
             progress=progress,
         )
         print(f"[evospec] indices: {describe_indices(indices)}", file=log)
@@ -78,6 +79,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         tree=TreeConfig(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens),
         vocab=config.vocab.to_vocab_config(),
         indices=indices,
+        adapt=config.adapt.to_adapt_config(ADAPTIVE[config.method][1]) if config.method in ADAPTIVE else None,
     )
     vocab = active_vocab_of(decoder)
     if vocab is not None:
@@ -88,6 +90,13 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         context_window=loaded.model.cfg.max_position_embeddings,
         vocab_size=loaded.model.cfg.vocab_size,
     )
+    if config.method in ADAPTIVE:
+        a = config.adapt
+        print(
+            f"[evospec] online adaptation: {ADAPTIVE[config.method][1]} lr={a.lr:g} buffer={a.buffer_size} "
+            f"scope={a.scope}",
+            file=log,
+        )
     engine = Engine(decoder, max_queue=config.max_queue)
     return Built(create_app(engine, served, config), engine, served)
 

@@ -78,3 +78,43 @@ def test_tree_flag_refuses_unknown_values(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         main(["bench", "--tree", "fast"])
     assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def _shift_data(root: Path) -> Path:
+    """A stand-in shared data folder with the three files the topic-shift stream reads."""
+    data = root / "shared"
+    paras = CORPUS.split("\n\n")
+    for sub, name, rows in (
+        (
+            "humaneval",
+            "prompts.jsonl",
+            [{"prompt": f"def f{i}():\n    # {p}\n"} for i, p in enumerate(paras)],
+        ),
+        ("legalbench", "legalbench_permissive.jsonl", [{"text": (p + " ") * 2} for p in paras]),
+        ("pubmedqa", "pqal.jsonl", [{"question": p[:40] + "?", "contexts": [p[:100]]} for p in paras]),
+    ):
+        (data / sub).mkdir(parents=True, exist_ok=True)
+        (data / sub / name).write_text("\n".join(json.dumps(r) for r in rows))
+    return data
+
+
+def test_topic_shift_scenario_end_to_end(setup, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setattr("evospec.bench.topic_shift._MIN_LAW_CHARS", 80)  # the tiny model has 160 positions
+    out = setup["root"] / "shift"
+    argv = ["bench", "--scenario", "topic-shift", "--quick", "--model", str(setup["model"])]
+    argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"]), "--frspec-k", "64"]
+    argv += ["--shared-data", str(_shift_data(setup["root"])), "--adapt-buffer", "4", "--adapt-lr", "1e-2"]
+    argv += ["--adapt-rank", "4", "--top-k-tree", "3", "--depth", "3", "--total-tokens", "8", "--no-progress"]
+    argv += ["--json", str(out / "s.json"), "--plots", str(out / "plots")]
+    assert main(argv) == 0
+    result = json.loads((out / "s.json").read_text())
+    assert list(result["methods"]) == ["frspec", "clora", "osd", "evospec-full"]
+    assert result["categories"] == ["code", "code", "law", "medicine"]  # --quick: 2 + 2 requests
+    assert all(n == 0 for n in result["config"]["outputs_differing_from_first_method"].values())
+    for name in ("clora", "osd", "evospec-full"):
+        stats = result["methods"][name]
+        assert len(stats["per_request_mal"]) == 4 and stats["aux_mib"] > 0
+        assert stats["adapt"]["errors"] == 0
+    assert result["methods"]["clora"]["aux_vs_osd"] < 0.75
+    assert "clora aux memory / osd aux memory" in capsys.readouterr().out
+    assert (out / "plots" / "topic_shift.png").is_file()

@@ -108,6 +108,7 @@ class OnlineAdapter:
             n: p.detach().clone() for n, p in head.named_parameters() if not n.startswith("embed_tokens")
         }
         self.stats = AdaptStats()
+        self.enabled = True  # False: rounds are not recorded, so no update runs (weights stay)
         self._states: OrderedDict[str, KeyState] = OrderedDict()
         self._lock = threading.Lock()
         self._key = DEFAULT_KEY  # key of the request being decoded
@@ -150,6 +151,8 @@ class OnlineAdapter:
         path_logits: torch.Tensor,  # [a + 1, V]
         active: torch.Tensor | None,  # [V] bool, None: the full vocabulary
     ) -> None:
+        if not self.enabled:
+            return
         traj = self.recorder.trajectory(tree_parents, path, verified, path_logits, active, self._key)
         self.stats.trajectories += 1
         if self._thread is None:
@@ -292,6 +295,12 @@ class OnlineAdapter:
             time.sleep(0.005)
         return False
 
+    def buffered(self, key: str | None = None) -> int:
+        """Admitted positions waiting in ``key``'s replay buffer."""
+        with self._lock:
+            st = self._states.get(key or DEFAULT_KEY)
+            return st.buffered if st is not None else 0
+
     def versions(self) -> dict[str, int]:
         with self._lock:
             return {k: st.version for k, st in self._states.items()}
@@ -323,6 +332,7 @@ class OnlineAdapter:
             }
         return {
             "mode": self.cfg.mode,
+            "enabled": self.enabled,
             "asynchronous": self.cfg.asynchronous,
             "buffer_size": self.cfg.buffer_size,
             "lr": self.cfg.lr,
@@ -380,9 +390,12 @@ class OnlineAdapter:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: adapter file not found")
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        except Exception as exc:  # safetensors raises its own error type for a corrupt header
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path}: not an EvoSpec adapter (format {meta.get('format')!r})")
         if meta.get("mode") != self.cfg.mode:

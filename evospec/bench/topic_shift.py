@@ -23,6 +23,7 @@ from evospec.bench.prompts import BenchPrompt
 from evospec.decoding.sampling import SamplingParams
 
 _CLIP = 1400  # characters of a law clause / medical abstract put in a prompt
+_MIN_LAW_CHARS = 200  # shorter LegalBench items (labels, fragments) are skipped
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -36,12 +37,18 @@ def topic_shift_stream(data: Path, code: int, shift: int) -> list[BenchPrompt]:
     """``code`` HumanEval prompts, then ``shift`` prompts alternating law / medicine."""
     humaneval = _jsonl(data / "humaneval" / "prompts.jsonl")
     law = [
-        r for r in _jsonl(data / "legalbench" / "legalbench_permissive.jsonl") if len(r.get("text", "")) > 200
+        r
+        for r in _jsonl(data / "legalbench" / "legalbench_permissive.jsonl")
+        if len(r.get("text", "")) > _MIN_LAW_CHARS
     ]
     med = _jsonl(data / "pubmedqa" / "pqal.jsonl")
     law = law[::-1]  # from the end of the file: the head's training prompts sample it from the front
-    if code > len(humaneval) or shift > len(law) + len(med):
-        raise ValueError(f"stream too long: {code} code / {shift} shifted requests")
+    need_law, need_med = (shift + 1) // 2, shift // 2
+    if code > len(humaneval) or need_law > len(law) or need_med > len(med):
+        raise ValueError(
+            f"stream too long: {code} code / {shift} shifted requests, the data has {len(humaneval)} "
+            f"HumanEval, {len(law)} law and {len(med)} medicine prompts"
+        )
     out = [
         BenchPrompt("code", f"Complete this Python function.\n\n```python\n{r['prompt']}```", True)
         for r in humaneval[:code]

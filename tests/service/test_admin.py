@@ -1,7 +1,8 @@
 """Admin API: bearer-token auth (401 without or with a wrong token, 404 when no token is
-configured), the state document's shape under ``ar`` (no draft vocabulary: null fields with a
-note; adaptation is not built and says so), 409 for the vocabulary routes under ``ar``, 501 for
-the adapter controls. Vocabulary state under the drafting methods: ``test_vocab.py``."""
+configured), the state document's shape under ``ar`` (no draft vocabulary and no adapter: null
+fields with a note), 409 for the vocabulary and adapter routes under ``ar`` (after body
+validation). Vocabulary state under the drafting methods: ``test_vocab.py``; the adapter under
+the adaptive methods: ``test_adapt.py``."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ def test_admin_state_shape(admin_server: LiveServer) -> None:
     assert {"policy", "active_vocab_size", "coverage"} <= set(state["vocabulary"])
     assert {"events_total", "recent_events", "retrievals_dropped"} <= set(state["oov"])
     adapt = state["adaptation"]
-    assert adapt["implemented"] is False and "not implemented" in adapt["note"]
+    assert adapt["implemented"] is True and adapt["note"] == "method ar does not adapt its draft online"
     assert {"adapter_version", "update_count", "last_loss", "replay_fill"} <= set(adapt)
-    assert adapt["update_count"] is None
+    assert adapt["update_count"] is None and adapt["enabled"] is False
 
 
 def test_admin_vocab_routes_refuse_ar(admin_server: LiveServer) -> None:
@@ -80,12 +81,13 @@ def test_admin_vocab_routes_refuse_ar(admin_server: LiveServer) -> None:
         _err(http.post("/admin/vocab/reset", json={"surprise": 1}), 400, "invalid_value")  # body first
 
 
-def test_admin_adapter_controls_are_501_after_validation(admin_server: LiveServer) -> None:
+def test_admin_adapter_controls_refuse_ar_after_validation(admin_server: LiveServer) -> None:
     with admin_server.http(headers=AUTH) as http:
         for path, body in ADAPTER_POSTS:
-            err = _err(http.post(path, json=body), 501, "not_implemented")
-            assert "online LoRA adaptation" in err["message"]
-        assert http.post("/admin/adapter/reset").status_code == 501  # empty body is fine
+            err = _err(http.post(path, json=body), 409, "no_adapter")
+            assert "method ar does not adapt its draft online" in err["message"]
+        _err(http.get("/admin/adapter"), 409, "no_adapter")
+        assert http.post("/admin/adapter/reset").status_code == 409  # an empty body is fine
         _err(http.post("/admin/adaptation", json={"enabled": "yes"}), 400, "invalid_type")
         _err(http.post("/admin/adaptation", json={}), 400, "missing")
         _err(http.post("/admin/adaptation", content=b"{not json"), 400, "invalid_json")

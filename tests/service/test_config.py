@@ -4,14 +4,16 @@ section mirrors the engine's VocabConfig; command-line overrides win."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
+from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import METHODS
 from evospec.vocab.factory import VocabConfig
-from service.config import ConfigError, ServeConfig, TreeSettings, VocabSettings, load_config
+from service.config import AdaptSettings, ConfigError, ServeConfig, TreeSettings, VocabSettings, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PRESET_METHODS = {
@@ -22,6 +24,9 @@ PRESET_METHODS = {
     "nanospec.yaml": "nanospec",
     "evospec.yaml": "evospec",
     "nanospec-evospec.yaml": "nanospec+evospec",
+    "clora.yaml": "clora",
+    "osd.yaml": "osd",
+    "evospec-full.yaml": "evospec-full",
 }
 
 
@@ -30,6 +35,7 @@ def test_presets_load(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.method == PRESET_METHODS[path.name]
     assert cfg.vocab.to_vocab_config() == VocabConfig()  # presets spell out the papers' defaults
+    assert cfg.adapt == AdaptSettings()
 
 
 def test_every_method_has_a_preset() -> None:
@@ -38,7 +44,17 @@ def test_every_method_has_a_preset() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["eagle2.yaml", "frspec.yaml", "nanospec.yaml", "evospec.yaml", "nanospec-evospec.yaml"]
+    "name",
+    [
+        "eagle2.yaml",
+        "frspec.yaml",
+        "nanospec.yaml",
+        "evospec.yaml",
+        "nanospec-evospec.yaml",
+        "clora.yaml",
+        "osd.yaml",
+        "evospec-full.yaml",
+    ],
 )
 def test_cpu_presets_use_a_small_tree(name: str) -> None:
     cfg = load_config(CONFIGS / name)
@@ -131,3 +147,28 @@ def test_overrides_win_and_are_checked(tmp_path: Path) -> None:
         base.with_overrides(method="medusa")
     with pytest.raises(ConfigError, match="port must be int"):
         base.with_overrides(port="80")
+
+
+def test_adapt_settings_mirror_the_engine_config() -> None:
+    engine_only = {"mode", "asynchronous"}  # the mode follows the method; inline updates are for tests
+    assert {f.name for f in fields(AdaptSettings)} == {f.name for f in fields(AdaptConfig)} - engine_only | {
+        "scope"
+    }
+    assert AdaptSettings().to_adapt_config("clora") == AdaptConfig()
+    assert AdaptSettings().to_adapt_config("osd").mode == "osd"
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ("  lr: 0\n", "adapt.lr must be > 0"),
+        ("  scope: tenant\n", "adapt.scope 'tenant' is not one of"),
+        ("  rank: 2.5\n", "adapt.rank must be int"),
+        ("  buffer: 32\n", "unknown adapt key(s) ['buffer']"),
+    ],
+)
+def test_adapt_section_errors_name_the_key(tmp_path: Path, section: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("method: clora\nadapt:\n" + section)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(path)
