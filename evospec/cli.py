@@ -346,9 +346,10 @@ def _decoders(names: list[str], args: argparse.Namespace, loaded, eos) -> dict:
         tree = fixed
         if args.tree == "auto" and name in SPECULATIVE:
             from evospec.bench.tune import tuned_tree
+            from evospec.decoding.methods import ADAPTIVE
 
-            tree = tuned_tree(
-                name,
+            tree = tuned_tree(  # an adaptive method drafts like its vocabulary policy: tune that
+                ADAPTIVE[name][0] if name in ADAPTIVE else name,
                 build,
                 loaded,
                 draft_id=str(args.draft or "shipped"),

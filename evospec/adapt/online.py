@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 DEFAULT_KEY = ""  # the state of requests without a key
 _GATE_BATCH = 32  # trajectories gated per worker pass at most
 FORMAT = "evospec-adapter/1"
+_HISTORY = 1024  # update times and losses kept for the stats
 
 
 @dataclass
@@ -63,8 +64,8 @@ class AdaptStats:
     discarded: int = 0  # updates thrown away (the previous adapter stayed)
     discard_reasons: Counter = field(default_factory=Counter)
     errors: int = 0  # worker exceptions (the batch was skipped)
-    update_s: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
+    update_s: deque[float] = field(default_factory=lambda: deque(maxlen=_HISTORY))  # the latest ones
+    losses: deque[float] = field(default_factory=lambda: deque(maxlen=_HISTORY))
     publishes: int = 0  # weight copies into the serving head (decode thread)
     publish_s: float = 0.0
 
