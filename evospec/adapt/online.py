@@ -41,6 +41,7 @@ from evospec.adapt.config import AdaptConfig
 from evospec.adapt.trainers import OnlineTrainer, make_trainer, tensor_bytes
 from evospec.adapt.trajectory import Recorder, Trajectory
 from evospec.adapt.unroll import collate
+from evospec.kernels.streams import on_stream, record_event, side_stream, wait_event
 from evospec.models.eagle import EagleHead
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,7 @@ class OnlineAdapter:
         self._thread: threading.Thread | None = None
         self._stream = None
         if self.cfg.asynchronous:
-            if self._device.type == "cuda":
-                self._stream = torch.cuda.Stream(self._device, priority=0)  # 0 = lowest priority
+            self._stream = side_stream(self._device, "low")  # None off CUDA
             self._thread = threading.Thread(target=self._worker, name="evospec-adapt", daemon=True)
             self._thread.start()
 
@@ -155,6 +155,8 @@ class OnlineAdapter:
         if not self.enabled:
             return
         traj = self.recorder.trajectory(tree_parents, path, verified, path_logits, active, self._key)
+        if self._stream is not None:  # the worker's stream must wait for these tensors
+            traj.ready = record_event(torch.cuda.current_stream(self._device))
         self.stats.trajectories += 1
         if self._thread is None:
             self._process([traj])
@@ -174,8 +176,7 @@ class OnlineAdapter:
             weights = st.front if st is not None and st.front is not None else None
             event = st.event if st is not None else None
         t0 = time.perf_counter()
-        if event is not None:
-            torch.cuda.current_stream(self._device).wait_event(event)
+        wait_event(event)  # CUDA: the copy below runs after the update's kernels
         if weights is None:  # a key without updates serves the base head
             weights = {n: self.pristine[n] for n in self._restorable()}
         named = dict(self.head.named_parameters())
@@ -208,10 +209,12 @@ class OnlineAdapter:
                     break
                 batch.append(nxt)
             try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        self._process(batch)
-                else:
+                with on_stream(self._stream):
+                    for t in batch:
+                        wait_event(t.ready)  # device-side: the side stream follows the decode stream
+                        for x in t.tensors():
+                            if x.is_cuda:
+                                x.record_stream(self._stream)  # not reused while the side stream reads it
                     self._process(batch)
             except Exception:
                 self.stats.errors += 1
@@ -276,10 +279,7 @@ class OnlineAdapter:
             )
             return
         weights = st.trainer.serving_weights()
-        event = None
-        if self._stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._stream)
+        event = record_event(self._stream)
         with self._lock:
             if self._states.get(key) is st:  # not evicted or reset meanwhile
                 st.front, st.event = weights, event

@@ -34,25 +34,26 @@ class Trajectory:
     in_vocab: torch.Tensor  # [s] bool: verified id was in the round's active vocabulary
     rejected: torch.Tensor  # [s] bool: the draft proposed children there and none was accepted
     key: str | None = None  # adapter scope (conversation / tenant) it belongs to
+    ready: object | None = None  # CUDA: an event marking when these tensors are written
 
     @property
     def steps(self) -> int:
         return int(self.tokens.shape[0])
 
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for t in (
-                self.ctx_features,
-                self.ctx_tokens,
-                self.tokens,
-                self.support_ids,
-                self.support_logits,
-                self.target_index,
-                self.in_vocab,
-                self.rejected,
-            )
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.ctx_features,
+            self.ctx_tokens,
+            self.tokens,
+            self.support_ids,
+            self.support_logits,
+            self.target_index,
+            self.in_vocab,
+            self.rejected,
         )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def retained_support(
