@@ -52,9 +52,10 @@ def synthetic(n: int, seed: int = 0) -> list[Trajectory]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["clora", "osd"])
-def test_repeated_exposure_raises_draft_agreement(target, mode):
-    _head, tr = setup(target, mode, lr=3e-2, beta=0.3)
+@pytest.mark.parametrize(("mode", "lr"), [("clora", 3e-2), ("osd", 3e-3)])  # OSD moves every weight
+def test_repeated_exposure_raises_draft_agreement(target, mode, lr):
+    torch.manual_seed(0)  # LoRA's initial A
+    _head, tr = setup(target, mode, lr=lr, beta=0.3)
     batch = collate(synthetic(8))
     admitted = batch.step_valid
 
