@@ -118,3 +118,13 @@ def test_topic_shift_scenario_end_to_end(setup, capsys: pytest.CaptureFixture[st
     assert result["methods"]["clora"]["aux_vs_osd"] < 0.75
     assert "clora aux memory / osd aux memory" in capsys.readouterr().out
     assert (out / "plots" / "topic_shift.png").is_file()
+
+
+def test_bad_adaptation_settings_are_clear_errors(setup, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "hi", "--method", "clora", "--model", str(setup["model"]), "--no-progress"]
+    argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"])]
+    assert main([*argv, "--adapt-lr", "-1"]) == 2
+    assert "adapt lr must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--scenario", "topic-shift", "--shift-requests", "0"])
+    assert "must be >= 1" in capsys.readouterr().err

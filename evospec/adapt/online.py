@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from evospec.adapt.config import AdaptConfig
-from evospec.adapt.trainers import OnlineTrainer, make_trainer, tensor_bytes
+from evospec.adapt.trainers import QV, OnlineTrainer, make_trainer, tensor_bytes
 from evospec.adapt.trajectory import Recorder, Trajectory
 from evospec.adapt.unroll import collate
 from evospec.kernels.streams import on_stream, record_event, side_stream, wait_event
@@ -106,8 +106,13 @@ class OnlineAdapter:
         self.cfg = cfg or AdaptConfig()
         self.head = head  # the serving head (the drafter's); its weights change between rounds
         self.lm_head = lm_head
-        self.pristine = {  # the base weights, for new keys and resets
-            n: p.detach().clone() for n, p in head.named_parameters() if not n.startswith("embed_tokens")
+        # the base weights of what this mode overwrites in the serving head (clora: q/v; osd:
+        # every head parameter but the embedding), for new keys and resets
+        moved = QV if self.cfg.mode == "clora" else None
+        self.pristine = {
+            n: p.detach().clone()
+            for n, p in head.named_parameters()
+            if (n in moved if moved is not None else not n.startswith("embed_tokens"))
         }
         self.stats = AdaptStats()
         self.enabled = True  # False: rounds are not recorded, so no update runs (weights stay)
@@ -178,7 +183,7 @@ class OnlineAdapter:
         t0 = time.perf_counter()
         wait_event(event)  # CUDA: the copy below runs after the update's kernels
         if weights is None:  # a key without updates serves the base head
-            weights = {n: self.pristine[n] for n in self._restorable()}
+            weights = self.pristine
         named = dict(self.head.named_parameters())
         with torch.no_grad():
             for name, w in weights.items():
@@ -315,15 +320,9 @@ class OnlineAdapter:
             out.update(st.trainer.aux_bytes())
             out["buffer"] += sum(t.nbytes() for t, _ in st.buffer)
             out["published"] += tensor_bytes((st.front or {}).values())
-        out["base_copy"] = tensor_bytes(self.pristine[n] for n in self._restorable())
+        out["base_copy"] = tensor_bytes(self.pristine.values())
         out["total"] = sum(v for k, v in out.items() if k != "total")
         return dict(out)
-
-    def _restorable(self) -> list[str]:
-        """Base tensors a reset needs: the ones this mode overwrites in the serving head."""
-        if self.cfg.mode == "clora":
-            return ["layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight"]
-        return list(self.pristine)
 
     def state(self) -> dict:
         with self._lock:
