@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -189,3 +191,33 @@ def test_a_full_queue_drops_rounds_without_blocking(target, head):
     finally:
         release.set()
         ad.close()
+
+
+def test_sampling_follows_the_target_while_the_draft_learns():
+    """The second generated token keeps the target's marginal while updates land between
+    requests (inline updates every few rounds, so the draft really changes during the run)."""
+    from tests.decoding.test_speculative import _chi2_pvalue, _exact_second_token
+
+    target = tiny_target(4, sharp=3.0)
+    head = new_eagle_for(target, seed=2)
+    dec = make_decoder(
+        "clora",
+        target,
+        draft=head,
+        tree=TreeConfig(top_k=3, depth=3, total_tokens=8),
+        vocab=replace(SMALL, frspec_k=V),  # every id active: no step goes to the vocabulary path
+        indices=stand_in_indices(target),
+        adapt=replace(FAST, asynchronous=False, buffer_size=2),
+    )
+    prompt = prompt_of(8, 5)
+    exact = _exact_second_token(target, prompt, temperature=1.0).float()
+    n = 800
+    counts = torch.zeros(exact.numel())
+    accepted = 0
+    for s in range(n):
+        evs = list(dec.generate(prompt, SamplingParams(max_new_tokens=2, temperature=1.0, seed=s)))
+        counts[[t for ev in evs for t in ev.tokens][1]] += 1
+        accepted += sum(ev.accepted for ev in evs)
+    assert dec.adapt.stats.updates > 50  # the draft changed many times during the run
+    assert accepted > 0
+    assert _chi2_pvalue(counts, exact) > 1e-3
