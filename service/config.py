@@ -221,13 +221,18 @@ _AT_LEAST_0 = (
 )
 
 
-def _vocab_from(raw: Any, source: str) -> VocabSettings:
-    if isinstance(raw, VocabSettings):
+def _typed_section(raw: Any, cls: type, name: str, what: str, types: dict, source: str) -> Any:
+    """``cls(**raw)`` after checking the keys (``_section``) and each value's type."""
+    if isinstance(raw, cls):
         return raw
-    raw = _section(raw, VocabSettings, "vocab", "of vocabulary settings", source)
+    raw = _section(raw, cls, name, what, source)
     for k, v in raw.items():
-        _check_type(f"vocab.{k}", v, _VOCAB_TYPES[k], source)
-    return VocabSettings(**raw)
+        _check_type(f"{name}.{k}", v, types[k], source)
+    return cls(**raw)
+
+
+def _vocab_from(raw: Any, source: str) -> VocabSettings:
+    return _typed_section(raw, VocabSettings, "vocab", "of vocabulary settings", _VOCAB_TYPES, source)
 
 
 _ADAPT_TYPES: dict[str, tuple[type, ...]] = {
@@ -237,12 +242,7 @@ _ADAPT_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _adapt_from(raw: Any, source: str) -> AdaptSettings:
-    if isinstance(raw, AdaptSettings):
-        return raw
-    raw = _section(raw, AdaptSettings, "adapt", "of online-adaptation settings", source)
-    for k, v in raw.items():
-        _check_type(f"adapt.{k}", v, _ADAPT_TYPES[k], source)
-    return AdaptSettings(**raw)
+    return _typed_section(raw, AdaptSettings, "adapt", "of online-adaptation settings", _ADAPT_TYPES, source)
 
 
 def _adapt_problems(a: AdaptSettings, method: str) -> list[str]:

@@ -206,3 +206,12 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return cond()
+
+
+def complete(live: LiveServer, prompt: str, n: int = 20, **extra: Any) -> dict:
+    """A greedy ``/v1/completions`` call that must succeed; the parsed response."""
+    with live.http() as http:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, **extra}
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -17,7 +17,7 @@ from evospec.decoding.methods import ADAPTIVE, SpeculativeDecoder, make_decoder
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import new_eagle_for
 from service.config import AdaptSettings
-from tests.service.conftest import MODEL_NAME, LiveServer, wait_for
+from tests.service.conftest import complete, wait_for
 from tests.vocab.helpers import SMALL, stand_in_indices
 
 TREE = TreeConfig(top_k=4, depth=3, total_tokens=8)
@@ -51,14 +51,6 @@ def make(tiny, codec, head) -> Callable[..., SpeculativeDecoder]:
     return factory
 
 
-def _complete(live: LiveServer, prompt: str, n: int = 24, **extra) -> dict:
-    with live.http() as http:
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, **extra}
-        r = http.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def _err(r, status: int, code: str) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -70,7 +62,7 @@ def _err(r, status: int, code: str) -> dict:
 def test_adaptive_methods_equal_greedy_while_learning(name, serve, make, codec, reference) -> None:
     live = serve(make(name), admin_token=TOKEN)
     for prompt in PROMPTS * 2:
-        assert _complete(live, prompt)["choices"][0]["text"] == reference(codec.encode(prompt), 24)
+        assert complete(live, prompt)["choices"][0]["text"] == reference(codec.encode(prompt), 20)
     adapter = live.engine.adapter
     assert adapter is not None and adapter.wait_idle()
     assert adapter.stats.updates >= 1 and adapter.stats.errors == 0
@@ -88,7 +80,7 @@ def test_adaptive_methods_equal_greedy_while_learning(name, serve, make, codec, 
 def test_save_reset_load_through_admin(serve, make, codec, reference, tmp_path: Path) -> None:
     live = serve(make("clora"), admin_token=TOKEN)
     for prompt in PROMPTS:
-        _complete(live, prompt)
+        complete(live, prompt)
     assert live.engine.adapter.wait_idle()
     served = live.engine.decoder.drafter.head
     with live.http(headers=AUTH) as http:
@@ -112,17 +104,17 @@ def test_save_reset_load_through_admin(serve, make, codec, reference, tmp_path: 
         _err(http.post("/admin/adapter/reset", json={"all": "yes"}), 400, "invalid_type")
     assert served is live.engine.decoder.drafter.head
     # still lossless after all that
-    assert _complete(live, PROMPTS[0])["choices"][0]["text"] == reference(codec.encode(PROMPTS[0]), 24)
+    assert complete(live, PROMPTS[0])["choices"][0]["text"] == reference(codec.encode(PROMPTS[0]), 20)
 
 
 def test_pausing_adaptation_stops_recording(serve, make) -> None:
     live = serve(make("clora"), admin_token=TOKEN)
     with live.http(headers=AUTH) as http:
         assert http.post("/admin/adaptation", json={"enabled": False}).json()["enabled"] is False
-        _complete(live, PROMPTS[0])
+        complete(live, PROMPTS[0])
         assert live.engine.adapter.stats.trajectories == 0
         assert http.post("/admin/adaptation", json={"enabled": True}).json()["enabled"] is True
-    _complete(live, PROMPTS[0])
+    complete(live, PROMPTS[0])
     assert live.engine.adapter.stats.trajectories > 0
 
 
@@ -130,7 +122,7 @@ def test_user_scope_keeps_an_adapter_per_user(serve, make) -> None:
     live = serve(make("clora", max_keys=2), admin_token=TOKEN, adapt=AdaptSettings(scope="user"))
     for user in ("alice", "bob"):
         for prompt in PROMPTS:
-            _complete(live, prompt, user=user)
+            complete(live, prompt, user=user)
     assert live.engine.adapter.wait_idle()
     assert wait_for(lambda: set(live.engine.adapter.versions()) == {"alice", "bob"})
     with live.http(headers=AUTH) as http:

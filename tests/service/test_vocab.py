@@ -32,7 +32,14 @@ from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import EagleHead, new_eagle_for
 from service.config import ServeConfig, TreeSettings, VocabSettings
 from service.engine import Done, Engine, GenerationRequest
-from tests.service.conftest import MODEL_NAME, GateDecoder, LiveServer, WrappedDecoder, ar_ids, wait_for
+from tests.service.conftest import (
+    MODEL_NAME,
+    GateDecoder,
+    WrappedDecoder,
+    ar_ids,
+    complete,
+    wait_for,
+)
 from tests.vocab.helpers import SMALL, stand_in_indices
 
 TREE = TreeConfig(top_k=4, depth=3, total_tokens=8)
@@ -62,15 +69,6 @@ def make(tiny, codec, head, bundle) -> Callable[[str], SpeculativeDecoder]:
         return dec
 
     return factory
-
-
-def _complete(live: LiveServer, prompt: str, n: int = 20) -> dict:
-    with live.http() as http:
-        r = http.post(
-            "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0}
-        )
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _err(r, status: int, code: str) -> dict:
@@ -104,14 +102,14 @@ def test_vocab_methods_equal_greedy(name: str, serve, make, codec, reference) ->
 
 def test_frspec_drafts_from_the_table_only(serve, make, codec) -> None:
     live = serve(make("frspec"))
-    spec = _complete(live, PROMPTS[0])["evospec"]
+    spec = complete(live, PROMPTS[0])["evospec"]
     assert spec["active_vocab_size"] == len(set(range(16)) | set(codec.eos_ids))  # table + EOS ids
 
 
 # -- admin: state, reset ----------------------------------------------------------------------------
 def test_evospec_admin_state_shows_the_arc_buffer(serve, make) -> None:
     live = serve(make("evospec"), admin_token=TOKEN)
-    oov = sum(_complete(live, p)["evospec"]["oov_events"] for p in PROMPTS)
+    oov = sum(complete(live, p)["evospec"]["oov_events"] for p in PROMPTS)
     assert oov > 0  # the static core is ids 0..15: generated tokens start out OOV
     assert wait_for(lambda: live.engine.snapshot().outcomes["finished"] == 2)
     with live.http(headers=AUTH) as http:
@@ -150,7 +148,7 @@ def test_evospec_admin_state_shows_the_arc_buffer(serve, make) -> None:
 
 def test_vocab_reset_empties_the_arc_buffer(serve, make, codec, reference) -> None:
     live = serve(make("evospec"), admin_token=TOKEN)
-    _complete(live, PROMPTS[0])
+    complete(live, PROMPTS[0])
     with live.http(headers=AUTH) as http:
         snapshot = http.get("/admin/vocab").json()
         before = snapshot["arc"]
@@ -168,7 +166,7 @@ def test_vocab_reset_empties_the_arc_buffer(serve, make, codec, reference) -> No
     for arc in (body["vocabulary"]["arc"], after):
         assert (arc["size"], arc["t1"], arc["t2"], arc["b1"], arc["b2"]) == (0, 0, 0, 0, 0)
         assert (arc["p"], arc["events"], arc["clock"]) == (4.0, 0, 0)  # p back to arc_p_init
-    assert _complete(live, PROMPTS[1])["choices"][0]["text"] == reference(codec.encode(PROMPTS[1]), 20)
+    assert complete(live, PROMPTS[1])["choices"][0]["text"] == reference(codec.encode(PROMPTS[1]), 20)
 
 
 @pytest.mark.parametrize("name", ["nanospec", "frspec"])
@@ -190,7 +188,7 @@ def test_eagle2_vocab_is_the_full_vocabulary(serve, tiny, codec, head) -> None:
     live = serve(
         make_decoder("eagle2", tiny, eos_ids=codec.eos_ids, draft=head, tree=TREE), admin_token=TOKEN
     )
-    spec = _complete(live, PROMPTS[0])["evospec"]
+    spec = complete(live, PROMPTS[0])["evospec"]
     assert spec["coverage"] == 1.0 and spec["oov_events"] == 0
     assert spec["active_vocab_size"] == tiny.cfg.vocab_size
     with live.http(headers=AUTH) as http:
@@ -255,14 +253,14 @@ def test_reset_over_http_waits_for_a_safe_point(serve, make, codec, reference, m
     real_reset = admin.reset_dynamic
     monkeypatch.setattr(admin, "reset_dynamic", lambda v: calls.append(1) or real_reset(v))
 
-    def complete() -> None:
-        done["completion"] = _complete(live, PROMPTS[0])
+    def run_completion() -> None:
+        done["completion"] = complete(live, PROMPTS[0])
 
     def reset() -> None:
         with live.http(headers=AUTH) as http:
             done["reset"] = http.post("/admin/vocab/reset")
 
-    worker = threading.Thread(target=complete)
+    worker = threading.Thread(target=run_completion)
     worker.start()
     assert wait_for(lambda: live.engine.snapshot().active)
     # no safe point comes in time: 503, and the cancelled reset never runs later
@@ -291,7 +289,7 @@ def _value(text: str, name: str) -> float:
 
 def test_vocab_metrics_after_a_request(serve, make) -> None:
     live = serve(make("evospec"))
-    spec = _complete(live, PROMPTS[0])["evospec"]
+    spec = complete(live, PROMPTS[0])["evospec"]
     assert wait_for(lambda: live.engine.snapshot().outcomes["finished"] == 1)
     v = live.engine.snapshot().stats.vocab
     with live.http() as http:
