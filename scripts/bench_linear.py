@@ -1,4 +1,4 @@
-"""Per-shape cost of a verify forward's linear layers on this CPU: plain F.linear vs MKL-packed.
+"""Per-shape cost of a verify forward's linear layers on this CPU: F.linear vs MKL- and oneDNN-packed.
 
 Why: verifying a few tree tokens at once costs far more than one AR step on small CPUs (BLAS is
 inefficient at 2-16 rows). This times the layer shapes of a target (default: SmolLM2-135M) at
@@ -16,6 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from evospec.models.packing import BATCH_HINT
+
 
 def _median_ms(fn, reps: int = 9) -> float:
     fn()
@@ -31,6 +33,10 @@ def _packed(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Ten
     return [torch.ops.mkl._mkl_linear(x, q, w, None, m) for q, w in zip(packed, weights, strict=True)]
 
 
+def _onednn(x: torch.Tensor, packed: list[torch.Tensor]) -> list:
+    return [torch.ops.mkldnn._linear_pointwise(x, q, None, "none", [], "") for q in packed]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=576)
@@ -43,20 +49,27 @@ def main() -> None:
     shapes = [(d, d, 2 * n), (d, a.kv, 2 * n), (d, a.inter, 2 * n), (a.inter, d, n), (d, a.vocab, 1)]
     torch.manual_seed(0)
     totals: dict[int, list[float]] = {}
-    print("| in -> out (count) | M | F.linear ms | MKL-packed ms |\n|---|---|---|---|")
+    print("| in -> out (count) | M | F.linear ms | MKL-packed ms | oneDNN-packed ms |\n|---|---|---|---|---|")
     for fan_in, fan_out, count in shapes:
         weights = [torch.randn(fan_out, fan_in) for _ in range(count)]
+        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT) for w in weights]  # as evospec packs
         for m in (1, 2, 4, 8, 16):
             packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights]
             x = torch.randn(m, fan_in)
             plain = _median_ms(lambda x=x, ws=weights: [F.linear(x, w) for w in ws])
             mkl = _median_ms(lambda x=x, ws=weights, ps=packed, m=m: _packed(x, ws, ps, m))
-            totals.setdefault(m, [0.0, 0.0])
-            totals[m][0] += plain
-            totals[m][1] += mkl
-            print(f"| {fan_in} -> {fan_out} ({count}) | {m} | {plain:.2f} | {mkl:.2f} |", flush=True)
-    for m, (plain, mkl) in totals.items():
-        print(f"all layers, M={m}: F.linear {plain:.1f} ms, MKL-packed {mkl:.1f} ms ({plain / mkl:.2f}x)")
+            one = _median_ms(lambda x=x, ps=dnn: _onednn(x, ps))
+            totals.setdefault(m, [0.0, 0.0, 0.0])
+            for i, v in enumerate((plain, mkl, one)):
+                totals[m][i] += v
+            print(
+                f"| {fan_in} -> {fan_out} ({count}) | {m} | {plain:.2f} | {mkl:.2f} | {one:.2f} |", flush=True
+            )
+    for m, (plain, mkl, one) in totals.items():
+        print(
+            f"all layers, M={m}: F.linear {plain:.1f} ms, MKL-packed {mkl:.1f} ms ({plain / mkl:.2f}x), "
+            f"oneDNN-packed {one:.1f} ms ({plain / one:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
 
     dtype = getattr(torch, config.dtype)
     device = resolve_device(config.device)
-    loaded = load_model(config.model, dtype=dtype, device=device, progress=progress)
+    loaded = load_model(config.model, dtype=dtype, device=device, progress=progress, pack=config.pack_weights)
     if loaded.codec is None:
         raise ValueError(f"{loaded.source} has no tokenizer.json; the server needs one to handle text")
     print(f"[evospec] model: {loaded.name} from {loaded.source} ({config.dtype} on {device})", file=log)

@@ -58,6 +58,26 @@ def test_generate_contract(
     assert int(m.group(2)) == 8
 
 
+def test_no_pack_gives_the_same_text(default_model: LoadedModel, capsys: pytest.CaptureFixture[str]) -> None:
+    """Packed (default) and plain dense weights: different GEMM kernels, same greedy text."""
+    outs = []
+    for extra in ([], ["--no-pack"]):
+        assert main(["generate", PROMPT, "--max-new-tokens", "12", "--no-progress", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == _expected(default_model, default_model.codec.encode(PROMPT), 12) + "\n"
+
+
+def test_serve_no_pack_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import service.server
+
+    seen = []
+    monkeypatch.setattr(service.server, "serve", lambda cfg, progress: seen.append(cfg))
+    assert main(["serve", "--no-pack", "--port", "9123"]) == 0
+    assert (seen[0].pack_weights, seen[0].port) == (False, 9123)
+    assert main(["serve"]) == 0
+    assert seen[1].pack_weights is True
+
+
 def test_help_subprocess() -> None:
     exe = Path(sys.executable).parent / "evospec"
     proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)

@@ -31,7 +31,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     params = _sampling(args)
     prompts = load_prompts(args.data, per_category=args.per_category, limit=args.limit)
     if not prompts:
-        raise SystemExit(f"error: no prompts selected from {args.data}")
+        raise SystemExit(f"error: no prompts selected from {', '.join(map(str, args.data))}")
     loaded = _load(args)
     codec = loaded.codec
     eos = codec.eos_ids or loaded.model.cfg.eos_token_ids
@@ -54,7 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     config = {
         "model": loaded.name,
-        "data": str(args.data),
+        "data": [str(p) for p in args.data],
         "prompts": len(prompts),
         "per_category": args.per_category,
         "limit": args.limit,

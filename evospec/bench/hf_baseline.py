@@ -31,7 +31,7 @@ class HFGenerateDecoder:
         if not params.greedy:
             raise ValueError("the hf baseline is benchmarked greedily only")
         ids = torch.tensor([list(prompt)])
-        t0 = time.perf_counter()
+        clock = _TokenClock()
         with torch.inference_mode():
             out = self.model.generate(
                 ids,
@@ -40,13 +40,39 @@ class HFGenerateDecoder:
                 do_sample=False,
                 eos_token_id=self.eos_ids or None,
                 pad_token_id=(self.eos_ids or [0])[0],
+                streamer=clock,
             )
-        dt = time.perf_counter() - t0
+        end = time.perf_counter()
         new = out[0, len(prompt) :].tolist()
         reason = "stop" if new and new[-1] in self.eos_ids else "length"
-        # One event per token so MAL counts 1.0, like plain decoding.
+        first = clock.first_token_s
+        rest = (end - clock.start - first) / max(len(new) - 1, 1)
+        # One event per token so MAL counts 1.0, like plain decoding; the first carries the
+        # prefill time (prompt forward + first token), as our decoders' prefill event does.
         for i, tok in enumerate(new):
             last = i == len(new) - 1
             yield StepEvent(
-                tokens=[tok], verify_s=dt / len(new), finish_reason=reason if last else None, prefill=i == 0
+                tokens=[tok],
+                verify_s=first if i == 0 else rest,
+                finish_reason=reason if last else None,
+                prefill=i == 0,
             )
+
+
+class _TokenClock:
+    """A ``generate`` streamer that only notes when the prompt and the first new token arrive."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first_token_s = 0.0
+        self._calls = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self._calls += 1
+        if self._calls == 1:  # the prompt, pushed before the prefill forward
+            self.start = time.perf_counter()
+        elif self._calls == 2:
+            self.first_token_s = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass

@@ -16,13 +16,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from evospec.bench.prompts import BenchPrompt
+from evospec.bench.prompts import BenchPrompt, contract_prompt, humaneval_prompt, pubmedqa_prompt
 from evospec.decoding.sampling import SamplingParams
 
-_CLIP = 1400  # characters of a law clause / medical abstract put in a prompt
 _MIN_LAW_CHARS = 200  # shorter LegalBench items (labels, fragments) are skipped
 
 
@@ -49,21 +48,12 @@ def topic_shift_stream(data: Path, code: int, shift: int) -> list[BenchPrompt]:
             f"stream too long: {code} code / {shift} shifted requests, the data has {len(humaneval)} "
             f"HumanEval, {len(law)} law and {len(med)} medicine prompts"
         )
-    out = [
-        BenchPrompt("code", f"Complete this Python function.\n\n```python\n{r['prompt']}```", True)
-        for r in humaneval[:code]
-    ]
+    out = [replace(humaneval_prompt(r), category="code") for r in humaneval[:code]]
     for i in range(shift):
         if i % 2 == 0:
-            r = law[i // 2]
-            text = f"What obligations does this contract clause create for each party?\n\n{r['text'][:_CLIP]}"
-            out.append(BenchPrompt("law", text, True))
+            out.append(contract_prompt(law[i // 2]["text"]))
         else:
-            r = med[i // 2]
-            abstract = " ".join(r.get("contexts", []))[:_CLIP]
-            out.append(
-                BenchPrompt("medicine", f"{abstract}\n\nQuestion: {r['question']}\nAnswer briefly.", True)
-            )
+            out.append(replace(pubmedqa_prompt(med[i // 2]), category="medicine"))
     return out
 
 

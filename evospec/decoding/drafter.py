@@ -22,6 +22,7 @@ import torch
 
 from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
+from evospec.models.packing import projection
 from evospec.models.transformer import Transformer
 from evospec.vocab.head import FullHead
 
@@ -134,7 +135,7 @@ class TargetDrafter(_TreeDrafterBase):
     """The target drafting for itself: feeds token x_{i+1} at position i+1 and ignores features."""
 
     def __init__(self, model: Transformer, head_fn: DraftHeadFn | None = None) -> None:
-        super().__init__(head_fn or FullHead(model.lm_head.weight))
+        super().__init__(head_fn or FullHead(model.lm_head.weight, projection(model.lm_head)))
         self.model = model
         self._first: int | None = None
 

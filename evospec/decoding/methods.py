@@ -21,6 +21,7 @@ from evospec.decoding.speculative import generate_speculative
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import EagleHead, clone_head
 from evospec.models.kv_cache import KVCache
+from evospec.models.packing import projection
 from evospec.models.transformer import Transformer
 from evospec.vocab.active import ActiveVocab
 from evospec.vocab.factory import POLICIES, VocabConfig, make_policy
@@ -129,7 +130,7 @@ def make_decoder(
             indices=indices,
             device=weight.device,
         )
-    active = ActiveVocab(policy, weight, always_ids=eos_ids)
+    active = ActiveVocab(policy, weight, always_ids=eos_ids, project=projection(model.lm_head))
     adapter = None
     if online is not None:
         draft = clone_head(draft)  # its weights will move: never share them with another decoder

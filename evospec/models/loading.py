@@ -19,6 +19,7 @@ from torch import nn
 
 from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.errors import CheckpointError
+from evospec.models.packing import pack_linears
 from evospec.models.transformer import Transformer
 from evospec.tokenizer import TextCodec
 
@@ -117,15 +118,31 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def load_model(
-    ref: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", progress: bool = True
+    ref: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    progress: bool = True,
+    pack: bool = True,
 ) -> LoadedModel:
-    """Load a registered name, a Hugging Face folder or a GGUF file."""
+    """Load a registered name, a Hugging Face folder or a GGUF file.
+
+    ``pack``: reorder the fp32 CPU linear weights once for oneDNN (see ``packing.py``; faster
+    decoding and verification, one extra copy of the weights); a no-op on other devices/dtypes.
+    """
+    loaded = _load(ref, dtype=dtype, device=device, progress=progress)
+    if pack:
+        pack_linears(loaded.model)
+    return loaded
+
+
+def _load(ref: str | Path, *, dtype: torch.dtype, device: str, progress: bool) -> LoadedModel:
     from evospec.models.registry import REGISTRY, ensure_converted
 
     ref_s = str(ref)
     if ref_s in REGISTRY:
         folder = ensure_converted(REGISTRY[ref_s], progress=progress)
-        loaded = load_model(folder, dtype=dtype, device=device, progress=progress)
+        loaded = _load(folder, dtype=dtype, device=device, progress=progress)
         loaded.name = ref_s
         return loaded
     path = Path(ref_s).expanduser()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from evospec.vocab.head import FullHead, ReducedHead
+from evospec.vocab.head import FullHead, Projection, ReducedHead
 from evospec.vocab.policy import RoundFeedback, VocabPolicy
 
 
@@ -106,15 +106,20 @@ class ActiveVocab:
         lm_head: torch.Tensor,
         always_ids: Sequence[int] = (),
         overlap: bool | None = None,
+        project: Projection | None = None,
     ) -> None:
+        """``project`` maps [n, D] features to full-vocabulary logits (default ``h @ lm_head.T``;
+        pass :func:`evospec.models.packing.projection` of the target's LM head to share its
+        packed copy)."""
         vocab = lm_head.shape[0]
         self.policy = policy
         self.lm_head = lm_head  # [V, D]
+        self.project = project or (lambda h: h @ lm_head.T)
         self.always = torch.zeros(vocab, dtype=torch.bool, device=lm_head.device)  # [V]
         self.always[[i for i in always_ids if 0 <= i < vocab]] = True
         self.head: FullHead | ReducedHead
         if policy is None:
-            self.head = FullHead(lm_head)
+            self.head = FullHead(lm_head, self.project)
         else:
             self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()))
         self._round = 0
@@ -136,7 +141,7 @@ class ActiveVocab:
     def prefill_top(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """hidden [P, D] -> the top-k target ids of every prompt position [P, k] (chunked)."""
         out = [
-            torch.topk(hidden[i : i + _PREFILL_CHUNK] @ self.lm_head.T, k, dim=-1).indices
+            torch.topk(self.project(hidden[i : i + _PREFILL_CHUNK]), k, dim=-1).indices
             for i in range(0, hidden.shape[0], _PREFILL_CHUNK)
         ]
         return torch.cat(out)

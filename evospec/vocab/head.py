@@ -22,6 +22,7 @@ before the projection, so the gather hides behind whatever the compute stream ru
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from evospec.kernels.slots import apply_swap, plan_swap
 from evospec.kernels.streams import copy_stream, follow_current, on_stream, record_event, wait_event
 
 FREE = -1  # slot id placeholder of an unused slot
+Projection = Callable[[torch.Tensor], torch.Tensor]  # hidden [n, D] -> logits [n, V]
 
 
 @dataclass
@@ -46,8 +48,9 @@ class HeadTimings:
 class FullHead:
     """Top-k over the full vocabulary through the target's LM head (the EAGLE-2 baseline)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, project: Projection | None = None) -> None:
         self.weight = weight  # [V, D]
+        self.project = project or (lambda h: h @ weight.T)  # [n, D] -> [n, V], e.g. a packed matmul
         self.timings = HeadTimings()
 
     @property
@@ -56,7 +59,7 @@ class FullHead:
 
     def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        logp = torch.log_softmax((hidden @ self.weight.T).float(), dim=-1)  # [n, V]
+        logp = torch.log_softmax(self.project(hidden).float(), dim=-1)  # [n, V]
         top = torch.topk(logp, k, dim=-1)
         self.timings.lm_head_s += time.perf_counter() - t0
         return top.values, top.indices

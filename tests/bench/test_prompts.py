@@ -1,4 +1,4 @@
-"""Benchmark prompt files: Spec-Bench question.jsonl and plain {"prompt": ...} JSONL."""
+"""Benchmark prompt files: Spec-Bench, HumanEval, PubMedQA and plain {"prompt": ...} JSONL."""
 
 from __future__ import annotations
 
@@ -78,5 +78,26 @@ def test_invalid_json_names_the_line(tmp_path: Path) -> None:
 
 def test_record_without_prompt_or_turns(tmp_path: Path) -> None:
     path = _write(tmp_path / "odd.jsonl", [{"text": "nope"}])
-    with pytest.raises(ValueError, match=r"odd\.jsonl:1: expected a 'turns'"):
+    with pytest.raises(ValueError, match=r"odd\.jsonl:1: expected a Spec-Bench \('turns'\)"):
         load_prompts(path)
+
+
+def test_several_files_humaneval_and_pubmedqa(spec_bench: Path, tmp_path: Path) -> None:
+    """Records in the shared data's own formats; per_category spans all files."""
+    humaneval = _write(
+        tmp_path / "prompts.jsonl",
+        [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"} for i in range(3)],
+    )
+    pubmed = _write(
+        tmp_path / "pqal.jsonl",
+        [{"pubid": "1", "question": "Does it work?", "contexts": ["First part.", "Second part."]}],
+    )
+    prompts = load_prompts([spec_bench, humaneval, pubmed], per_category=2)
+    assert [p.category for p in prompts] == ["writing"] * 2 + ["math"] * 2 + ["coding"] + [
+        "humaneval"
+    ] * 2 + ["pubmedqa"]
+    assert prompts[5] == BenchPrompt(
+        "humaneval", "Complete this Python function.\n\n```python\ndef f0():\n```", True
+    )
+    assert prompts[7].text == "First part. Second part.\n\nQuestion: Does it work?\nAnswer briefly."
+    assert load_prompts([humaneval], limit=1) == load_prompts(humaneval, limit=1)

@@ -8,6 +8,7 @@ import torch
 from evospec.decoding.drafter import TargetDrafter
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
+from evospec.models.packing import pack_linears
 from tests.decoding.spec_helpers import (
     ar_tokens,
     eagle_drafter,
@@ -43,6 +44,19 @@ def test_greedy_equals_ar(target, drafters, name, tree, seed):
     prompt = prompt_of(seed, 3 + 2 * seed)
     params = SamplingParams(max_new_tokens=24)
     assert spec_tokens(target, drafters[name], prompt, params, tree) == ar_tokens(target, prompt, params)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_equals_ar_on_a_packed_target(seed):
+    """oneDNN-packed linears (the default for loaded CPU models): verification of many tree
+    tokens and one-token decoding run other kernels, yet the output is still AR's."""
+    target = tiny_target(1)
+    if pack_linears(target) == 0:
+        pytest.skip("torch built without oneDNN")
+    drafter = perturbed_drafter(target, noise=0.6, seed=seed)
+    prompt = prompt_of(seed, 4 + 3 * seed)
+    params = SamplingParams(max_new_tokens=24)
+    assert spec_tokens(target, drafter, prompt, params, TREES[0]) == ar_tokens(target, prompt, params)
 
 
 def test_perturbed_drafter_accepts_some_but_not_all(target, drafters):
