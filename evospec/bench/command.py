@@ -66,6 +66,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "vocab": asdict(_vocab_config(args)),
         "quick": args.quick,
         "torch_threads": torch.get_num_threads(),
+        "packed_weights": not args.no_pack,
         "torch": torch.__version__,
     }
     result = summarise(records, config)
@@ -130,6 +131,7 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         "tree": {k: asdict(d.tree) for k, d in decoders.items() if hasattr(d, "tree")},
         "outputs_differing_from_first_method": mismatches,
         "torch_threads": torch.get_num_threads(),
+        "packed_weights": not args.no_pack,
         "torch": torch.__version__,
     }
     result = summarise_stream(records, n, decoders, config)
