@@ -1,9 +1,11 @@
 """Prepacked fp32 matmuls for CPU inference (oneDNN's blocked weight layout).
 
 Owns: :class:`PackedMatmul` (``y = x @ W.T + b`` with ``W`` reordered once into oneDNN's
-blocked layout) and :func:`pack_linears`, which swaps a frozen model's ``nn.Linear`` modules
-for :class:`PackedLinear` in place, keeping parameter names, tied weights and the dense
-weight itself (loading, tied embeddings and vocabulary row gathers still read it).
+blocked layout; ``W`` may stack several weights that share an input, e.g. q/k/v) and
+:func:`pack_linears`, which swaps a frozen model's ``nn.Linear`` modules for
+:class:`PackedLinear` in place and fuses the groups a module declares in ``FUSED``, keeping
+parameter names, tied weights and the dense weight itself (loading, tied embeddings and
+vocabulary row gathers still read it).
 
 Why: on these CPUs plain MKL handles the small row counts of decoding badly; reordering the
 weight once is the largest single CPU win measured (``PERF_NOTES.md``): tree verification and
@@ -16,14 +18,14 @@ Contract:
 - Only CPU fp32 weights are packed (:func:`packing_available`); anything else keeps
   ``F.linear``. A call that needs autograd (grad mode on and an input or weight requiring
   grad) takes ``F.linear`` too, so training code can share a packed module.
-- A packed weight is repacked when the dense weight is modified in place (its version
-  counter moved), so ``load_state_dict`` after packing cannot leave a stale copy.
-- Memory: one extra copy of every packed weight.
+- A packed weight is repacked when a dense source is modified in place (its version counter
+  moved), so ``load_state_dict`` after packing cannot leave a stale copy.
+- Memory: one extra copy of every weight in use (fused groups are packed once, as a group).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,29 +56,52 @@ def _version(t: torch.Tensor) -> int:
 
 
 class PackedMatmul:
-    """``y = x @ weight.T (+ bias)`` through a once-reordered copy of ``weight`` [out, in]."""
+    """``y = x @ W.T (+ b)`` through one reordered copy of ``W = cat(weights)`` [sum(out), in].
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        if not packing_available(weight):
-            raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device}")
-        self.weight = weight  # [out, in] dense, shared with the owner
-        self.bias = bias  # [out] or None
+    Several weights sharing an input (q/k/v, gate/up) become one call whose output the caller
+    splits by :attr:`sizes`: fewer, larger matmuls, which is where these CPUs are efficient.
+    """
+
+    def __init__(
+        self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None
+    ) -> None:
+        weights = tuple(weights)
+        biases = tuple(biases) if biases is not None else (None,) * len(weights)
+        if not weights or len(biases) != len(weights):
+            raise ValueError("PackedMatmul needs one bias (or None) per weight and at least one weight")
+        for w in weights:
+            if not packing_available(w) or w.shape[1] != weights[0].shape[1]:
+                raise ValueError(f"cannot pack a {w.dtype} {tuple(w.shape)} weight on {w.device} with these")
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("either every fused weight has a bias or none has")
+        self.weights = weights  # each [out_i, in], shared with the owners
+        self.biases = biases  # each [out_i] or None
+        self.sizes = [w.shape[0] for w in weights]
         self._packed: torch.Tensor | None = None
-        self._seen = -2  # weight version the packed copy was made from
+        self._bias: torch.Tensor | None = None
+        self._seen: tuple[int, ...] = ()  # source versions the packed copy was made from
 
-    def packed(self) -> torch.Tensor:
-        """The oneDNN copy, (re)made when the dense weight changed since the last call."""
-        version = _version(self.weight)
-        if self._packed is None or version != self._seen:
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The oneDNN copy and fused bias, (re)made when a source changed since the last call."""
+        versions = tuple(_version(t) for t in (*self.weights, *self.biases) if t is not None)
+        if self._packed is None or versions != self._seen:
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)
-            self._seen = version
-        return self._packed
+                w = _cat(self.weights).detach()
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+                self._bias = None if self.biases[0] is None else _cat(self.biases).detach()
+            self._seen = versions
+        return self._packed, self._bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        if x.dtype != torch.float32 or x.device.type != "cpu" or _needs_grad(x, self.weight, self.bias):
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed(), self.bias, "none", [], "")
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., sum(out)]
+        if x.dtype != torch.float32 or x.device.type != "cpu" or _needs_grad(x, *self.weights, *self.biases):
+            bias = None if self.biases[0] is None else _cat(self.biases)
+            return F.linear(x, _cat(self.weights), bias)
+        packed, bias = self.packed()
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -91,7 +116,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter object: ties and state-dict names survive
         self.bias = linear.bias
-        self.matmul = PackedMatmul(self.weight, self.bias)
+        self.matmul = PackedMatmul([self.weight], [self.bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
@@ -103,7 +128,11 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every packable ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; returns how many.
 
-    Idempotent. Call after the weights are loaded (later in-place edits are still picked up).
+    Modules that declare ``FUSED = {attr: (child, child, ...)}`` (linears sharing an input)
+    also get ``attr`` set to one :class:`PackedMatmul` over those children, which their
+    forward then uses instead of the separate calls (packing is lazy, so the unused separate
+    copies cost nothing). Idempotent. Call after the weights are loaded (later in-place
+    edits are still picked up).
     """
     count = 0
     for parent in list(model.modules()):
@@ -111,11 +140,19 @@ def pack_linears(model: nn.Module) -> int:
             if type(child) is nn.Linear and packing_available(child.weight):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
+    for module in model.modules():
+        for attr, names in getattr(module, "FUSED", {}).items():
+            parts = [getattr(module, n) for n in names]
+            if all(isinstance(p, PackedLinear) for p in parts) and getattr(module, attr) is None:
+                setattr(module, attr, PackedMatmul([p.weight for p in parts], [p.bias for p in parts]))
     return count
 
 
 def unpack_linears(model: nn.Module) -> int:
     """Undo :func:`pack_linears` (plain ``nn.Linear`` modules on the same parameters)."""
+    for module in model.modules():
+        for attr in getattr(module, "FUSED", {}):
+            setattr(module, attr, None)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

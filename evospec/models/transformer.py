@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from torch import nn
 
 from evospec.models.config import ModelConfig
 from evospec.models.kv_cache import KVCache
+from evospec.models.packing import PackedMatmul
 from evospec.models.rope import RotaryTable
 
 
@@ -50,20 +52,32 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gate_up": ("gate_proj", "up_proj")
+    }  # set by models.packing.pack_linears
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.gate_up: PackedMatmul | None = None  # one packed call for gate and up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).split(self.gate_up.sizes, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * self.up_proj(x))
+        return self.down_proj(act * up)
 
 
 class Attention(nn.Module):
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv": ("q_proj", "k_proj", "v_proj")
+    }  # set by models.packing.pack_linears
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -83,6 +97,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: PackedMatmul | None = None  # one packed call for q, k and v
 
     def forward(
         self,
@@ -92,9 +107,13 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # [n, P+n] bool, True = attend; None = causal/no mask
     ) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, n, self.num_heads, self.head_dim)
+        k = k.view(b, n, self.num_kv_heads, self.head_dim)
+        v = v.view(b, n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, Dh]
