@@ -46,6 +46,7 @@ def test_records(result: tuple[list[RunRecord], dict]) -> None:
     for r in records:
         assert len(r.tokens) == 6 and r.rounds == 5 and r.accepted == 0  # the prefill token is no round
         assert r.seconds > 0 and 0 < r.verify_s <= r.seconds
+        assert 0 < r.prefill_s < r.verify_s  # the prefill event's time, one of six steps
 
 
 def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
@@ -66,6 +67,9 @@ def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
         "rounds",
         "draft_s",
         "verify_s",
+        "decode_tok_per_s",
+        "decode_speedup_vs_ar",
+        "prefill_s_median",
     }
     for scope in [summary["methods"], *summary["per_category"].values()]:
         for stats in scope.values():
@@ -93,6 +97,15 @@ def test_matches_ar_detects_a_difference() -> None:
     stats = summarise(records, {})["methods"]["other"]
     assert stats["matches_ar"] == 0.5
     assert stats["speedup_vs_ar"] == 1.0
+
+
+def test_decode_rate_leaves_the_prefill_out() -> None:
+    """3 tokens in 1.0 s of which 0.6 s prefill: 3 tok/s overall, 2 tokens / 0.4 s decoding."""
+    rec = RunRecord("ar", "c", 0, [1, 2, 3], 1.0, 2, 0, 0.0, 1.0, prefill_s=0.6)
+    stats = summarise([rec], {})["methods"]["ar"]
+    assert stats["tok_per_s"] == pytest.approx(3.0)
+    assert stats["decode_tok_per_s"] == pytest.approx(5.0)
+    assert stats["prefill_s_median"] == pytest.approx(0.6) and stats["decode_speedup_vs_ar"] == 1.0
 
 
 def test_no_ar_means_no_speedup_baseline() -> None:
