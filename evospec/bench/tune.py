@@ -117,7 +117,11 @@ def tuned_tree(
     data_dir: Path | None = None,
 ) -> TreeConfig:
     """The cached or freshly calibrated shape for ``method`` on ``loaded`` (a LoadedModel)."""
-    key = "|".join([loaded.name, draft_id, method, machine_key(), torch.__version__])
+    from evospec.models.packing import PackedLinear
+
+    packed = isinstance(getattr(loaded.model, "lm_head", None), PackedLinear)
+    kernels = "onednn-packed" if packed else "dense"  # packing changes what a verify costs
+    key = "|".join([loaded.name, draft_id, method, machine_key(), torch.__version__, kernels])
     path = _cache_file()
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key not in cache:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import torch
+
 from evospec.bench import tune
 from evospec.decoding.events import StepEvent
 from evospec.decoding.tree import TreeConfig
+from evospec.models.packing import PackedLinear
 
 SLOW, FAST = TreeConfig(top_k=1, depth=2, total_tokens=2), TreeConfig(top_k=2, depth=3, total_tokens=6)
 
@@ -74,6 +77,9 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
     assert (tmp_path / "tuning" / "trees.json").exists()
     tune.tuned_tree("frspec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
     assert len(calls) == 2  # another method, another key
+    loaded.model = SimpleNamespace(lm_head=PackedLinear(torch.nn.Linear(2, 2)))
+    tune.tuned_tree("nanospec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
+    assert len(calls) == 3  # packed weights verify at other costs: tuned again
 
 
 def test_machine_key_names_the_hardware():
