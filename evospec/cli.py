@@ -80,6 +80,13 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
         help="static frequency table size (frspec; evospec's core); default 32768 for vocabularies "
         ">= 128k, else V/4 rounded up to 256",
     )
+    v.add_argument(
+        "--core-k",
+        type=positive_int,
+        default=None,
+        help="evospec's static core alone (evospec, evospec-full), e.g. a smaller core than the "
+        "frspec table it is compared with; default: --frspec-k",
+    )
     v.add_argument("--w-max", type=positive_int, default=3072, help="NanoSpec window (default 3072)")
     v.add_argument(
         "--arc-capacity", type=positive_int, default=256, help="EvoSpec dynamic buffer (default 256)"
@@ -221,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train a draft head with the EAGLE recipe and save it in the EAGLE-2 format (fp16).",
     )
     t.add_argument("--target", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
-    t.add_argument("--out", type=Path, required=True, help="output folder for the head")
+    t.add_argument(
+        "--out", type=Path, default=None, help="output folder for the head (required unless --generate-only)"
+    )
     t.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (training sets only)")
     t.add_argument(
         "--work",
@@ -233,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
     )
     t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
+    t.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="stop after the data stage (grow the cached answers and features, e.g. on a faster "
+        "machine or over several sessions; a later run without it trains on all of them)",
+    )
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
     t.add_argument("--batch-size", type=positive_int, default=16, help="generation batch size (default 16)")
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length cap (default 192)")
@@ -326,7 +341,9 @@ def _indices(names: list[str], args: argparse.Namespace, loaded):
 def _vocab_config(args: argparse.Namespace):
     from evospec.vocab.factory import VocabConfig
 
-    return VocabConfig(frspec_k=args.frspec_k, w_max=args.w_max, arc_capacity=args.arc_capacity)
+    return VocabConfig(
+        frspec_k=args.frspec_k, core_k=args.core_k, w_max=args.w_max, arc_capacity=args.arc_capacity
+    )
 
 
 def _decoders(names: list[str], args: argparse.Namespace, loaded, eos) -> dict:
@@ -424,6 +441,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.train.prompts import training_prompts
     from evospec.train.trainer import TrainConfig, load_sequences, train_head
 
+    if args.out is None and not args.generate_only:
+        raise ValueError("train-draft: --out is required (the head's folder) unless --generate-only")
     progress = not args.no_progress
     t0 = time.perf_counter()
     loaded = load_model(args.target, progress=progress)
@@ -443,6 +462,9 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         progress=progress,
     )
+    if args.generate_only:
+        print(f"{have} response tokens in {work}", file=sys.stderr)
+        return 0
     shards = feature_shards(work)
     cfg = TrainConfig(
         epochs=args.epochs,

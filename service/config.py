@@ -45,6 +45,7 @@ class VocabSettings:
     index folder; read by ``frspec``, ``nanospec``, ``evospec``, ``nanospec+evospec`` only."""
 
     frspec_k: int | None = _D.frspec_k  # static table size (frspec; evospec's core); null: V/4 or 32768
+    core_k: int | None = _D.core_k  # evospec's core alone; null: frspec_k
     k_pre: int = _D.k_pre  # NanoSpec: top target ids per prompt position at prefill
     k_ver: int = _D.k_ver  # NanoSpec: top target ids per verified-path node per round
     w_max: int = _D.w_max  # NanoSpec window; the nanospec+evospec budget (window + ARC)
@@ -208,6 +209,7 @@ def _tree_from(raw: Any, source: str) -> TreeSettings:
 
 _VOCAB_TYPES: dict[str, tuple[type, ...]] = {f.name: (int,) for f in fields(VocabSettings)} | {
     "frspec_k": (int, type(None)),
+    "core_k": (int, type(None)),
     "persist": (bool,),
     "indices": (str, type(None)),
 }
@@ -259,8 +261,9 @@ def _adapt_problems(a: AdaptSettings, method: str) -> list[str]:
 def _vocab_problems(v: VocabSettings, method: str) -> list[str]:
     out = [f"vocab.{k} must be >= 1, got {getattr(v, k)}" for k in _AT_LEAST_1 if getattr(v, k) < 1]
     out += [f"vocab.{k} must be >= 0, got {getattr(v, k)}" for k in _AT_LEAST_0 if getattr(v, k) < 0]
-    if v.frspec_k is not None and v.frspec_k < 1:
-        out.append(f"vocab.frspec_k must be >= 1 or null, got {v.frspec_k}")
+    for k in ("frspec_k", "core_k"):
+        if getattr(v, k) is not None and getattr(v, k) < 1:
+            out.append(f"vocab.{k} must be >= 1 or null, got {getattr(v, k)}")
     if v.indices == "":
         out.append("vocab.indices must not be empty (null: the default folder)")
     if method == "nanospec+evospec" and v.w_max <= v.arc_capacity:

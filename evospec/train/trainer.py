@@ -15,6 +15,7 @@ response are scored; prompt pairs still serve as attention context.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -245,13 +246,17 @@ def train_head(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, total_steps))
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir / "trainer.pt"
+    run = run_key(seqs, cfg)
     step, log = 0, {"config": asdict(cfg), "loss_support": mode, "epochs": [], "feat_std": float(feat_std)}
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        step, log = state["step"], state["log"]
+        if state.get("run") == run:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            step, log = state["step"], state["log"]
+        else:  # more data or other settings since: resuming would mix two schedules
+            tqdm.write(f"{ckpt}: written for other data or settings; training from the start")
     t0 = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="train-draft", unit="step", disable=not progress)
     done = 0
@@ -317,6 +322,7 @@ def train_head(
                 "sched": sched.state_dict(),
                 "step": step,
                 "log": log,
+                "run": run,
             },
             ckpt,
         )
@@ -328,6 +334,16 @@ def train_head(
         head.load_state_dict(torch.load(best, map_location="cpu", weights_only=True))
     head.eval()
     return log
+
+
+def run_key(seqs: list[Sequence], cfg: TrainConfig) -> dict:
+    """What a checkpoint must match to be resumed: the data (sequences, lengths) and the config."""
+    lengths = json.dumps([(s.prompt_len, int(s.tokens.shape[0])) for s in seqs])
+    return {
+        "config": asdict(cfg),
+        "sequences": len(seqs),
+        "lengths_sha1": hashlib.sha1(lengths.encode()).hexdigest(),
+    }
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ NEEDS_RETRIEVAL = frozenset({"evospec", "nanospec+evospec"})  # ... and the HNSW
 @dataclass(frozen=True)
 class VocabConfig:
     frspec_k: int | None = None  # static table size (FR-Spec, EvoSpec core); None: frspec_size(V)
+    core_k: int | None = None  # EvoSpec's static core alone; None: the same size as frspec_k
     k_pre: int = 3  # NanoSpec: top ids per prompt position at prefill
     k_ver: int = 3  # NanoSpec: top ids per verified-path node per round
     w_max: int = 3072  # NanoSpec window; also the nanospec+evospec budget
@@ -52,8 +53,9 @@ class VocabConfig:
         for name in ("k_pre", "k_ver", "w_max", "arc_capacity", "n_top", "max_pending"):
             if getattr(self, name) < 1:
                 raise ValueError(f"vocab.{name} must be >= 1, got {getattr(self, name)}")
-        if self.frspec_k is not None and self.frspec_k < 1:
-            raise ValueError(f"vocab.frspec_k must be >= 1, got {self.frspec_k}")
+        for name in ("frspec_k", "core_k"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"vocab.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def arc(self) -> ARCConfig:
@@ -93,7 +95,7 @@ def make_policy(
     retriever = IndexRetriever(indices.hnsw, indices.graph, n_sem=cfg.n_sem, per_seed=cfg.per_seed)
     pool = RetrievalPool(retriever, max_pending=cfg.max_pending, synchronous=cfg.synchronous)
     if name == "evospec":
-        core = static_table(indices.counts, k)
+        core = static_table(indices.counts, min(vocab_size, cfg.core_k or k))
         return EvoSpecVocab(
             core, vocab_size, pool, arc=cfg.arc, top_n=cfg.n_top, persist=cfg.persist, device=device
         )

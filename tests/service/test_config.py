@@ -73,13 +73,14 @@ def test_vocab_settings_mirror_the_engine_config() -> None:
 def test_vocab_section(tmp_path: Path) -> None:
     text = (
         "method: evospec\n"
-        "vocab:\n  frspec_k: 16\n  arc_capacity: 8\n  arc_p_init: 4\n  n_sem: 0\n"
+        "vocab:\n  frspec_k: 16\n  core_k: 12\n  arc_capacity: 8\n  arc_p_init: 4\n  n_sem: 0\n"
         "  persist: false\n  indices: ~/idx\n"
     )
     cfg = load_config(_write(tmp_path, text))
     assert cfg.vocab.indices == "~/idx"
     vc = cfg.vocab.to_vocab_config()
-    assert (vc.frspec_k, vc.arc_capacity, vc.arc_p_init, vc.n_sem, vc.persist) == (16, 8, 4, 0, False)
+    got = (vc.frspec_k, vc.core_k, vc.arc_capacity, vc.arc_p_init, vc.n_sem, vc.persist)
+    assert got == (16, 12, 8, 4, 0, False)
     assert vc.synchronous is False and vc.w_max == VocabConfig.w_max  # unset keys keep the defaults
     assert load_config(_write(tmp_path, "vocab: {frspec_k: null}\n")).vocab.frspec_k is None
 
@@ -117,6 +118,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("vocab: {indices: ''}\n", "vocab.indices must not be empty"),
         ("vocab: {w_max: 0}\n", "vocab.w_max must be >= 1"),
         ("vocab: {frspec_k: 0}\n", "vocab.frspec_k must be >= 1"),
+        ("vocab: {core_k: 0}\n", "vocab.core_k must be >= 1"),
+        ("vocab: {core_k: 2.5}\n", "vocab.core_k must be int or null"),
         ("vocab: {arc_ghost: -1}\n", "vocab.arc_ghost must be >= 0"),
         ("vocab: {max_pending: 0}\n", "vocab.max_pending must be >= 1"),
         ("method: nanospec+evospec\nvocab: {w_max: 256}\n", "it must exceed vocab.arc_capacity (256)"),

@@ -71,6 +71,25 @@ def test_training_lowers_loss_and_raises_agreement(tmp_path):
     assert load_eagle(tmp_path / "head").fc.weight.dtype == torch.float32
 
 
+def test_checkpoint_of_other_data_is_not_resumed(tmp_path):
+    target = tiny_target(0, sharp=4.0)
+    seqs = make_sequences(target, n=12)
+    cfg = TrainConfig(epochs=1, lr=3e-3, warmup_steps=1, tokens_per_batch=256, holdout=0.2)
+
+    def fresh():
+        head = new_eagle_for(target)
+        for p in head.parameters():
+            p.requires_grad_(True)
+        return head
+
+    train_head(fresh(), target, seqs[:8], tmp_path / "ckpt", cfg, progress=False)
+    # Grown data (as after a larger --tokens): a new run, not a resume that skips every batch.
+    log = train_head(fresh(), target, seqs, tmp_path / "ckpt", cfg, progress=False)
+    alone = train_head(fresh(), target, seqs, tmp_path / "other", cfg, progress=False)
+    assert log["epochs"][-1]["step"] == alone["epochs"][-1]["step"] > 0
+    assert len(log["epochs"]) == 1
+
+
 def test_generated_shards_hold_teacher_forced_features(tmp_path):
     from evospec.train.prompts import TrainPrompt
 

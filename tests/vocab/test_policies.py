@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -83,6 +84,18 @@ def test_evospec_oov_event_admits_retrieved_ids_next_round(target):
     assert torch.equal(active & core, core)  # the core never leaves
     stats = pol.take_stats()
     assert stats.admitted == len(dyn) and len(stats.retrieval_s) == 1 and stats.late == 0
+
+
+def test_core_k_sizes_evospec_core_apart_from_the_frspec_table(target):
+    cfg = replace(SMALL, core_k=8)
+    evo = make_policy("evospec", V, cfg=cfg, indices=bundle(target))
+    fr = make_policy("frspec", V, cfg=cfg, indices=bundle(target))
+    evo.start(torch.tensor([1, 2]), None)
+    fr.start(torch.tensor([1, 2]), None)
+    assert evo.active_mask(0).nonzero().flatten().tolist() == list(range(8))  # the 8 most frequent
+    assert int(fr.active_mask(0).sum()) == SMALL.frspec_k  # frspec keeps its own 16
+    with pytest.raises(ValueError, match="core_k must be >= 1"):
+        replace(SMALL, core_k=0)
 
 
 PROMPTS = [prompt_of(s, 4 + 3 * s) for s in range(4)]

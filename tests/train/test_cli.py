@@ -1,0 +1,53 @@
+"""`evospec train-draft` end to end on a tiny model folder (no shared data, no real model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from evospec.cli import main
+from evospec.models.eagle import load_eagle
+from evospec.tokenizer import TextCodec
+from tests.indices.helpers import CORPUS, tiny_codec, tiny_model_for, write_model_folder
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+@pytest.fixture()
+def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    base = tiny_codec(CORPUS.split("\n\n") * 4)
+    codec = TextCodec(base.tok, TEMPLATE, base.special)
+    folder = write_model_folder(tmp_path / "model", tiny_model_for(codec, 0), codec)
+    import evospec.train.prompts as train_prompts
+
+    texts = [line for line in CORPUS.replace(". ", ".\n").splitlines() if line.strip()]
+    fake = [SimpleNamespace(uid=f"fake:{i}", source="fake", text=t) for i, t in enumerate(texts)]
+    monkeypatch.setattr(train_prompts, "training_prompts", lambda data: fake)
+    return folder
+
+
+def _argv(model: Path, tmp_path: Path, *extra: str) -> list[str]:
+    argv = ["train-draft", "--target", str(model), "--work", str(tmp_path / "work")]
+    return [*argv, "--tokens", "60", "--max-new-tokens", "12", "--batch-size", "4", "--no-progress", *extra]
+
+
+def test_generate_only_grows_the_cache_and_a_later_run_trains(model: Path, tmp_path: Path) -> None:
+    assert main(_argv(model, tmp_path, "--generate-only")) == 0
+    lines = (tmp_path / "work" / "generations.jsonl").read_text().splitlines()
+    assert sum(len(json.loads(x)["response_ids"]) for x in lines) >= 60
+    assert not (tmp_path / "work" / "ckpt").exists()  # no training happened
+
+    out = tmp_path / "head"
+    assert main(_argv(model, tmp_path, "--out", str(out), "--epochs", "1")) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["response_tokens"] >= 60 and info["sequences"] == len(lines)  # nothing regenerated
+    assert len(info["train_log"]["epochs"]) == 1
+    assert load_eagle(out).fc.weight.shape[0] > 0
+
+
+def test_training_needs_an_output_folder(model: Path, tmp_path: Path, capsys) -> None:
+    assert main(_argv(model, tmp_path)) == 2
+    assert "--out" in capsys.readouterr().err
