@@ -15,6 +15,7 @@ time per round; ``oracle_share`` = the method's end-to-end tok/s over its oracle
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -103,6 +104,7 @@ def _summarise(recs: list[RunRecord], ar_by_prompt: dict[int, RunRecord] | None)
         "tok_per_s": tokens / seconds if seconds else 0.0,
         "decode_tok_per_s": round_tokens / decode_s if decode_s > 0 else 0.0,  # after the first token
         "prefill_s_median": statistics.median(r.prefill_s for r in recs) if recs else 0.0,
+        "prompts": len(recs),
         "tokens": tokens,
         "seconds": seconds,
         "rounds": rounds,
@@ -220,10 +222,32 @@ def _fmt(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3f}"
 
 
+def _category_table(per_category: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """One row per category: AR's tok/s, then each other method's MAL and speedup vs AR."""
+    names = list(next(iter(per_category.values())))
+    others = [m for m in names if m != "ar"]
+    head = ["category", "prompts", *(["ar tok/s"] if "ar" in names else [])]
+    head += [f"{m} {c}" for m in others for c in ("MAL", "vs AR")]
+    lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
+    for cat, methods in per_category.items():
+        first = methods[names[0]]
+        cells = [cat, str(int(first.get("prompts", 0)))]
+        if "ar" in methods:
+            cells.append(f"{methods['ar']['tok_per_s']:.2f}")
+        for m in others:
+            s = methods.get(m, {})
+            cells += [f"{s['mal']:.2f}" if "mal" in s else "-", f"{s.get('speedup_vs_ar', math.nan):.2f}"]
+        lines.append(f"| {' | '.join(cells)} |")
+    return lines
+
+
 def format_table(result: dict) -> str:
-    """Markdown: the speed table, then (if any method drafted) the vocabulary table."""
+    """Markdown: the speed table, then (if any method drafted) the vocabulary table, then (with
+    more than one category) MAL and speedup per category."""
     lines = _table(result["methods"], SPEED_COLS)
     spec = {m: s for m, s in result["methods"].items() if "coverage" in s}
     if spec:
         lines += ["", *_table(spec, VOCAB_COLS)]
+    if len(result.get("per_category", {})) > 1:
+        lines += ["", *_category_table(result["per_category"])]
     return "\n".join(lines)

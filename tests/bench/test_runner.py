@@ -70,7 +70,11 @@ def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
         "decode_tok_per_s",
         "decode_speedup_vs_ar",
         "prefill_s_median",
+        "prompts",
     }
+    assert (
+        summary["methods"]["ar"]["prompts"] == 3 and summary["per_category"]["writing"]["ar"]["prompts"] == 2
+    )
     for scope in [summary["methods"], *summary["per_category"].values()]:
         for stats in scope.values():
             assert keys <= set(stats)
@@ -119,7 +123,14 @@ def test_format_table(result: tuple[list[RunRecord], dict]) -> None:
     lines = format_table(summary).splitlines()
     assert lines[0].startswith("| method | mal | tok_per_s | speedup_vs_ar")
     assert lines[2].startswith("| ar | 1.000 |") and lines[3].startswith("| ar_again | 1.000 |")
-    assert len(lines) == 4
+    # two categories: MAL and speedup per category follow the speed table
+    assert lines[4] == ""
+    assert lines[5] == "| category | prompts | ar tok/s | ar_again MAL | ar_again vs AR |"
+    math_row = [c.strip() for c in lines[7].strip("|").split("|")]
+    assert math_row[:2] == ["math", "1"] and math_row[3] == "1.00"  # ar_again: plain decoding, MAL 1
+    assert float(math_row[2]) == pytest.approx(summary["per_category"]["math"]["ar"]["tok_per_s"], abs=0.01)
+    assert lines[8].startswith("| writing | 2 | ")
+    assert len(lines) == 9
 
 
 def test_speculative_method_side_by_side() -> None:
