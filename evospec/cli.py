@@ -231,7 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--out", type=Path, default=None, help="output folder for the head (required unless --generate-only)"
     )
-    t.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (training sets only)")
+    t.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        default=[DEFAULT_DATA],
+        metavar="PATH",
+        help="training prompts: the shared data folder (its training-side sets; evaluation sets are "
+        'refused) and/or JSONL files of {"prompt": ...} records (default: ../shared/data next to the '
+        "checkout)",
+    )
     t.add_argument(
         "--work",
         type=Path,
@@ -242,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
     )
     t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
+    t.add_argument(
+        "--device",
+        default="auto",
+        help="torch device for generation and training: auto (cuda when present, else cpu), cpu, "
+        "cuda, cuda:1 (default: auto)",
+    )
     t.add_argument(
         "--generate-only",
         action="store_true",
@@ -435,20 +450,23 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     import torch
 
     from evospec.models.eagle import new_eagle_for, save_eagle
-    from evospec.models.loading import load_model
+    from evospec.models.loading import load_model, resolve_device
     from evospec.models.registry import evospec_home
     from evospec.train.datagen import feature_shards, generate_responses
     from evospec.train.prompts import training_prompts
+    from evospec.train.support import resolve_support
     from evospec.train.trainer import TrainConfig, load_sequences, train_head
 
     if args.out is None and not args.generate_only:
         raise ValueError("train-draft: --out is required (the head's folder) unless --generate-only")
     progress = not args.no_progress
     t0 = time.perf_counter()
-    loaded = load_model(args.target, progress=progress)
+    device = resolve_device(args.device)
+    loaded = load_model(args.target, device=device, progress=progress)
     if loaded.codec is None:
         raise ValueError(f"{loaded.source}: the target needs a tokenizer to render training prompts")
     work = args.work or evospec_home() / "train" / loaded.name
+    vocab = loaded.model.cfg.vocab_size
     prompts = training_prompts(args.data)
     codec = loaded.codec
     have = generate_responses(
@@ -460,6 +478,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         target_tokens=args.tokens,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
+        # topk+neg training reads the target's top-k per answer row: keep it from the generation
+        support_k=args.support_k if resolve_support(args.loss_support, vocab) == "topk+neg" else 0,
         progress=progress,
     )
     if args.generate_only:
@@ -488,7 +508,11 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "response_tokens": have,
         "sequences": len(seqs),
         "wall_seconds": round(time.perf_counter() - t0, 1),
-        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "hardware": (
+            torch.cuda.get_device_name(device)
+            if device.startswith("cuda")
+            else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        ),
         "torch": torch.__version__,
         "train_log": log,
     }

@@ -37,7 +37,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
 
     from evospec.decoding.methods import ADAPTIVE, make_decoder
     from evospec.decoding.tree import TreeConfig
-    from evospec.models.loading import load_model
+    from evospec.models.loading import load_model, resolve_device
     from evospec.vocab.factory import NEEDS_COUNTS, NEEDS_RETRIEVAL
     from service.app import create_app
 
@@ -118,15 +118,6 @@ def describe_vocab(state: dict) -> str:
     if "arc" in state:
         sizes += f" arc_capacity={state['arc']['config']['capacity']}"
     return f"policy={state['policy']} {sizes}"
-
-
-def resolve_device(name: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; anything else unchanged."""
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def curl_example(host: str, port: int, model: ServedModel) -> str:

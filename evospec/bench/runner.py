@@ -231,7 +231,7 @@ def _category_table(per_category: dict[str, dict[str, dict[str, float]]]) -> lis
     lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     for cat, methods in per_category.items():
         first = methods[names[0]]
-        cells = [cat, str(int(first.get("prompts", 0)))]
+        cells = [cat, str(int(first["prompts"])) if "prompts" in first else "-"]
         if "ar" in methods:
             cells.append(f"{methods['ar']['tok_per_s']:.2f}")
         for m in others:

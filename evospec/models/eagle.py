@@ -144,7 +144,7 @@ def save_eagle(head: EagleHead, path: str | Path, *, dtype: torch.dtype = torch.
     d["torch_dtype"] = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype, "float32")
     (folder / "config.json").write_text(json.dumps(d, indent=2))
     state = {
-        k: v.detach().to(dtype).contiguous()
+        k: v.detach().to("cpu", dtype).contiguous()
         for k, v in head.state_dict().items()
         if not k.startswith("rope.")
     }

@@ -12,11 +12,24 @@ the wave drains and a new one starts. Knows token ids only.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
+
+
+class Finished(NamedTuple):
+    """One completed answer. ``features``: [len(prompt) + len(answer) - 1, D] fp16 (every
+    position fed to the model); ``support``: the target's top-k ids [len(answer) - 1, K]
+    (int32) and log-probabilities (float32, normalised over the whole vocabulary) at the fed
+    answer positions, i.e. the distribution of each next answer token."""
+
+    index: int
+    answer: list[int]
+    features: torch.Tensor | None
+    support: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _prefill_rows(
@@ -50,13 +63,16 @@ def greedy_stream(
     cache_len: int = 2048,
     refill_at: int | None = None,
     features: bool = False,
-) -> Iterator[tuple[int, list[int], torch.Tensor | None]]:
-    """Yield (prompt index, greedy answer, features) as answers complete (EOS kept last).
+    support_k: int = 0,
+) -> Iterator[Finished]:
+    """Yield answers as they complete (EOS kept last), in completion order.
 
-    With ``features``, the third item holds the target's final-layer features (post-norm,
-    fp16) of every position that was fed to the model: the prompt and all answer tokens but
-    the last, [len(prompt) + len(answer) - 1, D] -- exactly what a teacher-forced forward
-    gives, at no extra cost.
+    With ``features``, each carries the target's final-layer features (post-norm, fp16) of
+    every position that was fed to the model: the prompt and all answer tokens but the last --
+    exactly what a teacher-forced forward gives, at no extra cost. With ``support_k`` > 0, also
+    the target's top-k next-token ids and log-probabilities at the fed answer positions, taken
+    from the logits the step computes anyway (the draft trainer's ``topk+neg`` loss needs them;
+    a separate pass over the features would cost one LM-head product per token again).
     """
     device = model.embed_tokens.weight.device
     longest = max((len(p) for p in prompts), default=0)
@@ -65,6 +81,7 @@ def greedy_stream(
             f"cache_len {cache_len} cannot hold a {longest}-token prompt plus {max_new_tokens} tokens"
         )
     eos = set(eos_ids)
+    support_k = min(support_k, model.cfg.vocab_size)
     refill_at = refill_at or max(1, batch_size // 4)
     queue = list(range(len(prompts)))[::-1]  # pop() takes the next prompt
     cache = model.new_cache(cache_len, batch=batch_size)
@@ -83,14 +100,20 @@ def greedy_stream(
         answers: list[list[int]] = [[] for _ in range(batch_size)]
         feats: list[list[torch.Tensor]] = [[f.half()] if features else [] for f in pf]
         feats += [[] for _ in range(batch_size - len(first))]
+        sup: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(batch_size)]
         fresh = [r for r, o in enumerate(owner) if o is not None]  # rows whose nxt is unrecorded
         while True:
             step_tokens = nxt.tolist()
             for r in fresh:
                 answers[r].append(step_tokens[r])
                 if step_tokens[r] in eos or len(answers[r]) >= max_new_tokens:
-                    yield owner[r], answers[r], torch.cat(feats[r]) if features else None
-                    owner[r], answers[r], feats[r] = None, [], []
+                    yield Finished(
+                        owner[r],
+                        answers[r],
+                        torch.cat(feats[r]) if features else None,
+                        _stack(sup[r], support_k) if support_k else None,
+                    )
+                    owner[r], answers[r], feats[r], sup[r] = None, [], [], []
             free = [r for r, o in enumerate(owner) if o is None]
             room = cache.length + max_new_tokens < cache_len
             if queue and room and len(free) >= min(refill_at, len(queue)):
@@ -115,12 +138,25 @@ def greedy_stream(
             # idle rows decode a dummy token; their pad hides everything, their output is unused
             pos = torch.tensor([cache.length], device=device)
             out = model(nxt[:, None], pos, cache, logits="last", left_pad=pad)
-            nxt = out.logits[:, -1].argmax(-1)
+            logits = out.logits[:, -1]  # [B, V]
+            nxt = logits.argmax(-1)
             if features:
                 step_feats = out.hidden[:, 0].half()  # [B, D] features of the tokens just fed
                 for r in active:
                     feats[r].append(step_feats[r : r + 1])
+            if support_k:
+                top, ids = logits.float().topk(support_k, dim=-1)  # [B, K]
+                logp = (top - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).cpu()
+                ids = ids.to("cpu", torch.int32)
+                for r in active:
+                    sup[r].append((ids[r : r + 1], logp[r : r + 1]))
             fresh = active
+
+
+def _stack(rows: list[tuple[torch.Tensor, torch.Tensor]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not rows:  # a one-token answer: nothing was fed after the prompt
+        return torch.zeros(0, k, dtype=torch.int32), torch.zeros(0, k)
+    return torch.cat([i for i, _ in rows]), torch.cat([p for _, p in rows])
 
 
 def greedy_batch(
@@ -128,6 +164,6 @@ def greedy_batch(
 ) -> list[list[int]]:
     """Greedy answers of all ``prompts``, in order."""
     out: list[list[int]] = [[] for _ in prompts]
-    for i, ans, _ in greedy_stream(model, prompts, max_new_tokens, eos_ids, **kw):
-        out[i] = ans
+    for done in greedy_stream(model, prompts, max_new_tokens, eos_ids, **kw):
+        out[done.index] = done.answer
     return out

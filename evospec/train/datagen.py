@@ -3,7 +3,9 @@
 Owns one resumable stage under a work folder:
 - ``features/shard_XXXXX.safetensors``: per sequence the token ids (prompt + answer), the
   target's final-layer (post-norm) features in fp16 (the last position, never fed to the
-  model, is a zero row) and [prompt_len, total_len]; written before
+  model, is a zero row) and [prompt_len, total_len]; with ``support_k``, also the target's
+  top-k next-token ids / log-probabilities per row (``support_ids`` int32, ``support_logp``
+  float32, [rows, K], zero outside the fed answer positions); written before
 - ``generations.jsonl``: one line per finished sequence {uid, source, prompt_ids,
   response_ids, shard}. A rerun skips uids already listed and stops once the response-token
   budget is reached; at most one unflushed shard is lost to an interruption.
@@ -50,15 +52,23 @@ class _ShardWriter:
         self.recs: list[dict] = []
         self.tokens: list[torch.Tensor] = []
         self.feats: list[torch.Tensor] = []
+        self.sup_ids: list[torch.Tensor] = []
+        self.sup_logp: list[torch.Tensor] = []
         self.count = 0
 
-    def add(self, rec: dict, feats: torch.Tensor) -> None:
+    def add(self, rec: dict, feats: torch.Tensor, support: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         ids = torch.tensor(rec["prompt_ids"] + rec["response_ids"])
         full = torch.zeros(len(ids), feats.shape[1], dtype=torch.float16)
-        full[: feats.shape[0]] = feats
+        full[: feats.shape[0]] = feats.cpu()  # generation may run on a GPU; shards live on disk
         self.recs.append(rec)
         self.tokens.append(ids)
         self.feats.append(full)
+        if support is not None:  # rows prompt_len .. prompt_len + len(answer) - 2 were fed
+            lo, k = len(rec["prompt_ids"]), support[0].shape[1]
+            sid, slp = torch.zeros(len(ids), k, dtype=torch.int32), torch.zeros(len(ids), k)
+            sid[lo : lo + len(support[0])], slp[lo : lo + len(support[1])] = support
+            self.sup_ids.append(sid)
+            self.sup_logp.append(slp)
         self.count += len(ids)
         if self.count >= self.shard_tokens:
             self.flush()
@@ -71,20 +81,21 @@ class _ShardWriter:
         name = f"shard_{self.index:05d}.safetensors"
         lengths = [[len(r["prompt_ids"]), len(t)] for r, t in zip(self.recs, self.tokens, strict=True)]
         tmp = self.dir / f".{name}.tmp"
-        save_file(
-            {
-                "tokens": torch.cat(self.tokens),
-                "features": torch.cat(self.feats),
-                "lengths": torch.tensor(lengths),
-            },
-            str(tmp),
-        )
+        tensors = {
+            "tokens": torch.cat(self.tokens),
+            "features": torch.cat(self.feats),
+            "lengths": torch.tensor(lengths),
+        }
+        if self.sup_ids and len(self.sup_ids) == len(self.recs):  # one run writes all or none
+            tensors |= {"support_ids": torch.cat(self.sup_ids), "support_logp": torch.cat(self.sup_logp)}
+        save_file(tensors, str(tmp))
         tmp.rename(self.dir / name)
         with open(self.jsonl, "a") as f:
             for r in self.recs:
                 f.write(json.dumps({**r, "shard": name}) + "\n")
         self.index += 1
-        self.recs, self.tokens, self.feats, self.count = [], [], [], 0
+        self.recs, self.tokens, self.feats, self.sup_ids, self.sup_logp = [], [], [], [], []
+        self.count = 0
 
 
 def generate_responses(
@@ -100,9 +111,13 @@ def generate_responses(
     max_prompt_tokens: int = 256,
     cache_len: int = 640,
     shard_tokens: int = 20_000,
+    support_k: int = 0,
     progress: bool = True,
 ) -> int:
-    """Generate until ``target_tokens`` response tokens exist in ``work``; returns that count."""
+    """Generate until ``target_tokens`` response tokens exist in ``work``; returns that count.
+
+    ``support_k`` > 0 also stores the target's top-k next-token support per answer row (what
+    the ``topk+neg`` training loss reads), taken from the generation's own logits."""
     work.mkdir(parents=True, exist_ok=True)
     writer = _ShardWriter(work, shard_tokens)
     seen, have = _done(writer.jsonl)
@@ -127,12 +142,14 @@ def generate_responses(
             batch_size=batch_size,
             cache_len=cache_len,
             features=True,
+            support_k=support_k,
         )
-        for i, ans, feats in stream:
-            p, ids = chunk[i]
-            writer.add({"uid": p.uid, "source": p.source, "prompt_ids": ids, "response_ids": ans}, feats)
-            have += len(ans)
-            bar.update(len(ans))
+        for done in stream:
+            p, ids = chunk[done.index]
+            rec = {"uid": p.uid, "source": p.source, "prompt_ids": ids, "response_ids": done.answer}
+            writer.add(rec, done.features, done.support)
+            have += len(done.answer)
+            bar.update(len(done.answer))
             if have >= target_tokens:
                 break
     writer.flush()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,13 +74,34 @@ def _source_prompts(data: Path) -> dict[str, list[str]]:
     return out
 
 
-def training_prompts(data: str | Path, *, seed: int = 0) -> list[TrainPrompt]:
-    """All training prompts, shuffled per source and interleaved round-robin."""
-    data = Path(data)
-    if any(part in str(data) for part in EVAL_ONLY):
-        raise ValueError(f"{data}: evaluation sets must not be used for training")
+def _file_prompts(path: Path) -> list[str]:
+    """A JSONL file of ``{"prompt": "..."}`` records (other keys ignored)."""
+    out = []
+    for i, rec in enumerate(_jsonl(path)):
+        if not isinstance(rec.get("prompt"), str):
+            raise ValueError(f"{path}: record {i + 1} has no string 'prompt'")
+        out.append(rec["prompt"])
+    return out
+
+
+def training_prompts(data: str | Path | Sequence[str | Path], *, seed: int = 0) -> list[TrainPrompt]:
+    """All training prompts, shuffled per source and interleaved round-robin.
+
+    ``data``: the shared data folder (its training-side sets, one source each) and/or JSONL
+    files of ``{"prompt": ...}`` records (one source per file, named by its stem).
+    """
+    paths = [Path(data)] if isinstance(data, str | Path) else [Path(d) for d in data]
+    per_source: dict[str, list[str]] = {}
+    for path in paths:
+        if any(part in str(path) for part in EVAL_ONLY):
+            raise ValueError(f"{path}: evaluation sets must not be used for training")
+        if path.is_dir():
+            per_source.update(_source_prompts(path))
+        elif path.is_file():
+            per_source.setdefault(path.stem, []).extend(_file_prompts(path))
+        else:
+            raise FileNotFoundError(f"{path}: no such training data folder or prompt file")
     rng = random.Random(seed)
-    per_source = _source_prompts(data)
     queues = []
     for source, texts in sorted(per_source.items()):
         items = [TrainPrompt(f"{source}:{i}", source, t) for i, t in enumerate(texts) if t.strip()]

@@ -66,10 +66,10 @@ def topk_support(
     logp = torch.empty(t, k, dtype=torch.float32)
     w = lm_head.float()
     for lo in range(0, t, rows):
-        logits = features[lo : lo + rows].float() @ w.T  # [r, V]
+        logits = features[lo : lo + rows].to(w.device).float() @ w.T  # [r, V] on the head's device
         top, idx = logits.topk(k, dim=-1)
-        logp[lo : lo + rows] = top - torch.logsumexp(logits, dim=-1, keepdim=True)
-        ids[lo : lo + rows] = idx.to(torch.int32)
+        logp[lo : lo + rows] = (top - torch.logsumexp(logits, dim=-1, keepdim=True)).cpu()
+        ids[lo : lo + rows] = idx.to("cpu", torch.int32)
     return ids, logp
 
 

@@ -5,7 +5,9 @@ cross-entropy against the target's own next-token distribution, both through the
 shared LM head; uniform noise on input features), AdamW with warm-up + cosine decay,
 checkpoints with resume, and held-out step-1 agreement. Which vocabulary rows the soft
 cross-entropy runs over (all, those seen in the data, or the target's top-k plus sampled
-negatives for huge vocabularies) is decided in ``support.py``.
+negatives for huge vocabularies) is decided in ``support.py``. Training runs on the target's
+device (a GPU when ``train-draft --device`` picks one); the cached sequences stay on the CPU
+and move there a batch at a time.
 
 Pair convention (as at inference, see ``decoding/drafter.py``): input i = (feature f_i,
 token x_{i+1}); the head's output should equal f_{i+1}, and LM-head(output) should match
@@ -82,9 +84,11 @@ def load_sequences(shards: list[Path], max_len: int) -> list[Sequence]:
             end = start + total
             # Keep the tail of long prompts: the response is what matters.
             lo = max(start, end - max_len)
-            seqs.append(
-                Sequence(d["tokens"][lo:end], d["features"][lo:end], max(prompt_len - (lo - start), 1))
-            )
+            seq = Sequence(d["tokens"][lo:end], d["features"][lo:end], max(prompt_len - (lo - start), 1))
+            if "support_ids" in d:  # stored at generation time, aligned with the rows
+                seq.support_ids = d["support_ids"][lo:end][seq.prompt_len :]
+                seq.support_logp = d["support_logp"][lo:end][seq.prompt_len :]
+            seqs.append(seq)
             start = end
     return seqs
 
@@ -184,7 +188,7 @@ def pair_losses(
     reg = F.smooth_l1_loss(out_m / feat_std, tgt_m / feat_std)
     label = tokens[:, 2:][m]  # [N]
     if support is not None:
-        neg = negatives if negatives is not None else torch.empty(0, dtype=torch.long)
+        neg = negatives if negatives is not None else torch.empty(0, dtype=torch.long, device=out_m.device)
         cls, best = sampled_soft_ce(out_m, lm_head, support[0][m], support[1][m], neg)
     elif train:
         cls, best = full_soft_ce(out_m, tgt_m, lm_head)
@@ -221,24 +225,33 @@ def train_head(
     rng = random.Random(cfg.seed)
     train, hold = split_holdout(seqs, cfg.holdout, cfg.seed)
     full_head = target.lm_head.weight.detach()
+    device = full_head.device  # the target's (and head's); cached sequences stay on the CPU
     vocab_ids = None
     lm_head = full_head
     mode = resolve_support(cfg.loss_vocab, full_head.shape[0])
     if mode == "data":
-        vocab_ids = torch.unique(torch.cat([s.tokens for s in seqs]))
+        vocab_ids = torch.unique(torch.cat([s.tokens for s in seqs])).to(device)
         lm_head = full_head[vocab_ids].contiguous()
     elif mode == "topk+neg":
-        supports = dataset_supports(
-            [s.features[s.prompt_len :] for s in seqs],
-            full_head,
-            cfg.support_k,
-            ckpt_dir / f"support_top{cfg.support_k}.safetensors",
-            progress=progress,
-        )
-        for s, (ids, logp) in zip(seqs, supports, strict=True):
-            s.support_ids, s.support_logp = ids, logp
+        k = cfg.support_k
+        for s in seqs:  # supports stored at generation time: keep their top k (sorted)
+            if s.support_ids is not None and s.support_ids.shape[1] >= k:
+                s.support_ids, s.support_logp = s.support_ids[:, :k], s.support_logp[:, :k]
+            else:
+                s.support_ids = s.support_logp = None
+        need = [s for s in seqs if s.support_ids is None]  # older shards: one pass, cached
+        if need:
+            supports = dataset_supports(
+                [s.features[s.prompt_len :] for s in need],
+                full_head,
+                k,
+                ckpt_dir / f"support_top{k}.safetensors",
+                progress=progress,
+            )
+            for s, (ids, logp) in zip(need, supports, strict=True):
+                s.support_ids, s.support_logp = ids, logp
     all_feats = torch.cat([s.features[:256].float() for s in train[:200]])
-    feat_std = all_feats.std().clamp(min=1e-3)
+    feat_std = all_feats.std().clamp(min=1e-3).to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     epoch_batches = [make_batches(train, cfg.tokens_per_batch, rng) for _ in range(cfg.epochs)]
@@ -267,13 +280,13 @@ def train_head(
             if done <= step:
                 continue  # resuming: skip batches already trained
             head.train()
-            tokens, feats, mask = collate(batch)
+            tokens, feats, mask = (t.to(device) for t in collate(batch))
             if not mask.any():
                 continue
             support = negatives = None
             if mode == "topk+neg":
-                support = collate_support(batch)
-                negatives = torch.randint(0, full_head.shape[0], (cfg.negatives,))
+                support = tuple(t.to(device) for t in collate_support(batch))
+                negatives = torch.randint(0, full_head.shape[0], (cfg.negatives,), device=device)
             out = pair_losses(
                 head,
                 lm_head,
@@ -354,7 +367,7 @@ def evaluate(
     head.eval()
     n = tot_top1 = tot_cls = 0.0
     for batch in make_batches(seqs, cfg.tokens_per_batch, random.Random(0)):
-        tokens, feats, mask = collate(batch)
+        tokens, feats, mask = (t.to(lm_head.device) for t in collate(batch))
         if not mask.any():
             continue
         out = pair_losses(head, lm_head, feats, tokens, mask, feat_std, cfg, train=False)

@@ -33,7 +33,7 @@ def test_rows_equal_plain_greedy(setup, batch, cache_len, refill):
 
 def test_stream_yields_every_prompt_once(setup):
     target, prompts, _ = setup
-    seen = [i for i, _, _ in greedy_stream(target, prompts, 6, EOS, batch_size=5, cache_len=64)]
+    seen = [done.index for done in greedy_stream(target, prompts, 6, EOS, batch_size=5, cache_len=64)]
     assert sorted(seen) == list(range(len(prompts)))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -17,20 +16,17 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
 @pytest.fixture()
-def model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def model(tmp_path: Path) -> Path:
     base = tiny_codec(CORPUS.split("\n\n") * 4)
     codec = TextCodec(base.tok, TEMPLATE, base.special)
-    folder = write_model_folder(tmp_path / "model", tiny_model_for(codec, 0), codec)
-    import evospec.train.prompts as train_prompts
-
     texts = [line for line in CORPUS.replace(". ", ".\n").splitlines() if line.strip()]
-    fake = [SimpleNamespace(uid=f"fake:{i}", source="fake", text=t) for i, t in enumerate(texts)]
-    monkeypatch.setattr(train_prompts, "training_prompts", lambda data: fake)
-    return folder
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    return write_model_folder(tmp_path / "model", tiny_model_for(codec, 0), codec)
 
 
 def _argv(model: Path, tmp_path: Path, *extra: str) -> list[str]:
     argv = ["train-draft", "--target", str(model), "--work", str(tmp_path / "work")]
+    argv += ["--data", str(tmp_path / "prompts.jsonl")]
     return [*argv, "--tokens", "60", "--max-new-tokens", "12", "--batch-size", "4", "--no-progress", *extra]
 
 
@@ -41,7 +37,7 @@ def test_generate_only_grows_the_cache_and_a_later_run_trains(model: Path, tmp_p
     assert not (tmp_path / "work" / "ckpt").exists()  # no training happened
 
     out = tmp_path / "head"
-    assert main(_argv(model, tmp_path, "--out", str(out), "--epochs", "1")) == 0
+    assert main(_argv(model, tmp_path, "--out", str(out), "--epochs", "1", "--device", "cpu")) == 0
     info = json.loads((out / "training.json").read_text())
     assert info["response_tokens"] >= 60 and info["sequences"] == len(lines)  # nothing regenerated
     assert len(info["train_log"]["epochs"]) == 1
@@ -51,3 +47,23 @@ def test_generate_only_grows_the_cache_and_a_later_run_trains(model: Path, tmp_p
 def test_training_needs_an_output_folder(model: Path, tmp_path: Path, capsys) -> None:
     assert main(_argv(model, tmp_path)) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_evaluation_sets_are_refused_as_training_data(model: Path, tmp_path: Path, capsys) -> None:
+    bench = tmp_path / "humaneval" / "prompts.jsonl"
+    bench.parent.mkdir()
+    bench.write_text(json.dumps({"prompt": "def f():"}))
+    assert main([*_argv(model, tmp_path, "--generate-only"), "--data", str(bench)]) == 2
+    assert "evaluation sets must not be used for training" in capsys.readouterr().err
+
+
+def test_auto_device_is_cuda_only_when_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from evospec.models.loading import resolve_device
+
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
@@ -24,13 +25,14 @@ def make_sequences(target, n: int = 24) -> list[Sequence]:
     prompts = [prompt_of(100 + i, 6) for i in range(n)]
     answers = greedy_batch(target, prompts, 40, (), batch_size=8, cache_len=64)
     seqs = []
+    dev = target.embed_tokens.weight.device
     with torch.inference_mode():
         for p, a in zip(prompts, answers, strict=True):
-            ids = torch.tensor([p + a])
+            ids = torch.tensor([p + a], device=dev)
             hid = target(
-                ids, torch.arange(ids.shape[1]), target.new_cache(ids.shape[1]), logits="none"
+                ids, torch.arange(ids.shape[1], device=dev), target.new_cache(ids.shape[1]), logits="none"
             ).hidden[0]
-            seqs.append(Sequence(ids[0], hid.half(), len(p)))
+            seqs.append(Sequence(ids[0].cpu(), hid.half().cpu(), len(p)))  # cached on the CPU, as on disk
     return seqs
 
 
@@ -133,3 +135,74 @@ def test_generated_shards_hold_teacher_forced_features(tmp_path):
     # Resuming with everything done generates nothing more.
     again = run()
     assert again == have and feature_shards(tmp_path) == shards
+
+
+def test_generation_stores_the_targets_topk_support(tmp_path, monkeypatch):
+    from evospec.train import trainer
+    from evospec.train.prompts import TrainPrompt
+    from evospec.train.support import topk_support
+
+    target = tiny_target(1)
+    prompts = [TrainPrompt(f"x:{i}", "x", str(i)) for i in range(5)]
+    encode = {p.uid: prompt_of(int(p.text), 4 + int(p.text)) for p in prompts}
+    generate_responses(
+        target,
+        lambda p: encode[p.uid],
+        (5,),
+        prompts,
+        tmp_path / "work",
+        target_tokens=10_000,
+        batch_size=3,
+        max_new_tokens=9,
+        cache_len=64,
+        support_k=8,
+        progress=False,
+    )
+    seqs = load_sequences(feature_shards(tmp_path / "work"), max_len=100)
+    for s in seqs:
+        ids = s.tokens[None]
+        with torch.inference_mode():
+            hid = target(
+                ids, torch.arange(ids.shape[1]), target.new_cache(ids.shape[1]), logits="none"
+            ).hidden[0]
+        ref_ids, ref_logp = topk_support(hid[s.prompt_len : -1], target.lm_head.weight, 8)  # fed rows
+        assert s.support_ids.shape == (len(s.tokens) - s.prompt_len, 8)
+        got_ids, got_logp = s.support_ids[: len(ref_ids)], s.support_logp[: len(ref_ids)]
+        assert torch.allclose(got_logp, ref_logp, atol=1e-4)
+        assert all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got_ids, ref_ids, strict=True))
+
+    # topk+neg training reads them (top 4 of the stored 8) instead of a pass over the features.
+    def no_pass(*a, **kw):
+        raise AssertionError("supports were recomputed")
+
+    monkeypatch.setattr(trainer, "dataset_supports", no_pass)
+    head = new_eagle_for(target)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    cfg = TrainConfig(
+        epochs=1, warmup_steps=1, tokens_per_batch=256, holdout=0.2, loss_vocab="topk+neg", support_k=4
+    )
+    log = train_head(head, target, seqs, tmp_path / "ckpt", cfg, progress=False)
+    assert log["loss_support"] == "topk+neg" and all(s.support_ids.shape[1] == 4 for s in seqs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("support", ["data", "topk+neg"])
+def test_training_on_cuda_matches_the_cpu_recipe(tmp_path, support):
+    """The same recipe on a GPU: cached sequences stay on the CPU, the head and loss on CUDA."""
+    target = tiny_target(0, sharp=4.0).cuda()
+    seqs = make_sequences(target)
+    head = new_eagle_for(target)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    cfg = TrainConfig(
+        epochs=6, lr=3e-3, warmup_steps=2, tokens_per_batch=256, holdout=0.2, noise=0.05, loss_vocab=support
+    )
+    std = torch.cat([s.features.float() for s in seqs]).std().cuda()
+    before = evaluate(head, target.lm_head.weight.detach(), seqs, std, cfg)
+    train_head(head, target, seqs, tmp_path / "ckpt", cfg, progress=False)
+    after = evaluate(head, target.lm_head.weight.detach(), seqs, std, cfg)
+    assert next(head.parameters()).is_cuda
+    assert after["cls"] < before["cls"] - 0.1 and after["top1"] > before["top1"] + 0.15
+    save_eagle(head, tmp_path / "head")  # written from CUDA tensors
+    assert load_eagle(tmp_path / "head").fc.weight.device.type == "cpu"
