@@ -5,6 +5,11 @@ inefficient at 2-16 rows). This times the layer shapes of a target (default: Smo
 M = 1..16 rows, side by side in one process, medians of 9 runs.
 
     .venv/bin/python scripts/bench_linear.py [--hidden 576 --inter 1536 --kv 192 --layers 30 --vocab 49152]
+
+``--rows C`` instead times the reduced draft head's product over a [C, hidden] row buffer
+(``evospec.models.packing.PackedRows``) at 1 row: dense vs block-packed, and one block repack.
+
+    .venv/bin/python scripts/bench_linear.py --rows 16582 --hidden 640     # Gemma's 16k core + ARC
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from evospec.models.packing import BATCH_HINT
+from evospec.models.packing import BATCH_HINT, PackedRows
 
 
 def _median_ms(fn, reps: int = 9) -> float:
@@ -44,7 +49,10 @@ def main() -> None:
     p.add_argument("--kv", type=int, default=192)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--rows", type=int, default=None, help="time a reduced head of this many rows instead")
     a = p.parse_args()
+    if a.rows:
+        return _rows(a.rows, a.hidden)
     d, n = a.hidden, a.layers
     shapes = [(d, d, 2 * n), (d, a.kv, 2 * n), (d, a.inter, 2 * n), (a.inter, d, n), (d, a.vocab, 1)]
     torch.manual_seed(0)
@@ -70,6 +78,25 @@ def main() -> None:
             f"all layers, M={m}: F.linear {plain:.1f} ms, MKL-packed {mkl:.1f} ms ({plain / mkl:.2f}x), "
             f"oneDNN-packed {one:.1f} ms ({plain / one:.2f}x)"
         )
+
+
+def _rows(c: int, d: int) -> None:
+    torch.manual_seed(0)
+    rows, x = torch.randn(c, d), torch.randn(1, d)
+    print(f"| [{c}, {d}] rows, 1 input row | ms |\n|---|---|")
+    print(f"| dense x @ rows.T | {_median_ms(lambda: x @ rows.T, 25):.2f} |")
+    for block in (2048, 4096, 8192, c):
+        packed = PackedRows(rows, block)
+        print(f"| PackedRows, {block}-row blocks | {_median_ms(lambda p=packed: p(x), 25):.2f} |")
+    packed = PackedRows(rows, 4096)
+    packed(x)
+    slot = torch.tensor([0])
+
+    def repack() -> None:
+        packed.touch(slot)
+        packed(x)
+
+    print(f"| one 4096-row block repacked + call | {_median_ms(repack, 9):.2f} |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ blocked layout; ``W`` may stack several weights that share an input, e.g. q/k/v)
 :func:`pack_linears`, which swaps a frozen model's ``nn.Linear`` modules for
 :class:`PackedLinear` in place and fuses the groups a module declares in ``FUSED``, keeping
 parameter names, tied weights and the dense weight itself (loading, tied embeddings and
-vocabulary row gathers still read it).
+vocabulary row gathers still read it); and :class:`PackedRows`, the block-packed product
+over the reduced draft heads' row buffer, which changes a few rows at a time.
 
 Why: on these CPUs plain MKL handles the small row counts of decoding badly. Measured with
 ``scripts/bench_linear.py`` (all SmolLM2-135M linears): 2-4 rows ~2.2x faster than
@@ -177,3 +178,60 @@ def projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return linear.matmul
     weight = linear.weight
     return lambda x: x @ weight.T
+
+
+class PackedRows:
+    """``y = x @ rows.T`` over a row buffer [C, D] that changes a few rows at a time.
+
+    The reduced draft heads' buffer: tens of thousands of rows loaded once per request (the
+    FR-Spec table, the EvoSpec core) plus a few slots rewritten per OOV event. The buffer is
+    packed in blocks of ``block`` rows, and only the blocks holding rewritten rows are
+    repacked. Measured on this CPU (one row, 16,582 x 640, ``scripts/bench_linear.py
+    --rows``): dense 3.9 ms, 4,096-row blocks 2.6 ms, one packed block 2.3 ms; repacking one
+    4,096-row block costs ~6.6 ms, so a block rewritten every round would not pay.
+
+    Contract: the owner calls :meth:`touch` with the slots it wrote, right after writing
+    them. A write that bypasses :meth:`touch` is still caught when the buffer has a version
+    counter (everything is repacked then); one made under inference mode is not, so such
+    owners must call :meth:`invalidate`. Inputs that are not fp32 on the CPU, or that need
+    autograd, take the dense product.
+    """
+
+    def __init__(self, rows: torch.Tensor, block: int = 4096) -> None:
+        if not packing_available(rows):
+            raise ValueError(f"cannot pack a {rows.dtype} {tuple(rows.shape)} buffer on {rows.device}")
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        self.rows = rows  # [C, D], owned and written by the caller
+        self.block = block
+        n = -(-rows.shape[0] // block)
+        self._packed: list[torch.Tensor | None] = [None] * n
+        self._dirty: set[int] = set(range(n))
+        self._seen = _version(rows)
+        self.repacked_blocks = 0  # blocks (re)packed so far, for tests and timings
+
+    def touch(self, slots: torch.Tensor) -> None:
+        """Rows at ``slots`` ([a] int) were just rewritten: repack their blocks before the next call."""
+        if slots.numel():
+            self._dirty.update((slots // self.block).unique().tolist())
+        self._seen = _version(self.rows)
+
+    def invalidate(self) -> None:
+        """Repack every block before the next call."""
+        self._dirty = set(range(len(self._packed)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [n, D] -> [n, C]
+        if x.dtype != torch.float32 or x.device.type != "cpu" or _needs_grad(x, self.rows):
+            return x @ self.rows.T
+        if _version(self.rows) != self._seen:  # written without touch()
+            self.invalidate()
+        if self._dirty:
+            with torch.no_grad():
+                for b in sorted(self._dirty):
+                    part = self.rows[b * self.block : (b + 1) * self.block].detach().contiguous()
+                    self._packed[b] = torch.ops.mkldnn._reorder_linear_weight(part, BATCH_HINT)
+            self.repacked_blocks += len(self._dirty)
+            self._dirty.clear()
+            self._seen = _version(self.rows)
+        outs = [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in self._packed]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

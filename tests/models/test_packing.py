@@ -84,3 +84,20 @@ def test_packed_model_matches_dense_and_keeps_names(family: str) -> None:
     assert model.layers[0].self_attn.qkv is None and model.layers[0].mlp.gate_up is None
     assert isinstance(model.layers[0].mlp.up_proj, nn.Linear)
     torch.testing.assert_close(full_forward(model, tokens), dense, atol=0, rtol=0)
+
+
+def test_packed_rows_follow_touched_and_untouched_writes():
+    from evospec.models.packing import PackedRows
+
+    torch.manual_seed(0)
+    rows, x = torch.randn(20, 16), torch.randn(3, 16)
+    packed = PackedRows(rows, block=8)  # blocks [0, 8), [8, 16), [16, 20)
+    assert torch.allclose(packed(x), x @ rows.T, atol=1e-5) and packed.repacked_blocks == 3
+    rows[9] = torch.randn(16)
+    packed.touch(torch.tensor([9]))
+    assert torch.allclose(packed(x), x @ rows.T, atol=1e-5) and packed.repacked_blocks == 4  # one block
+    rows[2] += 1.0  # a write the owner did not report: caught by the version counter
+    assert torch.allclose(packed(x), x @ rows.T, atol=1e-5) and packed.repacked_blocks == 7
+    grad_rows = rows.clone().requires_grad_(True)
+    out = PackedRows(grad_rows, block=8)(x)  # autograd: the dense product, with a graph
+    assert out.requires_grad

@@ -69,3 +69,22 @@ def test_full_head_matches_plain_topk_and_times_itself(weight):
     ref = torch.topk(torch.log_softmax(hidden @ weight.T, -1), 3, -1)
     assert torch.equal(ids, ref.indices)
     assert head.take_timings().lm_head_s > 0 and head.timings.lm_head_s == 0
+
+
+def test_packed_buffer_matches_dense_and_repacks_only_rewritten_blocks(weight):
+    packed = ReducedHead(weight, capacity=24, pack_min_rows=1, pack_block=8)  # 3 blocks of 8 slots
+    dense = ReducedHead(weight, capacity=24, pack_min_rows=10**9)
+    assert packed.packed is not None and dense.packed is None
+    hidden = torch.randn(3, 8)
+    sets = [range(0, 20), [*range(0, 18), 40, 41], [*range(0, 18), 40, 45, 46], range(30, 50)]
+    repacked = []
+    for active in sets:
+        for head in (packed, dense):
+            head.set_active(_mask(active))
+        before = packed.packed.repacked_blocks
+        (lp, ip), (ld, idd) = packed(hidden, 5), dense(hidden, 5)
+        assert torch.equal(ip, idd) and torch.allclose(lp, ld, atol=1e-5)
+        repacked.append(packed.packed.repacked_blocks - before)
+    # first load packs all 3 blocks; 40, 41 land in free slots 18, 19 (block 2); 45, 46 reuse
+    # slot 19 and take slot 20 (block 2); the last set rewrites slots in every block
+    assert repacked == [3, 1, 1, 3]

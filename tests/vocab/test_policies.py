@@ -120,6 +120,24 @@ def test_greedy_output_equals_ar_under_every_policy(target, head, method, tree):
     assert oov_rounds > 0  # the small vocabularies really miss tokens here
 
 
+@pytest.mark.parametrize("method", ["frspec", "evospec"])
+def test_block_packed_reduced_head_stays_lossless(target, head, method, monkeypatch):
+    """The CPU's oneDNN-packed head buffer (``PackedRows``; real sizes only) on tiny blocks."""
+    import evospec.vocab.head as head_mod
+
+    monkeypatch.setattr(head_mod, "PACK_MIN_ROWS", 1)
+    monkeypatch.setattr(head_mod, "PACK_BLOCK", 4)
+    dec = make_decoder(
+        method, target, draft=head, tree=TREES[0], vocab=SMALL, indices=bundle(target), eos_ids=(V - 1,)
+    )
+    assert dec.vocab.head.packed is not None
+    params = SamplingParams(max_new_tokens=30)
+    for prompt in PROMPTS:
+        out = [t for ev in dec.generate(prompt, params) for t in ev.tokens]
+        assert out == ar_tokens(target, prompt, params, eos=(V - 1,))
+    assert dec.vocab.head.packed.repacked_blocks > 0
+
+
 def test_eagle2_reports_full_coverage(target, head):
     dec = make_decoder("eagle2", target, draft=head, tree=TREES[0])
     evs = [ev for ev in dec.generate(PROMPTS[1], SamplingParams(max_new_tokens=12)) if not ev.prefill]
