@@ -129,31 +129,33 @@ def generate_responses(
         desc="generating",
         disable=not progress,
     )
-    for lo in range(0, len(todo), 256):
-        if have >= target_tokens:
-            break
-        chunk = [(p, encode(p)) for p in todo[lo : lo + 256]]
-        chunk = [(p, ids) for p, ids in chunk if len(ids) <= max_prompt_tokens]
-        stream = greedy_stream(
-            model,
-            [ids for _, ids in chunk],
-            max_new_tokens,
-            eos_ids,
-            batch_size=batch_size,
-            cache_len=cache_len,
-            features=True,
-            support_k=support_k,
-        )
-        for done in stream:
-            p, ids = chunk[done.index]
-            rec = {"uid": p.uid, "source": p.source, "prompt_ids": ids, "response_ids": done.answer}
-            writer.add(rec, done.features, done.support)
-            have += len(done.answer)
-            bar.update(len(done.answer))
+    try:
+        for lo in range(0, len(todo), 256):
             if have >= target_tokens:
                 break
-    writer.flush()
-    bar.close()
+            chunk = [(p, encode(p)) for p in todo[lo : lo + 256]]
+            chunk = [(p, ids) for p, ids in chunk if len(ids) <= max_prompt_tokens]
+            stream = greedy_stream(
+                model,
+                [ids for _, ids in chunk],
+                max_new_tokens,
+                eos_ids,
+                batch_size=batch_size,
+                cache_len=cache_len,
+                features=True,
+                support_k=support_k,
+            )
+            for done in stream:
+                p, ids = chunk[done.index]
+                rec = {"uid": p.uid, "source": p.source, "prompt_ids": ids, "response_ids": done.answer}
+                writer.add(rec, done.features, done.support)
+                have += len(done.answer)
+                bar.update(len(done.answer))
+                if have >= target_tokens:
+                    break
+    finally:  # finished answers survive an interruption (Ctrl-C, SIGINT) or an error
+        writer.flush()
+        bar.close()
     return have
 
 

@@ -206,3 +206,35 @@ def test_training_on_cuda_matches_the_cpu_recipe(tmp_path, support):
     assert after["cls"] < before["cls"] - 0.1 and after["top1"] > before["top1"] + 0.15
     save_eagle(head, tmp_path / "head")  # written from CUDA tensors
     assert load_eagle(tmp_path / "head").fc.weight.device.type == "cpu"
+
+
+def test_interrupted_generation_keeps_its_finished_answers(tmp_path, monkeypatch):
+    from evospec.train import datagen
+    from evospec.train.batch_generate import greedy_stream
+    from evospec.train.prompts import TrainPrompt
+
+    target = tiny_target(1)
+    prompts = [TrainPrompt(f"x:{i}", "x", str(i)) for i in range(6)]
+
+    def two_then_ctrl_c(*a, **kw):
+        stream = greedy_stream(*a, **kw)
+        yield next(stream)
+        yield next(stream)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(datagen, "greedy_stream", two_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        generate_responses(
+            target,
+            lambda p: prompt_of(int(p.text), 5),
+            (5,),
+            prompts,
+            tmp_path,
+            target_tokens=10_000,
+            batch_size=3,
+            max_new_tokens=6,
+            cache_len=64,
+            progress=False,
+        )
+    lines = (tmp_path / "generations.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and len(load_sequences(feature_shards(tmp_path), 100)) == 2
