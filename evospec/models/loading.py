@@ -118,10 +118,19 @@ def read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def resolve_device(name: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; anything else unchanged."""
-    if name != "auto":
-        return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; other names are checked and kept.
+
+    Raises ``ValueError`` for a name torch does not know or a CUDA device on a machine without one.
+    """
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine (use cpu or auto)")
+    return name
 
 
 def load_model(

@@ -36,6 +36,11 @@ def test_cmd_serve_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["serve", "--config", "/nonexistent.yaml"]) == 2
 
 
+def test_serve_with_an_unknown_device_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--device", "gpu"]) == 2  # fails before any model is loaded
+    assert "unknown device 'gpu'" in capsys.readouterr().err
+
+
 def test_curl_example(codec) -> None:
     served = ServedModel(name="m", codec=codec, context_window=8, vocab_size=codec.vocab_size)
     line = curl_example("0.0.0.0", 8000, served)

@@ -62,8 +62,17 @@ def test_auto_device_is_cuda_only_when_present(monkeypatch: pytest.MonkeyPatch) 
 
     from evospec.models.loading import resolve_device
 
-    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    assert resolve_device("cpu") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda:1")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        resolve_device("gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_device("auto") == "cuda"
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda:1") == "cuda:1"
+
+
+def test_a_bad_device_is_a_clear_error(model: Path, tmp_path: Path, capsys) -> None:
+    assert main(_argv(model, tmp_path, "--generate-only", "--device", "tpu0")) == 2
+    assert "unknown device 'tpu0'" in capsys.readouterr().err
