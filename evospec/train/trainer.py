@@ -233,23 +233,7 @@ def train_head(
         vocab_ids = torch.unique(torch.cat([s.tokens for s in seqs])).to(device)
         lm_head = full_head[vocab_ids].contiguous()
     elif mode == "topk+neg":
-        k = cfg.support_k
-        for s in seqs:  # supports stored at generation time: keep their top k (sorted)
-            if s.support_ids is not None and s.support_ids.shape[1] >= k:
-                s.support_ids, s.support_logp = s.support_ids[:, :k], s.support_logp[:, :k]
-            else:
-                s.support_ids = s.support_logp = None
-        need = [s for s in seqs if s.support_ids is None]  # older shards: one pass, cached
-        if need:
-            supports = dataset_supports(
-                [s.features[s.prompt_len :] for s in need],
-                full_head,
-                k,
-                ckpt_dir / f"support_top{k}.safetensors",
-                progress=progress,
-            )
-            for s, (ids, logp) in zip(need, supports, strict=True):
-                s.support_ids, s.support_logp = ids, logp
+        attach_supports(seqs, full_head, cfg.support_k, ckpt_dir, progress=progress)
     all_feats = torch.cat([s.features[:256].float() for s in train[:200]])
     feat_std = all_feats.std().clamp(min=1e-3).to(device)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -347,6 +331,34 @@ def train_head(
         head.load_state_dict(torch.load(best, map_location="cpu", weights_only=True))
     head.eval()
     return log
+
+
+def attach_supports(
+    seqs: list[Sequence], lm_head: torch.Tensor, k: int, ckpt_dir: Path, *, progress: bool = True
+) -> None:
+    """Give every sequence the target's top-``k`` support at its answer rows.
+
+    Supports stored at generation time are kept (their first ``k`` columns: top-k is sorted);
+    sequences from older shards, or stored with fewer than ``k``, get one pass over their
+    cached features (``support.dataset_supports``, cached in ``ckpt_dir``).
+    """
+    for s in seqs:
+        if s.support_ids is not None and s.support_ids.shape[1] >= k:
+            s.support_ids, s.support_logp = s.support_ids[:, :k], s.support_logp[:, :k]
+        else:
+            s.support_ids = s.support_logp = None
+    need = [s for s in seqs if s.support_ids is None]
+    if not need:
+        return
+    supports = dataset_supports(
+        [s.features[s.prompt_len :] for s in need],
+        lm_head,
+        k,
+        ckpt_dir / f"support_top{k}.safetensors",
+        progress=progress,
+    )
+    for s, (ids, logp) in zip(need, supports, strict=True):
+        s.support_ids, s.support_logp = ids, logp
 
 
 def run_key(seqs: list[Sequence], cfg: TrainConfig) -> dict:

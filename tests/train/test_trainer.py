@@ -238,3 +238,19 @@ def test_interrupted_generation_keeps_its_finished_answers(tmp_path, monkeypatch
         )
     lines = (tmp_path / "generations.jsonl").read_text().splitlines()
     assert len(lines) == 2 and len(load_sequences(feature_shards(tmp_path), 100)) == 2
+
+
+def test_attach_supports_keeps_stored_and_fills_the_rest(tmp_path):
+    from evospec.train.support import topk_support
+    from evospec.train.trainer import attach_supports
+
+    target = tiny_target(0)
+    seqs = make_sequences(target, n=3)
+    lm = target.lm_head.weight.detach()
+    ref = [topk_support(s.features[s.prompt_len :], lm, 4) for s in seqs]
+    seqs[0].support_ids, seqs[0].support_logp = topk_support(seqs[0].features[seqs[0].prompt_len :], lm, 6)
+    seqs[1].support_ids, seqs[1].support_logp = topk_support(seqs[1].features[seqs[1].prompt_len :], lm, 2)
+    attach_supports(seqs, lm, 4, tmp_path, progress=False)
+    for s, (ids, logp) in zip(seqs, ref, strict=True):
+        assert torch.equal(s.support_ids, ids) and torch.allclose(s.support_logp, logp)
+    assert (tmp_path / "support_top4.safetensors").is_file()  # the two recomputed ones, cached
