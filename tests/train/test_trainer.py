@@ -92,27 +92,23 @@ def test_checkpoint_of_other_data_is_not_resumed(tmp_path):
     assert len(log["epochs"]) == 1
 
 
-def test_generated_shards_hold_teacher_forced_features(tmp_path):
+def generate_tiny(target, work, n: int, **kw) -> int:
+    """The target answers ``n`` numbered prompts into ``work`` (EOS id 5, up to 9 tokens each)."""
     from evospec.train.prompts import TrainPrompt
 
+    prompts = [TrainPrompt(f"x:{i}", "x", str(i)) for i in range(n)]
+    opts = dict(target_tokens=10_000, batch_size=3, max_new_tokens=9, cache_len=64, progress=False)
+    return generate_responses(
+        target, lambda p: prompt_of(int(p.text), 4 + int(p.text)), (5,), prompts, work, **(opts | kw)
+    )
+
+
+def test_generated_shards_hold_teacher_forced_features(tmp_path):
     target = tiny_target(1)
-    prompts = [TrainPrompt(f"x:{i}", "x", str(i)) for i in range(7)]
-    encode = {p.uid: prompt_of(int(p.text), 4 + int(p.text)) for p in prompts}
+    encode = {f"x:{i}": prompt_of(i, 4 + i) for i in range(7)}
 
     def run(**kw) -> int:
-        return generate_responses(
-            target,
-            lambda p: encode[p.uid],
-            (5,),
-            prompts,
-            tmp_path,
-            target_tokens=10_000,
-            batch_size=3,
-            max_new_tokens=9,
-            cache_len=64,
-            progress=False,
-            **kw,
-        )
+        return generate_tiny(target, tmp_path, 7, **kw)
 
     have = run(shard_tokens=30)
     shards = feature_shards(tmp_path)
@@ -139,25 +135,10 @@ def test_generated_shards_hold_teacher_forced_features(tmp_path):
 
 def test_generation_stores_the_targets_topk_support(tmp_path, monkeypatch):
     from evospec.train import trainer
-    from evospec.train.prompts import TrainPrompt
     from evospec.train.support import topk_support
 
     target = tiny_target(1)
-    prompts = [TrainPrompt(f"x:{i}", "x", str(i)) for i in range(5)]
-    encode = {p.uid: prompt_of(int(p.text), 4 + int(p.text)) for p in prompts}
-    generate_responses(
-        target,
-        lambda p: encode[p.uid],
-        (5,),
-        prompts,
-        tmp_path / "work",
-        target_tokens=10_000,
-        batch_size=3,
-        max_new_tokens=9,
-        cache_len=64,
-        support_k=8,
-        progress=False,
-    )
+    generate_tiny(target, tmp_path / "work", 5, support_k=8)
     seqs = load_sequences(feature_shards(tmp_path / "work"), max_len=100)
     for s in seqs:
         ids = s.tokens[None]
@@ -211,10 +192,8 @@ def test_training_on_cuda_matches_the_cpu_recipe(tmp_path, support):
 def test_interrupted_generation_keeps_its_finished_answers(tmp_path, monkeypatch):
     from evospec.train import datagen
     from evospec.train.batch_generate import greedy_stream
-    from evospec.train.prompts import TrainPrompt
 
     target = tiny_target(1)
-    prompts = [TrainPrompt(f"x:{i}", "x", str(i)) for i in range(6)]
 
     def two_then_ctrl_c(*a, **kw):
         stream = greedy_stream(*a, **kw)
@@ -224,18 +203,7 @@ def test_interrupted_generation_keeps_its_finished_answers(tmp_path, monkeypatch
 
     monkeypatch.setattr(datagen, "greedy_stream", two_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        generate_responses(
-            target,
-            lambda p: prompt_of(int(p.text), 5),
-            (5,),
-            prompts,
-            tmp_path,
-            target_tokens=10_000,
-            batch_size=3,
-            max_new_tokens=6,
-            cache_len=64,
-            progress=False,
-        )
+        generate_tiny(target, tmp_path, 6)
     lines = (tmp_path / "generations.jsonl").read_text().splitlines()
     assert len(lines) == 2 and len(load_sequences(feature_shards(tmp_path), 100)) == 2
 
