@@ -35,8 +35,9 @@ from evospec.models.packing import PackedRows, packing_available
 
 FREE = -1  # slot id placeholder of an unused slot
 # From this many slots on, a CPU fp32 buffer is projected through oneDNN-packed blocks
-# (``PackedRows``): ~1.5x faster at 16k rows; below it the repacks would not pay (NanoSpec's
-# 3k-slot window rewrites rows every round).
+# (``PackedRows``): Gemma's 16k EvoSpec core spent 11.5 -> 8.0 ms per round in its draft LM
+# head (docs/benchmarks.md). Smaller buffers keep the dense product: NanoSpec's 3k-slot window
+# rewrites rows every round, and a block repack (~6 ms) would cost more than it saves.
 PACK_MIN_ROWS = 8192
 PACK_BLOCK = 4096
 Projection = Callable[[torch.Tensor], torch.Tensor]  # hidden [n, D] -> logits [n, V]
