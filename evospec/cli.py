@@ -444,6 +444,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return cmd_bench(args)
 
 
+def _stop_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM (and SIGINT where a background shell ignores it) into ``SystemExit`` in the
+    main thread, so ``finally`` blocks run: long jobs keep what they finished."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, stop)
+
+
 def cmd_train_draft(args: argparse.Namespace) -> int:
     import platform
 
@@ -459,6 +476,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     if args.out is None and not args.generate_only:
         raise ValueError("train-draft: --out is required (the head's folder) unless --generate-only")
+    _stop_cleanly_on_sigterm()  # `kill` / `docker stop`: finished answers are flushed, not lost
     progress = not args.no_progress
     t0 = time.perf_counter()
     device = resolve_device(args.device)

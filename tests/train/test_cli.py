@@ -76,3 +76,30 @@ def test_auto_device_is_cuda_only_when_present(monkeypatch: pytest.MonkeyPatch) 
 def test_a_bad_device_is_a_clear_error(model: Path, tmp_path: Path, capsys) -> None:
     assert main(_argv(model, tmp_path, "--generate-only", "--device", "tpu0")) == 2
     assert "unknown device 'tpu0'" in capsys.readouterr().err
+
+
+def test_sigterm_becomes_a_clean_exit() -> None:
+    import os
+    import signal
+    import time
+
+    from evospec.cli import _stop_cleanly_on_sigterm
+
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a job started with `cmd &`
+        _stop_cleanly_on_sigterm()
+        flushed = []
+        with pytest.raises(SystemExit) as exc:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler interrupts this
+            finally:
+                flushed.append(True)
+        assert exc.value.code == 128 + signal.SIGTERM and flushed == [True]
+        with pytest.raises(SystemExit):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
