@@ -186,9 +186,9 @@ class PackedRows:
     The reduced draft heads' buffer: tens of thousands of rows loaded once per request (the
     FR-Spec table, the EvoSpec core) plus a few slots rewritten per OOV event. The buffer is
     packed in blocks of ``block`` rows, and only the blocks holding rewritten rows are
-    repacked. Measured on this CPU (one row, 16,582 x 640, ``scripts/bench_linear.py
-    --rows``): dense 3.9 ms, 4,096-row blocks 2.6 ms, one packed block 2.3 ms; repacking one
-    4,096-row block costs ~6.6 ms, so a block rewritten every round would not pay.
+    repacked. Measured on this CPU (one row, 16,582 x 640, ``scripts/bench_linear.py --rows
+    16582 --hidden 640``, three runs): dense 2.8-3.9 ms, 4,096-row blocks 2.4-3.0 ms; one block
+    repacked plus a call ~5.4 ms, so a block rewritten every round would not pay.
 
     Contract: the owner calls :meth:`touch` with the slots it wrote, right after writing
     them. A write that bypasses :meth:`touch` is still caught when the buffer has a version
