@@ -72,6 +72,14 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
         "model, head and method by a short calibration run on training-side prompts (cached under "
         "$EVOSPEC_HOME/tuning)",
     )
+    p.add_argument(
+        "--verify-logits",
+        choices=["auto", "all", "lazy"],
+        default="auto",
+        help="which tree nodes verification projects onto the vocabulary: 'all' (one call; best on "
+        "a GPU), 'lazy' (the root, then only where the walk goes, prefetching nodes the draft "
+        "expects to be accepted; best on a CPU), 'auto' = lazy on a CPU (default). Same output",
+    )
     v = p.add_argument_group("active vocabulary (frspec, nanospec, evospec, nanospec+evospec)")
     v.add_argument(
         "--frspec-k",
@@ -303,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="listen port (default: 8000)")
     s.add_argument("--device", default=None, help="torch device: cpu, cuda, cuda:1, auto (default: cpu)")
+    s.add_argument(
+        "--verify-logits",
+        choices=["auto", "all", "lazy"],
+        default=None,
+        help="tree nodes projected onto the vocabulary when verifying: all | lazy | auto (lazy on a "
+        "CPU; default)",
+    )
     s.add_argument("--no-progress", action="store_true", help="hide progress bars")
     _add_pack_arg(s)
 
@@ -385,7 +400,15 @@ def _decoders(names: list[str], args: argparse.Namespace, loaded, eos) -> dict:
 
     def build(name: str, tree: TreeConfig):
         return make_decoder(
-            name, loaded.model, eos_ids=eos, draft=draft, tree=tree, vocab=vocab, indices=indices, adapt=adapt
+            name,
+            loaded.model,
+            eos_ids=eos,
+            draft=draft,
+            tree=tree,
+            vocab=vocab,
+            indices=indices,
+            adapt=adapt,
+            verify_logits=args.verify_logits,
         )
 
     out = {}
@@ -558,7 +581,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.server import serve
 
     base = load_config(args.config) if args.config else ServeConfig()
-    flags = {k: getattr(args, k) for k in ("model", "draft", "method", "host", "port", "device")}
+    names = ("model", "draft", "method", "host", "port", "device", "verify_logits")
+    flags = {k: getattr(args, k) for k in names}
     if args.no_pack:
         flags["pack_weights"] = False
     serve(base.with_overrides(**flags), progress=not args.no_progress)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from evospec.adapt.config import AdaptConfig
-from evospec.decoding.methods import ADAPTIVE, METHODS
+from evospec.decoding.methods import ADAPTIVE, METHODS, VERIFY_LOGITS
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.vocab.factory import VocabConfig
 
@@ -113,6 +113,7 @@ class ServeConfig:
     device: str = "cpu"  # torch device: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
     pack_weights: bool = True  # CPU fp32: reorder linear weights once for oneDNN (faster, +1 weight copy)
+    verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
@@ -171,6 +172,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "device": (str,),
     "dtype": (str,),
     "pack_weights": (bool,),
+    "verify_logits": (str,),
     "host": (str,),
     "port": (int,),
     "max_queue": (int,),
@@ -290,6 +292,8 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"request_timeout must be > 0 seconds, got {c.request_timeout}")
     if c.max_tokens_limit < 1:
         out.append(f"max_tokens_limit must be >= 1, got {c.max_tokens_limit}")
+    if c.verify_logits not in VERIFY_LOGITS:
+        out.append(f"verify_logits {c.verify_logits!r} is not one of {list(VERIFY_LOGITS)}")
     t = c.tree
     if min(t.top_k, t.depth, t.total_tokens) < 1:
         out.append(f"tree values must be >= 1, got {t}")

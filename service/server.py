@@ -80,6 +80,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         vocab=config.vocab.to_vocab_config(),
         indices=indices,
         adapt=config.adapt.to_adapt_config(ADAPTIVE[config.method][1]) if config.method in ADAPTIVE else None,
+        verify_logits=config.verify_logits,
     )
     vocab = active_vocab_of(decoder)
     if vocab is not None:

@@ -76,6 +76,9 @@ def test_serve_no_pack_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> No
     assert (seen[0].pack_weights, seen[0].port) == (False, 9123)
     assert main(["serve"]) == 0
     assert seen[1].pack_weights is True
+    assert seen[1].verify_logits == "auto"
+    assert main(["serve", "--verify-logits", "all"]) == 0
+    assert seen[2].verify_logits == "all"
 
 
 def test_help_subprocess() -> None:

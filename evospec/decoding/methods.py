@@ -7,6 +7,7 @@ tree buffers) between requests. Knows token ids only.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -16,6 +17,7 @@ from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.autoregressive import generate_ar, plan_budget
 from evospec.decoding.drafter import Drafter, EagleDrafter
 from evospec.decoding.events import StepEvent
+from evospec.decoding.node_logits import calibrate_prefetch
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.speculative import generate_speculative
 from evospec.decoding.tree import TreeConfig
@@ -30,6 +32,11 @@ from evospec.vocab.factory import POLICIES, VocabConfig, make_policy
 ADAPTIVE = {"clora": ("frspec", "clora"), "osd": ("frspec", "osd"), "evospec-full": ("evospec", "clora")}
 METHODS = ("ar", "eagle2", *POLICIES, *ADAPTIVE)
 SPECULATIVE = ("eagle2", *POLICIES, *ADAPTIVE)  # methods that need an EAGLE-2 draft head
+# which tree nodes the verify forward projects onto the vocabulary (see node_logits.py):
+# "all" every node (one big call; right on a GPU), "lazy" on demand with prefetch, "auto"
+# lazy on a CPU, all elsewhere
+VERIFY_LOGITS = ("auto", "all", "lazy")
+_PREFETCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> calibrated threshold
 
 
 class Decoder(Protocol):
@@ -67,8 +74,10 @@ class SpeculativeDecoder:
         eos_ids: Sequence[int] = (),
         vocab: ActiveVocab | None = None,
         adapt: OnlineAdapter | None = None,
+        prefetch: float | None = None,
     ) -> None:
         self.name = name
+        self.prefetch = prefetch  # None: project every tree node; else lazy rows (node_logits.py)
         self.vocab = vocab  # owns the drafter's head function when given
         self.adapt = adapt  # tunes the drafter's head weights from verification feedback
         self.model = model
@@ -91,6 +100,7 @@ class SpeculativeDecoder:
             cache=self.cache,
             vocab=self.vocab,
             adapt=self.adapt,
+            prefetch=self.prefetch,
         )
 
 
@@ -104,12 +114,16 @@ def make_decoder(
     vocab: VocabConfig | None = None,
     indices=None,
     adapt: AdaptConfig | None = None,
+    verify_logits: str = "auto",
+    prefetch: float | None = None,
 ) -> Decoder:
     """``ar``; or a speculative method (needs ``draft``, an EAGLE-2 head for ``model``):
     ``eagle2`` drafts over the full vocabulary, the others over a policy's active vocabulary
     (``frspec``/``evospec`` also need ``indices``, an ``indices.IndexBundle`` for ``model``).
     The :data:`ADAPTIVE` methods also tune a private copy of ``draft`` online (``adapt``
-    settings; its ``mode`` is the method's)."""
+    settings; its ``mode`` is the method's). ``verify_logits`` (:data:`VERIFY_LOGITS`) and
+    ``prefetch`` (a fixed threshold in [0, 1]; default: calibrated once per target) choose how
+    verification projects tree nodes onto the vocabulary; the output is the same either way."""
     if name == "ar":
         return ARDecoder(model, eos_ids)
     if name not in SPECULATIVE:
@@ -136,4 +150,28 @@ def make_decoder(
         draft = clone_head(draft)  # its weights will move: never share them with another decoder
         adapter = OnlineAdapter(draft.attach(model), weight, replace(adapt or AdaptConfig(), mode=online))
     drafter = EagleDrafter(draft.attach(model), active.draft_head)
-    return SpeculativeDecoder(name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter)
+    threshold = verify_prefetch(model, verify_logits, prefetch)
+    return SpeculativeDecoder(
+        name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter, prefetch=threshold
+    )
+
+
+def verify_prefetch(
+    model: Transformer, verify_logits: str = "auto", prefetch: float | None = None
+) -> float | None:
+    """The prefetch threshold for lazy verification of ``model`` (None: project every node)."""
+    if verify_logits not in VERIFY_LOGITS:
+        raise ValueError(f"verify_logits must be one of {', '.join(VERIFY_LOGITS)}, got {verify_logits!r}")
+    if prefetch is not None and not 0.0 <= prefetch <= 1.0:
+        raise ValueError(f"prefetch must be in [0, 1], got {prefetch}")
+    device = model.lm_head.weight.device
+    if verify_logits == "all" or (verify_logits == "auto" and device.type != "cpu"):
+        return None
+    if prefetch is None:
+        if model not in _PREFETCH:
+            w = model.lm_head.weight
+            _PREFETCH[model] = calibrate_prefetch(
+                model.project_logits, w.shape[1], device=w.device, dtype=w.dtype
+            )
+        prefetch = _PREFETCH[model]
+    return prefetch

@@ -24,6 +24,7 @@ from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.autoregressive import plan_budget, stop_rule
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
+from evospec.decoding.node_logits import NodeLogits
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.decoding.tree import TreeConfig, build_tree
 from evospec.decoding.verify import accept
@@ -44,10 +45,12 @@ def generate_speculative(
     cache: KVCache | None = None,
     vocab: ActiveVocab | None = None,
     adapt: OnlineAdapter | None = None,
+    prefetch: float | None = None,
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
     loads each round's active ids at the round's first draft LM-head call and observes each
-    verified round."""
+    verified round. ``prefetch``: None projects every tree node onto the vocabulary in the
+    verify forward; a threshold projects rows on demand (``node_logits.py``)."""
     max_new, slots = plan_budget(target, len(prompt), params, slack=tree_cfg.max_nodes)
     if cache is None or cache.max_len < slots:
         cache = target.new_cache(slots)
@@ -85,8 +88,12 @@ def generate_speculative(
         tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg)
         drafter.rewind()
         t1 = time.perf_counter()
-        vout = target(tree.tokens[None], tree.positions, cache, tree_mask=tree.mask, logits="all")
-        path, bonus = accept(tree, vout.logits[0], params, gen)  # path [a + 1] incl. the root
+        lazy = prefetch is not None
+        vout = target(
+            tree.tokens[None], tree.positions, cache, tree_mask=tree.mask, logits="none" if lazy else "all"
+        )
+        rows = NodeLogits(tree, vout.hidden[0], target.project_logits, prefetch) if lazy else vout.logits[0]
+        path, bonus = accept(tree, rows, params, gen)  # path [a + 1] incl. the root
         cache.compact(prefix + path, prefix)
         t2 = time.perf_counter()
         accepted = tree.tokens[path[1:]].tolist()
@@ -95,11 +102,12 @@ def generate_speculative(
         stats = None
         if vocab is not None or adapt is not None:
             verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]
+            path_logits = rows.stack(path.tolist()) if lazy else rows[path]  # [a + 1, V]
             if vocab is not None:
-                stats = vocab.end_round(tree.tokens, path, verified, vout.logits[0], vout.hidden[0])
+                stats = vocab.end_round(tree.tokens, path, verified, path_logits, vout.hidden[0])
             if adapt is not None:
                 mask = vocab.mask if vocab is not None else None
-                adapt.end_round(tree.parents, path, verified, vout.logits[0, path], mask)
+                adapt.end_round(tree.parents, path, verified, path_logits, mask)
         yield StepEvent(
             tokens=new,
             accepted=len(accepted),

@@ -1,6 +1,8 @@
 """Acceptance of a verified draft tree: greedy and lossless tree rejection sampling.
 
-Owns: turning the target's logits over every tree node into (accepted path, bonus token).
+Owns: turning the target's logits at tree nodes into (accepted path, bonus token). The rows
+come either all at once ([N, V] from the verify forward) or on demand
+(``node_logits.NodeLogits``: only the nodes the walk visits, plus what it prefetches).
 Glossary: *accepted tokens* are draft nodes the target agreed with; the *bonus token* is the
 target's own next token after the last accepted node. Tokens per round = accepted + 1.
 
@@ -30,8 +32,11 @@ from __future__ import annotations
 
 import torch
 
+from evospec.decoding.node_logits import NodeLogits
 from evospec.decoding.sampling import SamplingParams, target_probs
 from evospec.decoding.tree import DraftTree
+
+Rows = torch.Tensor | NodeLogits  # [N, V] logits of every node, or rows projected on demand
 
 
 def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -51,11 +56,27 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
     return tree.path_to(best), int(pred[best])
 
 
+def greedy_walk(tree: DraftTree, rows: Rows) -> tuple[torch.Tensor, int]:
+    """:func:`greedy_accept` reading rows only along the way (root, then each accepted
+    node): the same path and bonus, with one host synchronisation per visited node."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (par, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
+        if par >= 0:
+            children.setdefault(par, {})[tok] = node  # siblings are distinct tokens
+    path = [0]
+    while True:
+        best = int(torch.argmax(rows[path[-1]]))
+        child = children.get(path[-1], {}).get(best)
+        if child is None:
+            return torch.tensor(path, device=tree.tokens.device), best
+        path.append(child)
+
+
 def sample_accept(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    tree: DraftTree, logits: Rows, params: SamplingParams, gen: torch.Generator
 ) -> tuple[torch.Tensor, int]:
-    """Tree rejection sampling (see module docstring). logits [N, V]."""
-    probs = target_probs(logits, params)  # [N, V]
+    """Tree rejection sampling (see module docstring); reads ``logits[node]`` ([V]) only
+    for the nodes it visits."""
     children: dict[int, list[int]] = {}
     for node, par in enumerate(tree.parents.tolist()):
         if par >= 0:
@@ -64,7 +85,7 @@ def sample_accept(
     path = [0]
     node = 0
     while True:
-        p = probs[node].clone()
+        p = target_probs(logits[node], params)  # [V] a fresh tensor: edited below
         moved = False
         for child in children.get(node, ()):
             mass = p.sum()
@@ -82,8 +103,12 @@ def sample_accept(
 
 
 def accept(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    tree: DraftTree, rows: Rows, params: SamplingParams, gen: torch.Generator
 ) -> tuple[torch.Tensor, int]:
-    if params.greedy:
-        return greedy_accept(tree, logits)
-    return sample_accept(tree, logits, params, gen)
+    """(path [a + 1] node indices incl. the root, bonus token) from every node's logits
+    ([N, V]: one vectorised greedy pass) or from :class:`NodeLogits` (a walk)."""
+    if not params.greedy:
+        return sample_accept(tree, rows, params, gen)
+    if isinstance(rows, NodeLogits):
+        return greedy_walk(tree, rows)
+    return greedy_accept(tree, rows)

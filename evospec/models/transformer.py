@@ -235,12 +235,18 @@ class Transformer(nn.Module):
         hidden = self.norm(x)
         out_logits = None
         if logits != "none":
-            h = hidden[:, -1:] if logits == "last" else hidden
-            out_logits = self.lm_head(h)
-            if cfg.final_logit_softcapping:
-                cap = cfg.final_logit_softcapping
-                out_logits = torch.tanh(out_logits / cap) * cap
+            out_logits = self.project_logits(hidden[:, -1:] if logits == "last" else hidden)
         return ForwardOutput(logits=out_logits, hidden=hidden, aux_hidden=aux)
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final features [..., D] -> logits [..., V]: the LM head, then soft-capping if any.
+
+        What ``forward`` applies to its ``hidden``; callers that project some rows later
+        (lazy verification) get the same numbers for the same rows.
+        """
+        out = self.lm_head(hidden)
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ class ActiveVocab:
         tree_tokens: torch.Tensor,  # [N] incl. the root
         path: torch.Tensor,  # [a + 1] node indices of the verified path, root first
         verified: torch.Tensor,  # [a + 1] accepted ids then the bonus id
-        logits: torch.Tensor,  # [N, V] the verify forward's logits of every node
+        path_logits: torch.Tensor,  # [a + 1, V] the target's logits along ``path``
         hidden: torch.Tensor,  # [N, D] its features of every node
     ) -> VocabRoundStats:
         timings = self.head.take_timings()
@@ -204,7 +204,7 @@ class ActiveVocab:
         )
         if self.policy is not None:
             t0 = time.perf_counter()
-            fb = RoundFeedback(tree_tokens, verified, logits[path], hidden[path[-1]], oov, self._round)
+            fb = RoundFeedback(tree_tokens, verified, path_logits, hidden[path[-1]], oov, self._round)
             self.policy.observe(fb)
             extra = self.policy.take_stats()
             stats.policy_s = time.perf_counter() - t0

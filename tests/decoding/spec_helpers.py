@@ -76,12 +76,13 @@ def ar_tokens(target: Transformer, prompt: list[int], params: SamplingParams, eo
     return [t for ev in generate_ar(target, prompt, params, eos_ids=eos) for t in ev.tokens]
 
 
-def spec_events(target, drafter, prompt, params, tree: TreeConfig, eos=()):
-    return list(generate_speculative(target, drafter, prompt, params, tree, eos_ids=eos))
+def spec_events(target, drafter, prompt, params, tree: TreeConfig, eos=(), prefetch: float | None = None):
+    """``prefetch``: None verifies with every node's logits, a threshold with lazy rows."""
+    return list(generate_speculative(target, drafter, prompt, params, tree, eos_ids=eos, prefetch=prefetch))
 
 
-def spec_tokens(target, drafter, prompt, params, tree: TreeConfig, eos=()) -> list[int]:
-    return [t for ev in spec_events(target, drafter, prompt, params, tree, eos) for t in ev.tokens]
+def spec_tokens(target, drafter, prompt, params, tree: TreeConfig, eos=(), prefetch=None) -> list[int]:
+    return [t for ev in spec_events(target, drafter, prompt, params, tree, eos, prefetch) for t in ev.tokens]
 
 
 def prompt_of(seed: int, n: int) -> list[int]:
