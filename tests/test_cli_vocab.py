@@ -46,6 +46,7 @@ def test_bench_quick_runs_every_method_side_by_side(setup, capsys: pytest.Captur
     assert result["config"]["prompts"] == 2 and result["config"]["max_new_tokens"] == 16  # --quick
     assert result["config"]["tree"]["nanospec"] == {"top_k": 3, "depth": 3, "total_tokens": 8}
     assert result["config"]["vocab"]["w_max"] == 300
+    assert result["config"]["verify_logits"] == "auto"
     for name, stats in result["methods"].items():
         assert stats["matches_ar"] == 1.0, name  # lossless under every policy
         if name != "ar":

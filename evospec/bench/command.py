@@ -67,6 +67,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "quick": args.quick,
         "torch_threads": torch.get_num_threads(),
         "packed_weights": not args.no_pack,
+        "verify_logits": args.verify_logits,
         "torch": torch.__version__,
     }
     result = summarise(records, config)
@@ -132,6 +133,7 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         "outputs_differing_from_first_method": mismatches,
         "torch_threads": torch.get_num_threads(),
         "packed_weights": not args.no_pack,
+        "verify_logits": args.verify_logits,
         "torch": torch.__version__,
     }
     result = summarise_stream(records, n, decoders, config)
