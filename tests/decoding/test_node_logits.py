@@ -138,11 +138,11 @@ def test_sampling_reads_the_same_rows_lazily(seed):
 
 def test_calibration_reads_the_cost_shape():
     def bandwidth_bound(h):  # one fixed cost per call, rows nearly free
-        time.sleep(0.004)
+        time.sleep(0.02)
         return h
 
     def compute_bound(h):  # cost proportional to rows
-        time.sleep(0.002 * h.shape[0])
+        time.sleep(0.01 * h.shape[0])
         return h
 
     assert calibrate_prefetch(bandwidth_bound, D) < 0.1
@@ -179,3 +179,17 @@ def test_lazy_sampling_draws_what_eager_sampling_draws(target, seed):
     lazy = spec_events(target, drafter, prompt, params, TREES[0], prefetch=0.3)
     assert [ev.tokens for ev in lazy] == [ev.tokens for ev in eager]
     assert sum(ev.accepted for ev in lazy) > 0  # drafts were accepted: the walk went down the tree
+
+
+def test_verify_prefetch_choices(target):
+    from evospec.decoding.methods import verify_prefetch
+
+    assert verify_prefetch(target, "all") is None
+    assert verify_prefetch(target, "lazy", 0.25) == 0.25
+    auto = verify_prefetch(target, "auto")  # a CPU target: lazy, calibrated once
+    assert auto is not None and 0.01 <= auto <= 1.0
+    assert verify_prefetch(target, "lazy") == auto
+    with pytest.raises(ValueError, match="verify_logits must be one of"):
+        verify_prefetch(target, "some")
+    with pytest.raises(ValueError, match=r"prefetch must be in \[0, 1\]"):
+        verify_prefetch(target, "lazy", 1.5)
