@@ -425,6 +425,7 @@ def _decoders(names: list[str], args: argparse.Namespace, loaded, eos) -> dict:
                 draft_id=str(args.draft or "shipped"),
                 eos=eos,
                 progress=not args.no_progress,
+                verify_logits=args.verify_logits,
             )
         out[name] = build(name, tree)
     return out

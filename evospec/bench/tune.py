@@ -115,13 +115,17 @@ def tuned_tree(
     eos: Sequence[int],
     progress: bool = True,
     data_dir: Path | None = None,
+    verify_logits: str = "auto",
 ) -> TreeConfig:
-    """The cached or freshly calibrated shape for ``method`` on ``loaded`` (a LoadedModel)."""
+    """The cached or freshly calibrated shape for ``method`` on ``loaded`` (a LoadedModel);
+    ``verify_logits`` must be what ``build`` verifies with (it changes what a big tree costs)."""
     from evospec.models.packing import PackedLinear
 
     packed = isinstance(getattr(loaded.model, "lm_head", None), PackedLinear)
     kernels = "onednn-packed" if packed else "dense"  # packing changes what a verify costs
-    key = "|".join([loaded.name, draft_id, method, machine_key(), torch.__version__, kernels])
+    key = "|".join(
+        [loaded.name, draft_id, method, machine_key(), torch.__version__, kernels, f"verify-{verify_logits}"]
+    )
     path = _cache_file()
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key not in cache:

@@ -80,6 +80,10 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
     loaded.model = SimpleNamespace(lm_head=PackedLinear(torch.nn.Linear(2, 2)))
     tune.tuned_tree("nanospec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
     assert len(calls) == 3  # packed weights verify at other costs: tuned again
+    tune.tuned_tree(
+        "nanospec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False, verify_logits="all"
+    )
+    assert len(calls) == 4  # projecting every node changes what a big tree costs: tuned again
 
 
 def test_machine_key_names_the_hardware():
