@@ -5,10 +5,9 @@ Owns: :class:`NodeLogits` (lazy, prefetching row source for ``verify.py``) and
 
 Why: acceptance reads the target's logits at the root and then only along the accepted path
 (greedy: its argmaxes; sampling: its distributions), yet the verify forward used to project
-every tree node onto the full vocabulary. On a CPU that projection is a large part of a
-verify: one row of a 262k x 640 head costs about one weight read (~20 ms here), each further
-row in the same call several ms more, so a 61-node SmolLM2 tree or a 4-node Gemma-3 chain
-spends most of its LM-head time on rows nobody reads. Here the verify forward stops at the
+every tree node onto the full vocabulary. On a CPU that projection is a real part of a
+verify: a 61-node SmolLM2 tree spends much of it on rows nobody reads (lazy rows cut its
+verify from 229 to 201 ms per round, ``docs/engine.md``). Here the verify forward stops at the
 features (``logits="none"``) and rows are projected on demand through the target's own LM
 head (``Transformer.project_logits``: the same weights, kernel and soft-capping).
 

@@ -242,7 +242,7 @@ class Transformer(nn.Module):
         """Final features [..., D] -> logits [..., V]: the LM head, then soft-capping if any.
 
         What ``forward`` applies to its ``hidden``; callers that project some rows later
-        (lazy verification) get the same numbers for the same rows.
+        (lazy verification) run the same function on them (equal up to GEMM rounding).
         """
         out = self.lm_head(hidden)
         cap = self.cfg.final_logit_softcapping

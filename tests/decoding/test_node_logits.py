@@ -170,6 +170,17 @@ def test_lazy_verification_equals_ar(target, tree, seed, prefetch):
     )
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_lazy_verification_equals_ar_on_gemma3_layers(seed):
+    """Sliding-window and global layers: lazy rows still give plain decoding's tokens."""
+    target = tiny_target(3, family="gemma3")
+    drafter = eagle_drafter(target, seed)  # target drafters cannot run trees over sliding windows
+    prompt = prompt_of(seed, 5 + 4 * seed)  # past the window of 6 once decoding starts
+    params = SamplingParams(max_new_tokens=24)
+    tokens = spec_tokens(target, drafter, prompt, params, TREES[0], prefetch=0.3)
+    assert tokens == ar_tokens(target, prompt, params)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_lazy_sampling_draws_what_eager_sampling_draws(target, seed):
     drafter = perturbed_drafter(target, noise=0.3, seed=seed)

@@ -83,7 +83,7 @@ def test_sigterm_becomes_a_clean_exit() -> None:
     import signal
     import time
 
-    from evospec.cli import _stop_cleanly_on_sigterm
+    from evospec.train.command import _stop_cleanly_on_sigterm
 
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
