@@ -117,8 +117,23 @@ def _add_adapt_args(p: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--adapt-context",
         type=positive_int,
-        default=16,
-        help="committed pairs replayed before each round's root when training (default 16)",
+        default=1024,
+        help="committed pairs replayed before each round's root when training (default 1024)",
+    )
+    a.add_argument(
+        "--adapt-temperature",
+        type=float,
+        default=1.0,
+        help="distillation temperature T_KD of the KL objective (default 1.0)",
+    )
+    a.add_argument(
+        "--adapt-gate",
+        type=float,
+        default=0.1,
+        help="admit a covered position when KL(target || draft) exceeds this (default 0.1)",
+    )
+    a.add_argument(
+        "--adapt-steps", type=positive_int, default=1, help="optimizer steps per full buffer (default 1)"
     )
     a.add_argument(
         "--adapt-sync", action="store_true", help="run gate and updates inline at the round end (debugging)"
@@ -134,6 +149,9 @@ def _adapt_config(args: argparse.Namespace):
         rank=args.adapt_rank,
         alpha=float(args.adapt_rank),
         context=args.adapt_context,
+        temperature=args.adapt_temperature,
+        gate_kl=args.adapt_gate,
+        steps_per_update=args.adapt_steps,
         asynchronous=not args.adapt_sync,
     )
 
@@ -201,6 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--shared-data", type=Path, default=DEFAULT_DATA, help="topic-shift: the shared data folder"
+    )
+    b.add_argument(
+        "--adapt-key",
+        choices=["none", "category"],
+        default="none",
+        help="topic-shift: 'none' shares one adapter across the stream; 'category' keeps one per domain "
+        "(code, law, medicine), as a server keyed by tenant would (default none)",
+    )
+    b.add_argument(
+        "--replay",
+        action="store_true",
+        help="topic-shift: record the target's greedy answers once, then replay every method's rounds "
+        "over them (same acceptance and adapter feedback, no verify forwards, MAL only: no timings; "
+        "updates run inline)",
     )
     b.add_argument(
         "--quick",

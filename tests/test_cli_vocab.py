@@ -121,6 +121,28 @@ def test_topic_shift_scenario_end_to_end(setup, capsys: pytest.CaptureFixture[st
     assert (out / "plots" / "topic_shift.png").is_file()
 
 
+def test_topic_shift_replay_matches_the_live_stream(setup, monkeypatch) -> None:
+    """--replay gives the live run's per-request MAL for a frozen method; --adapt-key category
+    keeps one adapter per domain."""
+    monkeypatch.setattr("evospec.bench.topic_shift._MIN_LAW_CHARS", 80)
+    out = setup["root"] / "replay"
+    argv = ["bench", "--scenario", "topic-shift", "--quick", "--model", str(setup["model"])]
+    argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"]), "--frspec-k", "64"]
+    argv += ["--shared-data", str(_shift_data(setup["root"])), "--methods", "frspec,clora"]
+    argv += ["--adapt-buffer", "4", "--adapt-lr", "1e-2", "--adapt-rank", "4", "--top-k-tree", "3"]
+    argv += ["--depth", "3", "--total-tokens", "8", "--verify-logits", "all", "--no-progress"]
+    assert main([*argv, "--json", str(out / "live.json")]) == 0
+    assert main([*argv, "--replay", "--adapt-key", "category", "--json", str(out / "replay.json")]) == 0
+    live = json.loads((out / "live.json").read_text())
+    replay = json.loads((out / "replay.json").read_text())
+    assert replay["config"]["replay"] and replay["config"]["adapt_key"] == "category"
+    assert replay["methods"]["frspec"]["per_request_mal"] == live["methods"]["frspec"]["per_request_mal"]
+    assert replay["methods"]["frspec"]["round_ms_p99"] is None  # no wall times in a replay
+    keys = replay["methods"]["clora"]["adapt"]["keys"]
+    assert set(keys) == {"code", "law", "medicine"}
+    assert set(live["methods"]["clora"]["adapt"]["keys"]) == {"default"}
+
+
 def test_bad_adaptation_settings_are_clear_errors(setup, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "hi", "--method", "clora", "--model", str(setup["model"]), "--no-progress"]
     argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"])]

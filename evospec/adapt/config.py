@@ -25,7 +25,7 @@ class AdaptConfig:
     rank: int = 32  # LoRA rank r
     alpha: float = 32.0  # LoRA alpha (scaling alpha / r)
     beta: float = 0.3  # curriculum decay: w_j = exp(-beta * L_base * (j - 1))
-    context: int = 16  # committed (feature, token) pairs replayed before each round's root
+    context: int = 1024  # committed (feature, token) pairs replayed before each round's root
     steps_per_update: int = 1  # optimizer steps per full buffer
     grad_clip: float = 1.0  # max grad norm (<= 0: off)
     max_loss: float = 50.0  # a loss above this is a blow-up: the update is discarded

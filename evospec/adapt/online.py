@@ -39,7 +39,7 @@ import torch
 
 from evospec.adapt.config import AdaptConfig
 from evospec.adapt.trainers import QV, OnlineTrainer, make_trainer, tensor_bytes
-from evospec.adapt.trajectory import Recorder, Trajectory
+from evospec.adapt.trajectory import Recorder, Trajectory, stores_nbytes
 from evospec.adapt.unroll import collate
 from evospec.kernels.streams import on_stream, record_event, side_stream, wait_event
 from evospec.models.eagle import EagleHead
@@ -318,7 +318,7 @@ class OnlineAdapter:
         out = Counter()
         for st in states:
             out.update(st.trainer.aux_bytes())
-            out["buffer"] += sum(t.nbytes() for t, _ in st.buffer)
+            out["buffer"] += sum(t.nbytes() for t, _ in st.buffer) + stores_nbytes(t for t, _ in st.buffer)
             out["published"] += tensor_bytes((st.front or {}).values())
         out["base_copy"] = tensor_bytes(self.pristine.values())
         out["total"] = sum(v for k, v in out.items() if k != "total")

@@ -6,11 +6,20 @@ drafter computed in the round -- the context pairs under a causal mask, then one
 step per verified token, each step feeding the previous step's draft feature -- and returns
 the draft's logits on every step's retained target support.
 
-Differences from serving, on purpose: attention sees only the last ``context`` committed
-pairs (positions are renumbered from 0; RoPE depends on offsets only, so a window is exact
-for what it contains), and the draft's logits are taken on the target's retained support
-rather than the round's active vocabulary. The cache used here concatenates instead of
-writing in place, so the graph stays differentiable through every step.
+Shared prefixes: a request's trajectories share its context store (``trajectory.py``). The
+collated batch holds one *span* per request (from the earliest window start to the latest
+root) and each trajectory points at its span and its root's row. :func:`unroll` runs every
+span once under a causal mask (with autograd: the adapter's q/v weights shape the context's
+keys and values too), then the chained steps of all trajectories together, each attending to
+its span up to its own root and to its own earlier steps. So the cost grows with the distinct
+context rows of a batch, not with trajectories x context.
+
+Differences from serving, on purpose: a span starts at most ``context`` pairs before its
+earliest root (serving sees the whole request; positions are renumbered from the span's
+start, and RoPE depends on offsets only, so a span is exact for what it contains), and the
+draft's logits are taken on the target's retained support rather than the round's active
+vocabulary. The cache used here concatenates instead of writing in place, so the graph stays
+differentiable through every step.
 """
 
 from __future__ import annotations
@@ -25,9 +34,10 @@ from evospec.models.eagle import EagleHead
 
 @dataclass
 class TrajectoryBatch:
-    features: torch.Tensor  # [B, C, D] context features, left-padded
-    ctx_tokens: torch.Tensor  # [B, C]
-    ctx_valid: torch.Tensor  # [B, C] bool
+    features: torch.Tensor  # [G, L] + [D] context spans (one per request), zero-padded on the right
+    ctx_tokens: torch.Tensor  # [G, L]
+    group: torch.Tensor  # [B] the span each trajectory reads
+    ctx_end: torch.Tensor  # [B] one past its root pair's row in that span
     tokens: torch.Tensor  # [B, S] verified ids (0 past a trajectory's end)
     step_valid: torch.Tensor  # [B, S] bool
     support_ids: torch.Tensor  # [B, S, K]
@@ -41,18 +51,34 @@ class TrajectoryBatch:
         return self.tokens.shape[0]
 
 
+def _spans(trajs: list[Trajectory]) -> list[tuple[Trajectory, int, int, list[int]]]:
+    """Group by context store -> (holder of the newest store, span start, span end, members)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(trajs):
+        groups.setdefault(("request", t.request) if t.request is not None else ("alone", i), []).append(i)
+    out = []
+    for members in groups.values():
+        newest = max(members, key=lambda i: trajs[i].ctx_end)  # its store holds every row the rest need
+        lo = min(trajs[i].ctx_start for i in members)
+        out.append((trajs[newest], lo, trajs[newest].ctx_end, members))
+    return out
+
+
 def collate(trajs: list[Trajectory], device: torch.device | str = "cpu") -> TrajectoryBatch:
-    """Pad to the longest context / path. Clones out of inference mode (worker-safe)."""
+    """One span per request, steps padded to the longest path. Copies out of inference mode
+    (worker-safe)."""
     b = len(trajs)
-    c = max(t.ctx_tokens.shape[0] for t in trajs)
+    spans = _spans(trajs)
+    g, span_len = len(spans), max(hi - lo for _, lo, hi, _ in spans)
     s = max(t.steps for t in trajs)
     k = trajs[0].support_ids.shape[1]
     d = trajs[0].ctx_features.shape[1]
     with torch.inference_mode(False), torch.no_grad():
         out = TrajectoryBatch(
-            features=torch.zeros(b, c, d, device=device),
-            ctx_tokens=torch.zeros(b, c, dtype=torch.long, device=device),
-            ctx_valid=torch.zeros(b, c, dtype=torch.bool, device=device),
+            features=torch.zeros(g, span_len, d, device=device),
+            ctx_tokens=torch.zeros(g, span_len, dtype=torch.long, device=device),
+            group=torch.zeros(b, dtype=torch.long, device=device),
+            ctx_end=torch.zeros(b, dtype=torch.long, device=device),
             tokens=torch.zeros(b, s, dtype=torch.long, device=device),
             step_valid=torch.zeros(b, s, dtype=torch.bool, device=device),
             support_ids=torch.zeros(b, s, k, dtype=torch.long, device=device),
@@ -61,11 +87,13 @@ def collate(trajs: list[Trajectory], device: torch.device | str = "cpu") -> Traj
             in_vocab=torch.zeros(b, s, dtype=torch.bool, device=device),
             rejected=torch.zeros(b, s, dtype=torch.bool, device=device),
         )
+        for gi, (holder, lo, hi, members) in enumerate(spans):
+            out.features[gi, : hi - lo] = holder.ctx_features[lo:hi].float()
+            out.ctx_tokens[gi, : hi - lo] = holder.ctx_tokens[lo:hi]
+            for i in members:
+                out.group[i], out.ctx_end[i] = gi, trajs[i].ctx_end - lo
         for i, t in enumerate(trajs):
-            n, m = t.ctx_tokens.shape[0], t.steps
-            out.features[i, c - n :] = t.ctx_features.float()
-            out.ctx_tokens[i, c - n :] = t.ctx_tokens
-            out.ctx_valid[i, c - n :] = True
+            m = t.steps
             out.tokens[i, :m] = t.tokens
             out.step_valid[i, :m] = True
             out.support_ids[i, :m] = t.support_ids
@@ -93,25 +121,30 @@ class GrowingCache:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Re-batch: row i of the cache becomes row ``rows[i]`` of the old one."""
+        for layer in self._k:
+            self._k[layer] = self._k[layer].index_select(0, rows)
+            self._v[layer] = self._v[layer].index_select(0, rows)
+
 
 def unroll(head: EagleHead, batch: TrajectoryBatch) -> torch.Tensor:
     """Draft features of every step: [B, S, D] (steps past a trajectory's end are garbage)."""
-    b, c, _ = batch.features.shape
+    span_len = batch.features.shape[1]
     s = batch.tokens.shape[1]
     device = batch.features.device
     cache = GrowingCache()
-    causal = torch.ones(c, c, dtype=torch.bool, device=device).tril()  # [C, C]
-    # a padded query row still sees itself, so no softmax row is empty
-    eye = torch.eye(c, dtype=torch.bool, device=device)
-    mask = (causal[None] & batch.ctx_valid[:, None, :]) | eye[None]  # [B, C, C]
+    causal = torch.ones(span_len, span_len, dtype=torch.bool, device=device).tril()  # [L, L]
     feats = batch.features.to(head.fc.weight.dtype)
-    out = head(feats, batch.ctx_tokens, torch.arange(c, device=device), cache, mask[:, None])
-    steps = [out[:, -1]]  # step 1: the root pair's output, [B, D]
-    seen = batch.ctx_valid  # [B, keys so far]
-    ones = torch.ones(b, 1, dtype=torch.bool, device=device)
+    positions = torch.arange(span_len, device=device)
+    out = head(feats, batch.ctx_tokens, positions, cache, causal[None, None])  # [G, L, D]
+    steps = [out[batch.group, batch.ctx_end - 1]]  # step 1: each root pair's output, [B, D]
+    cache.select(batch.group)  # [B, H_kv, L, Dh]: each trajectory's span
+    seen = positions[None] < batch.ctx_end[:, None]  # [B, keys so far]: its span up to its root
+    ones = torch.ones(batch.size, 1, dtype=torch.bool, device=device)
     for j in range(1, s):
-        seen = torch.cat([seen, ones], dim=1)  # [B, C + j]
-        pos = torch.tensor([c - 1 + j], device=device)
+        seen = torch.cat([seen, ones], dim=1)  # [B, L + j]
+        pos = (batch.ctx_end - 1 + j)[:, None]  # [B, 1]
         h = head(steps[-1][:, None], batch.tokens[:, j - 1 : j], pos, cache, seen[:, None, None, :])
         steps.append(h[:, 0])
     return torch.stack(steps, dim=1)

@@ -96,6 +96,7 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
     from evospec.bench.topic_shift import (
         format_stream_table,
         plot_stream,
+        replay_stream,
         run_stream,
         summarise_stream,
         topic_shift_stream,
@@ -111,6 +112,8 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
     names = [m.strip() for m in (args.methods or "frspec,clora,osd,evospec-full").split(",") if m.strip()]
     if "hf" in names:
         raise SystemExit("error: 'hf' is not part of the topic-shift scenario")
+    if args.replay:  # replay rounds are fast: an update inline stands for a worker that keeps up
+        args.adapt_sync = True
     decoders = _decoders(names, args, loaded, eos)
 
     def encode(p):  # a base model without a chat template gets the plain text
@@ -119,9 +122,24 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         return codec.encode(p.text)
 
     params = _sampling(args)
-    records, mismatches = run_stream(decoders, stream, encode, params, progress=not args.no_progress)
+    keyed = args.adapt_key == "category"
+    if args.replay:
+        if params.temperature > 0:
+            raise SystemExit("error: --replay replays greedy answers; it does not take --temperature")
+        from evospec.bench.replay import record_requests
+
+        print("recording the target's answers for the replay ...", file=sys.stderr)
+        recorded = record_requests(loaded.model, [encode(p) for p in stream], args.max_new_tokens, eos)
+        records = replay_stream(decoders, stream, recorded, progress=not args.no_progress, keyed=keyed)
+        mismatches = dict.fromkeys(decoders, 0)  # replayed outputs are the recording by construction
+    else:
+        records, mismatches = run_stream(
+            decoders, stream, encode, params, progress=not args.no_progress, keyed=keyed
+        )
     config = {
         "scenario": "topic-shift",
+        "replay": args.replay,
+        "adapt_key": args.adapt_key,
         "model": loaded.name,
         "code_requests": n,
         "shift_requests": n,

@@ -80,9 +80,11 @@ def run_stream(
     *,
     reference: dict[int, list[int]] | None = None,
     progress: bool = True,
+    keyed: bool = False,
 ) -> tuple[list[RequestRecord], dict[str, int]]:
     """Every request on every method in turn. Returns the records and, per method, how many
-    outputs differ from the first method's (all must be 0: the methods are lossless)."""
+    outputs differ from the first method's (all must be 0: the methods are lossless).
+    ``keyed``: each adapter keeps one state per request category (a tenant key per domain)."""
     from tqdm.auto import tqdm
 
     warm = SamplingParams(max_new_tokens=4)
@@ -97,6 +99,7 @@ def run_stream(
         ids = encode(p)
         first: list[int] | None = None
         for name, dec in decoders.items():
+            _select(dec, p, keyed)
             rec = RequestRecord(name, i, p.category, 0, 0, 0.0)
             out: list[int] = []
             t0 = time.perf_counter()
@@ -118,6 +121,45 @@ def run_stream(
     return records, mismatches
 
 
+def _select(dec, prompt: BenchPrompt, keyed: bool) -> None:
+    adapt = getattr(dec, "adapt", None)
+    if adapt is not None:
+        adapt.select(prompt.category if keyed else None)
+
+
+def replay_stream(
+    decoders: dict,
+    stream: Sequence[BenchPrompt],
+    recorded: Sequence,
+    *,
+    progress: bool = True,
+    keyed: bool = False,
+) -> list[RequestRecord]:
+    """Like :func:`run_stream`, but every method replays the target's recorded greedy answers
+    (``bench/replay.py``): the same acceptance and adapter feedback, no verify forwards, no
+    wall times (a record's ``seconds`` and ``round_s`` stay empty)."""
+    from tqdm.auto import tqdm
+
+    from evospec.bench.replay import replay_request
+
+    for dec in decoders.values():
+        if getattr(dec, "adapt", None) is not None:
+            dec.adapt.reset(all_keys=True)
+    records: list[RequestRecord] = []
+    bar = tqdm(total=len(stream) * len(decoders), desc="topic-shift replay", unit="run", disable=not progress)
+    for i, (p, rec) in enumerate(zip(stream, recorded, strict=True)):
+        for name, dec in decoders.items():
+            _select(dec, p, keyed)
+            got = replay_request(dec, rec)
+            records.append(RequestRecord(name, i, p.category, got.tokens, got.rounds, 0.0))
+            bar.update(1)
+    bar.close()
+    for dec in decoders.values():
+        if getattr(dec, "adapt", None) is not None:
+            dec.adapt.wait_idle()
+    return records
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -132,19 +174,20 @@ def summarise_stream(records: list[RequestRecord], code: int, decoders: dict, co
         rounds = [x for r in recs for x in r.round_s]
         tokens = sum(r.tokens for r in recs)
         seconds = sum(r.seconds for r in recs)
+        timed = bool(rounds)  # a replayed stream has no wall times
         s = {
             "mal": (tokens - len(recs)) / max(sum(r.rounds for r in recs), 1),
             "mal_first_half": statistics.fmean(before) if before else float("nan"),
             "mal_second_half": statistics.fmean(after) if after else float("nan"),
-            "tok_per_s": tokens / seconds if seconds else 0.0,
-            "round_ms_p50": 1e3 * _pct(rounds, 0.5),
-            "round_ms_p99": 1e3 * _pct(rounds, 0.99),
+            "tok_per_s": tokens / seconds if timed and seconds else None,
+            "round_ms_p50": 1e3 * _pct(rounds, 0.5) if timed else None,
+            "round_ms_p99": 1e3 * _pct(rounds, 0.99) if timed else None,
             "per_request_mal": [round(r.mal, 4) for r in recs],
         }
         adapt = getattr(decoders[name], "adapt", None)
         if adapt is not None:
             st = adapt.state()
-            s["adapt"] = {k: v for k, v in st.items() if k not in ("keys",)}
+            s["adapt"] = st
             s["aux_mib"] = st["aux_bytes"]["total"] / 2**20
         methods[name] = s
     base = config.get("frozen")
@@ -152,7 +195,8 @@ def summarise_stream(records: list[RequestRecord], code: int, decoders: dict, co
         b = methods[base]
         for s in methods.values():
             s["second_half_vs_frozen"] = s["mal_second_half"] / b["mal_second_half"]
-            s["p99_round_vs_frozen"] = s["round_ms_p99"] / b["round_ms_p99"]
+            if s["round_ms_p99"] is not None and b["round_ms_p99"]:
+                s["p99_round_vs_frozen"] = s["round_ms_p99"] / b["round_ms_p99"]
     if "clora" in methods and "osd" in methods and "aux_mib" in methods["osd"]:
         methods["clora"]["aux_vs_osd"] = methods["clora"]["aux_mib"] / methods["osd"]["aux_mib"]
     categories = [r.category for r in records if r.method == next(iter(decoders))]

@@ -14,7 +14,8 @@ def batch(b: int, s: int, k: int, **over) -> TrajectoryBatch:
     base = dict(
         features=torch.zeros(b, 1, 4),
         ctx_tokens=torch.zeros(b, 1, dtype=torch.long),
-        ctx_valid=torch.ones(b, 1, dtype=torch.bool),
+        group=torch.arange(b),
+        ctx_end=torch.ones(b, dtype=torch.long),
         tokens=torch.zeros(b, s, dtype=torch.long),
         step_valid=torch.ones(b, s, dtype=torch.bool),
         support_ids=torch.arange(k).repeat(b, s, 1),

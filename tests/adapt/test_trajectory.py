@@ -24,12 +24,34 @@ def test_recorder_keeps_the_last_context_pairs():
     rec.commit(torch.arange(3.0, 6.0)[:, None].repeat(1, 2), torch.tensor([13, 14, 15]))
     parents = torch.tensor([-1, 0, 0, 1])
     t = rec.trajectory(parents, torch.tensor([0, 1]), torch.tensor([7, 8]), torch.randn(2, 20), None, "k")
-    assert t.ctx_tokens.tolist() == [12, 13, 14, 15]
-    assert t.ctx_features[:, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
+    feats, toks = t.window()
+    assert toks.tolist() == [12, 13, 14, 15]
+    assert feats[:, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
     assert t.tokens.tolist() == [7, 8] and t.key == "k"
     assert t.in_vocab.all()
     # the path ends at node 1, which has a child (node 3): the draft's guess there was rejected
     assert t.rejected.tolist() == [False, True]
+    # the next round appends to the same store: the earlier trajectory's window is unchanged
+    rec.commit(torch.full((2, 2), 9.0), torch.tensor([16, 17]))
+    t2 = rec.trajectory(parents, torch.tensor([0]), torch.tensor([7]), torch.randn(1, 20), None)
+    assert t2.request == t.request and t2.ctx_features is t.ctx_features
+    assert t2.window()[1].tolist() == [14, 15, 16, 17] and t.window()[1].tolist() == [12, 13, 14, 15]
+
+
+def test_recorder_store_grows_without_moving_shared_rows():
+    rec = Recorder(context=1000, k_logit=2)
+    rec.start()
+    rec.commit(torch.zeros(200, 3), torch.arange(200))
+    one = torch.tensor([0])
+    old = rec.trajectory(one - 1, one, one, torch.randn(1, 5), None)
+    rec.commit(torch.ones(250, 3), torch.arange(200, 450))  # past the first allocation
+    new = rec.trajectory(one - 1, one, one, torch.randn(1, 5), None)
+    assert new.ctx_features is not old.ctx_features  # reallocated ...
+    assert old.window()[1].tolist() == list(range(200))  # ... the old view still reads its rows
+    assert new.window()[1].tolist() == list(range(450)) and new.request == old.request
+    rec.start()
+    rec.commit(torch.zeros(1, 3), torch.tensor([5]))
+    assert rec.trajectory(one - 1, one, one, torch.randn(1, 5), None).request != old.request
 
 
 def test_a_leaf_path_end_was_not_rejected_and_oov_is_flagged():

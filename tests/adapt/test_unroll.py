@@ -77,3 +77,37 @@ def test_gradient_reaches_the_head_through_every_step():
     out[0, 2].sum().backward()  # the last step only: gradient flows back through steps 1-2
     assert head.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
     assert head.fc.weight.grad.abs().sum() > 0
+
+
+def test_trajectories_sharing_a_request_store_unroll_like_the_drafter():
+    """Rounds of two requests (recorded into shared stores) and a standalone trajectory, in
+    one batch: each trajectory's steps equal the drafter's on its own context."""
+    from evospec.adapt.trajectory import Recorder
+
+    target = tiny_target(0)
+    head = new_eagle_for(target, seed=3)
+    head.requires_grad_(False)
+    drafter = EagleDrafter(head, FullHead(target.lm_head.weight))
+    gen = torch.Generator().manual_seed(1)
+    rec = Recorder(context=64, k_logit=4)
+    trajs, expect = [], []
+    for rounds in [(5, 2, 3), (4, 1)]:  # two requests
+        rec.start()
+        for n in rounds:  # commit n pairs, then a round with a 2-step verified path
+            rec.commit(torch.randn(n, D, generator=gen), torch.randint(0, 64, (n,), generator=gen))
+            verified = torch.randint(0, 64, (2,), generator=gen)
+            parents, path = torch.tensor([-1, 0]), torch.tensor([0, 1])
+            t = rec.trajectory(parents, path, verified, torch.randn(2, 64), None)
+            feats, toks = t.window()
+            trajs.append(t)
+            expect.append(serving_steps(drafter, feats.clone(), toks.clone(), verified[:-1].tolist()))
+    feats = torch.randn(3, D, generator=gen)
+    toks = torch.randint(0, 64, (3,), generator=gen)
+    trajs.append(make_traj(feats, toks, [7, 8, 9]))
+    expect.append(serving_steps(drafter, feats, toks, [7, 8]))
+    batch = collate(trajs)
+    assert batch.features.shape[0] == 3  # one span per request, one for the standalone one
+    with torch.no_grad():
+        got = unroll(head, batch)
+    for i, want in enumerate(expect):
+        torch.testing.assert_close(got[i, : want.shape[0]], want, atol=1e-5, rtol=1e-4)
