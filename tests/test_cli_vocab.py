@@ -151,3 +151,5 @@ def test_bad_adaptation_settings_are_clear_errors(setup, capsys: pytest.CaptureF
     with pytest.raises(SystemExit):
         main(["bench", "--scenario", "topic-shift", "--shift-requests", "0"])
     assert "must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--replay replays greedy answers"):
+        main(["bench", "--scenario", "topic-shift", "--replay", "--temperature", "0.7"])

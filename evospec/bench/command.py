@@ -102,6 +102,8 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         topic_shift_stream,
     )
 
+    if args.replay and args.temperature > 0:
+        raise SystemExit("error: --replay replays greedy answers; it does not take --temperature")
     n = 2 if args.quick else args.shift_requests
     if args.max_new_tokens is None:
         args.max_new_tokens = 16 if args.quick else 64
@@ -124,8 +126,6 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
     params = _sampling(args)
     keyed = args.adapt_key == "category"
     if args.replay:
-        if params.temperature > 0:
-            raise SystemExit("error: --replay replays greedy answers; it does not take --temperature")
         from evospec.bench.replay import record_requests
 
         print("recording the target's answers for the replay ...", file=sys.stderr)
