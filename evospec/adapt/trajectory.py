@@ -110,7 +110,8 @@ def retained_support(
 class Recorder:
     """Per-request context store and trajectory builder (decode thread only)."""
 
-    _MIN_ROWS = 256  # first allocation of a request's store; it doubles when full
+    _MIN_ROWS = 256  # first allocation of a request's store; it doubles when full, up to
+    # 2 x context rows, after which it is rolled to the last `context` pairs
 
     def __init__(self, context: int, k_logit: int) -> None:
         self.context = context
@@ -130,7 +131,14 @@ class Recorder:
         """The pairs the drafter commits this round: features [m, D], tokens [m]."""
         m, n = tokens.shape[0], self._length
         if self._feats is None or n + m > self._feats.shape[0]:
-            rows = max(self._MIN_ROWS, 2 * (n + m))
+            if n + m > 2 * self.context:  # bound memory: a fresh store with the last `context` pairs
+                if n:
+                    features = torch.cat([self._feats[:n], features])
+                    tokens = torch.cat([self._tokens[:n], tokens])
+                features, tokens = features[-self.context :], tokens[-self.context :]
+                m, n = tokens.shape[0], 0
+                self._request += 1  # its rows are numbered anew: its trajectories form a new group
+            rows = max(n + m, min(max(self._MIN_ROWS, 2 * (n + m)), 2 * self.context))
             feats = features.new_empty(rows, features.shape[1])
             toks = tokens.new_empty(rows)
             if n:  # rows already shared by trajectories are copied, never moved in place

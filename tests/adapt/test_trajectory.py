@@ -69,3 +69,18 @@ def test_trajectory_before_commit_is_an_error():
     with pytest.raises(RuntimeError):
         one = torch.tensor([0])
         Recorder(4, 2).trajectory(one - 1, one, one + 1, torch.randn(1, 5), None)
+
+
+def test_recorder_store_is_bounded_by_the_context():
+    rec = Recorder(context=4, k_logit=2)
+    rec.start()
+    one = torch.tensor([0])
+    rec.commit(torch.zeros(3, 2), torch.arange(3))
+    first = rec.trajectory(one - 1, one, one, torch.randn(1, 5), None)
+    for i in range(3, 40, 3):  # a long request: the store rolls instead of growing
+        rec.commit(torch.full((3, 2), float(i)), torch.arange(i, i + 3))
+        t = rec.trajectory(one - 1, one, one, torch.randn(1, 5), None)
+        assert t.ctx_features.shape[0] <= 8
+        assert t.window()[1].tolist() == list(range(i - 1, i + 3))
+    assert t.request != first.request  # renumbered rows: a separate group for the worker
+    assert first.window()[1].tolist() == [0, 1, 2]
