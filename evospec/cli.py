@@ -135,6 +135,7 @@ def _add_adapt_args(p: argparse.ArgumentParser) -> None:
     a.add_argument(
         "--adapt-steps", type=positive_int, default=1, help="optimizer steps per full buffer (default 1)"
     )
+    a.add_argument("--adapt-seed", type=int, default=0, help="seed of the LoRA initialisation (default 0)")
     a.add_argument(
         "--adapt-sync", action="store_true", help="run gate and updates inline at the round end (debugging)"
     )
@@ -152,6 +153,7 @@ def _adapt_config(args: argparse.Namespace):
         temperature=args.adapt_temperature,
         gate_kl=args.adapt_gate,
         steps_per_update=args.adapt_steps,
+        seed=args.adapt_seed,
         asynchronous=not args.adapt_sync,
     )
 

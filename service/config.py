@@ -93,6 +93,7 @@ class AdaptSettings:
     max_pending: int = _A.max_pending  # rounds queued for the worker before new ones are dropped
     max_keys: int = _A.max_keys  # adapter states kept (LRU) when scope is "user"
     nice: int = _A.nice  # CPU: niceness added to the update thread
+    seed: int = _A.seed  # LoRA initialisation seed of every new adapter
     scope: str = "global"  # "global": one adapter; "user": one per request's OpenAI ``user`` field
 
     def to_adapt_config(self, mode: str) -> AdaptConfig:

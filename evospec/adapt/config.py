@@ -33,6 +33,7 @@ class AdaptConfig:
     max_pending: int = 64  # rounds waiting for the worker; more are dropped and counted
     max_keys: int = 8  # adapter states kept per conversation/tenant key (LRU beyond)
     nice: int = 10  # CPU: scheduling niceness added to the worker thread (0: none)
+    seed: int = 0  # initialises LoRA A of every new adapter state: same seed, same updates
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -182,10 +182,22 @@ class LoraTrainer(OnlineTrainer):
             bias="none",
         )
         self.module = inject_adapter_in_model(lora, shadow)
+        self._seed_lora_a(cfg.seed)
         self.params = [p for n, p in self.module.named_parameters() if "lora_" in n]
         for p in self.params:
             p.requires_grad_(True)
         self.opt = self._new_optimizer()
+
+    @torch.no_grad()
+    def _seed_lora_a(self, seed: int) -> None:
+        """peft draws A (kaiming-uniform, B = 0) from the global RNG; draw it from ``seed`` instead,
+        so an adapter's whole trajectory is reproducible and independent of other RNG users."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for layer in self._layers().values():
+            a = layer.lora_A["default"].weight  # [r, in]
+            fresh = torch.empty(a.shape, dtype=torch.float32)
+            nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)
+            a.copy_(fresh)
 
     def _layers(self):
         attn = self.module.layers[0].self_attn

@@ -54,7 +54,6 @@ def synthetic(n: int, seed: int = 0) -> list[Trajectory]:
 
 @pytest.mark.parametrize(("mode", "lr"), [("clora", 3e-2), ("osd", 3e-3)])  # OSD moves every weight
 def test_repeated_exposure_raises_draft_agreement(target, mode, lr):
-    torch.manual_seed(0)  # LoRA's initial A
     _head, tr = setup(target, mode, lr=lr, beta=0.3)
     batch = collate(synthetic(8))
     admitted = batch.step_valid
@@ -88,6 +87,28 @@ def test_lora_publishes_merged_weights_that_reproduce_the_shadow(target):
         torch.testing.assert_close(unroll(serving, batch), unroll(tr.module, batch), atol=1e-5, rtol=1e-4)
         # and the update really moved them
         assert not torch.allclose(unroll(head, batch), unroll(tr.module, batch))
+
+
+def test_lora_init_follows_the_adapt_seed_not_the_global_rng(target):
+    def run(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)
+        _head, tr = setup(target, "clora", lr=5e-2, seed=seed)
+        batch = collate(synthetic(4))
+        for _ in range(2):
+            assert tr.step(batch, batch.step_valid).ok
+        return tr.adapter_tensors()
+
+    a, b, c = run(0, 1), run(0, 2), run(1, 1)
+    assert a.keys() == c.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)  # same seed: same trajectory
+    assert all(not torch.equal(a[n], c[n]) for n in a if "lora_A" in n)  # another seed: another init
+    _head, fresh = setup(target, "clora", seed=3)
+    for name, t in fresh.adapter_tensors().items():
+        if "lora_B" in name:
+            assert not t.any()  # B = 0: a fresh adapter leaves the head unchanged
+        else:  # peft's init, kaiming-uniform(a = sqrt(5)) on A [r, D]: U(-1/sqrt(D), 1/sqrt(D))
+            assert float(t.abs().max()) <= D**-0.5 and float(t.std()) > 0.4 * D**-0.5
 
 
 def test_lora_shares_the_frozen_weights_and_trains_only_adapters(target):
