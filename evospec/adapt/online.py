@@ -69,6 +69,9 @@ class AdaptStats:
     losses: deque[float] = field(default_factory=lambda: deque(maxlen=_HISTORY))
     publishes: int = 0  # weight copies into the serving head (decode thread)
     publish_s: float = 0.0
+    # per new version of the key being served: rounds that still ran on older weights after
+    # the newest round the update learned from (0: served from the very next round)
+    publish_lag: deque[int] = field(default_factory=lambda: deque(maxlen=_HISTORY))
 
     def as_dict(self) -> dict:
         upd = sorted(self.update_s)
@@ -88,7 +91,15 @@ class AdaptStats:
             "last_loss": self.losses[-1] if self.losses else None,
             "publishes": self.publishes,
             "publish_ms_total": round(1e3 * self.publish_s, 3),
+            "publish_lag_rounds": _quantiles(self.publish_lag),
         }
+
+
+def _quantiles(xs) -> dict | None:
+    s = sorted(xs)
+    if not s:
+        return None
+    return {"median": s[len(s) // 2], "p90": s[min(len(s) - 1, (9 * len(s)) // 10)], "max": s[-1]}
 
 
 @dataclass
@@ -97,6 +108,7 @@ class KeyState:
     buffer: list[tuple[Trajectory, torch.Tensor]] = field(default_factory=list)  # (traj, admitted [s])
     buffered: int = 0  # admitted steps in the buffer
     version: int = 0  # published versions so far (0: the base head)
+    front_round: int = -1  # newest recorded round the published version learned from
     front: dict[str, torch.Tensor] | None = None  # the latest published serving weights
     event: object | None = None  # CUDA: marks when ``front`` is ready
 
@@ -120,6 +132,7 @@ class OnlineAdapter:
         self._lock = threading.Lock()
         self._key = DEFAULT_KEY  # key of the request being decoded
         self._serving: tuple[str, int] = (DEFAULT_KEY, 0)  # (key, version) loaded in the serving head
+        self._round = 0  # rounds recorded so far (decode thread)
         self.recorder = Recorder(self.cfg.context, self.cfg.k_logit)
         self._device = head.fc.weight.device
         self._queue: queue.Queue[Trajectory | None] = queue.Queue(maxsize=self.cfg.max_pending)
@@ -160,6 +173,8 @@ class OnlineAdapter:
         if not self.enabled:
             return
         traj = self.recorder.trajectory(tree_parents, path, verified, path_logits, active, self._key)
+        traj.round = self._round
+        self._round += 1
         if self._stream is not None:  # the worker's stream must wait for these tensors
             traj.ready = record_event(torch.cuda.current_stream(self._device))
         self.stats.trajectories += 1
@@ -180,6 +195,8 @@ class OnlineAdapter:
                 return
             weights = st.front if st is not None and st.front is not None else None
             event = st.event if st is not None else None
+            learned_to = st.front_round if st is not None else -1
+            same_key = self._serving[0] == self._key
         t0 = time.perf_counter()
         wait_event(event)  # CUDA: the copy below runs after the update's kernels
         if weights is None:  # a key without updates serves the base head
@@ -189,6 +206,8 @@ class OnlineAdapter:
             for name, w in weights.items():
                 named[name].copy_(w)
         self._serving = (self._key, version)
+        if same_key and learned_to >= 0:
+            self.stats.publish_lag.append(max(0, self._round - learned_to - 1))
         self.stats.publishes += 1
         self.stats.publish_s += time.perf_counter() - t0
 
@@ -264,8 +283,8 @@ class OnlineAdapter:
                 if bool(m.any()):
                     st.buffer.append((t, m.clone()))
                     st.buffered += int(m.sum())
-            if st.buffered >= self.cfg.buffer_size:
-                self._update(key, st)
+                if st.buffered >= self.cfg.buffer_size:  # a worker that fell behind still updates every B
+                    self._update(key, st)
 
     def _update(self, key: str, st: KeyState) -> None:
         items, st.buffer, st.buffered = st.buffer, [], 0
@@ -288,6 +307,7 @@ class OnlineAdapter:
         with self._lock:
             if self._states.get(key) is st:  # not evicted or reset meanwhile
                 st.front, st.event = weights, event
+                st.front_round = max(t.round for t, _ in items)
                 st.version += 1
         self.stats.updates += 1
 
@@ -419,7 +439,7 @@ class OnlineAdapter:
         weights = st.trainer.serving_weights()
         with self._lock:
             st.buffer, st.buffered = [], 0
-            st.front, st.event = weights, None
+            st.front, st.event, st.front_round = weights, None, -1
             st.version += 1
         if k == self._key:
             self._publish()

@@ -45,6 +45,7 @@ class Trajectory:
     ctx_start: int = 0  # this round's context window [ctx_start, ctx_end): the root's pair last
     ctx_end: int | None = None  # None: all of ctx_tokens
     request: int | None = None  # trajectories with one id share their context store (None: alone)
+    round: int = -1  # the adapter's round counter when recorded (publish-lag bookkeeping)
 
     def __post_init__(self) -> None:
         if self.ctx_end is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
 import pytest
@@ -221,3 +222,47 @@ def test_sampling_follows_the_target_while_the_draft_learns():
     assert dec.adapt.stats.updates > 50  # the draft changed many times during the run
     assert accepted > 0
     assert _chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_publish_lag_counts_rounds_served_on_older_weights(target, head):
+    import threading
+
+    params = SamplingParams(max_new_tokens=40)
+    inline = decoder(target, head, "clora", asynchronous=False)
+    list(inline.generate(prompt_of(4, 12), params))
+    assert inline.adapt.stats.updates >= 2
+    assert inline.adapt.state()["publish_lag_rounds"] == {"median": 0, "p90": 0, "max": 0}
+
+    dec = decoder(target, head, "clora", asynchronous=True)
+    ad: OnlineAdapter = dec.adapt
+    release = threading.Event()
+    process = ad._process
+    ad._process = lambda trajs: (release.wait(30), process(trajs))  # a worker one request behind
+    try:
+        rounds = sum(not ev.prefill for ev in dec.generate(prompt_of(4, 12), params))
+        assert ad.stats.publish_lag == deque()  # nothing published while the worker was stalled
+        release.set()
+        assert ad.wait_idle()
+        learned_to = ad._states[""].front_round  # the newest round the last update learned from
+        assert ad.stats.updates >= 2 and 0 <= learned_to < rounds
+        list(dec.generate(prompt_of(5, 12), params))  # the same key: served at its first round
+        assert ad.stats.publish_lag[0] == rounds - 1 - learned_to  # rounds served on older weights
+        assert ad.state()["publish_lag_rounds"]["max"] >= ad.stats.publish_lag[0]
+    finally:
+        release.set()
+        ad.close()
+
+
+def test_a_backlog_still_updates_every_buffer(target):
+    """A worker that fell behind gates many rounds at once; it still updates every B admitted steps."""
+    from tests.adapt.test_trainers import synthetic
+
+    ad = OnlineAdapter(
+        new_eagle_for(target, seed=1),
+        target.lm_head.weight,
+        replace(FAST, asynchronous=False, gate_kl=0.0, k_logit=8),
+    )
+    ad._process(synthetic(12))  # 12 rounds of 3 verified steps, all admitted (KL > 0)
+    assert ad.stats.admitted == 36 and ad.stats.discarded == 0
+    assert ad.stats.updates == 6  # B = 4: every second round fills the buffer
+    assert ad.buffered() == 0
