@@ -117,7 +117,13 @@ def test_topic_shift_scenario_end_to_end(setup, capsys: pytest.CaptureFixture[st
         assert len(stats["per_request_mal"]) == 4 and stats["aux_mib"] > 0
         assert stats["adapt"]["errors"] == 0
     assert result["methods"]["clora"]["aux_vs_osd"] < 0.75
-    assert "clora aux memory / osd aux memory" in capsys.readouterr().out
+    frozen = result["methods"]["frspec"]
+    assert list(frozen["mal_by_category"]) == ["code", "law", "medicine"]
+    code_mal = sum(frozen["per_request_mal"][:2]) / 2
+    assert frozen["mal_by_category"]["code"] == pytest.approx(code_mal, abs=1e-3)
+    printed = capsys.readouterr().out
+    assert "clora aux memory / osd aux memory" in printed
+    assert "| MAL by category | code | law | medicine |" in printed and "(1.000x)" in printed
     assert (out / "plots" / "topic_shift.png").is_file()
 
 

@@ -183,6 +183,10 @@ def summarise_stream(records: list[RequestRecord], code: int, decoders: dict, co
             "round_ms_p50": 1e3 * _pct(rounds, 0.5) if timed else None,
             "round_ms_p99": 1e3 * _pct(rounds, 0.99) if timed else None,
             "per_request_mal": [round(r.mal, 4) for r in recs],
+            "mal_by_category": {
+                c: statistics.fmean(r.mal for r in recs if r.category == c)
+                for c in dict.fromkeys(r.category for r in recs)
+            },
         }
         adapt = getattr(decoders[name], "adapt", None)
         if adapt is not None:
@@ -214,14 +218,31 @@ def format_stream_table(result: dict) -> str:
         "p99_round_vs_frozen",
         "aux_mib",
     )
-    lines = [f"| method | {' | '.join(cols)} | updates | discarded |", "|" + "---|" * (len(cols) + 3)]
+    head = f"| method | {' | '.join(cols)} | updates | discarded | publish lag p50/p90 |"
+    lines = [head, "|" + "---|" * (len(cols) + 4)]
     for name, s in result["methods"].items():
         vals = " | ".join(f"{s[c]:.3f}" if isinstance(s.get(c), float) else "-" for c in cols)
         ad = s.get("adapt", {})
-        lines.append(f"| {name} | {vals} | {ad.get('updates', '-')} | {ad.get('discarded', '-')} |")
+        lag = ad.get("publish_lag_rounds")
+        lag_s = f"{lag['median']}/{lag['p90']}" if lag else "-"
+        lines.append(f"| {name} | {vals} | {ad.get('updates', '-')} | {ad.get('discarded', '-')} | {lag_s} |")
+    lines += ["", *_category_table(result)]
     if "aux_vs_osd" in result["methods"].get("clora", {}):
         lines.append(f"\nclora aux memory / osd aux memory: {result['methods']['clora']['aux_vs_osd']:.3f}")
     return "\n".join(lines)
+
+
+def _category_table(result: dict) -> list[str]:
+    """Mean request MAL per category (domain), and its ratio to the frozen method's."""
+    methods = result["methods"]
+    cats = list(dict.fromkeys(result["categories"]))
+    base = methods.get(result["config"].get("frozen"), {}).get("mal_by_category")
+    lines = [f"| MAL by category | {' | '.join(cats)} |", "|" + "---|" * (len(cats) + 1)]
+    for name, s in methods.items():
+        by = s["mal_by_category"]
+        cells = [f"{by[c]:.3f}" + (f" ({by[c] / base[c]:.3f}x)" if base else "") for c in cats]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines
 
 
 def plot_stream(result: dict, out_dir: Path) -> Path:
