@@ -159,6 +159,9 @@ def test_bad_adaptation_settings_are_clear_errors(setup, capsys: pytest.CaptureF
     assert main([*argv, "--adapt-gate", "-1"]) == 2
     assert "gate_kl" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        main([*argv, "--adapt-seed", "x"])
+    assert "argument --adapt-seed: invalid int value: 'x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main(["bench", "--scenario", "topic-shift", "--shift-requests", "0"])
     assert "must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--replay replays greedy answers"):

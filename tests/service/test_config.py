@@ -169,6 +169,7 @@ def test_adapt_settings_mirror_the_engine_config() -> None:
         ("  lr: 0\n", "adapt.lr must be > 0"),
         ("  scope: tenant\n", "adapt.scope 'tenant' is not one of"),
         ("  rank: 2.5\n", "adapt.rank must be int"),
+        ("  seed: abc\n", "adapt.seed must be int"),
         ("  buffer: 32\n", "unknown adapt key(s) ['buffer']"),
     ],
 )
