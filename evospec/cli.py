@@ -11,15 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from evospec.common import DEFAULT_DATA, positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
-from evospec.paths import DEFAULT_DATA
-
-
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from evospec.train.command import add_train_draft_parser
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -262,69 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(b, 64)
     b.set_defaults(max_new_tokens=None)
 
-    t = sub.add_parser(
-        "train-draft",
-        help="train an EAGLE-2 draft head for a target",
-        description="Generate the target's own answers to training prompts (resumable), cache its features, "
-        "train a draft head with the EAGLE recipe and save it in the EAGLE-2 format (fp16).",
-    )
-    t.add_argument("--target", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
-    t.add_argument(
-        "--out", type=Path, default=None, help="output folder for the head (required unless --generate-only)"
-    )
-    t.add_argument(
-        "--data",
-        type=Path,
-        nargs="+",
-        default=[DEFAULT_DATA],
-        metavar="PATH",
-        help="training prompts: the shared data folder (its training-side sets; evaluation sets are "
-        'refused) and/or JSONL files of {"prompt": ...} records (default: ../shared/data next to the '
-        "checkout)",
-    )
-    t.add_argument(
-        "--work",
-        type=Path,
-        default=None,
-        help="work folder for generations, features, checkpoints (default: $EVOSPEC_HOME/train/<target>)",
-    )
-    t.add_argument(
-        "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
-    )
-    t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
-    t.add_argument(
-        "--device",
-        default="auto",
-        help="torch device for generation and training: auto (cuda when present, else cpu), cpu, "
-        "cuda, cuda:1 (default: auto)",
-    )
-    t.add_argument(
-        "--generate-only",
-        action="store_true",
-        help="stop after the data stage (grow the cached answers and features, e.g. on a faster "
-        "machine or over several sessions; a later run without it trains on all of them)",
-    )
-    t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
-    t.add_argument("--batch-size", type=positive_int, default=16, help="generation batch size (default 16)")
-    t.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length cap (default 192)")
-    t.add_argument(
-        "--loss-support",
-        choices=["auto", "full", "data", "topk+neg"],
-        default="auto",
-        help="vocabulary rows of the soft cross-entropy: 'full'; 'data' (ids seen in the data); "
-        "'topk+neg' (the target's top-k per pair plus sampled negatives, for huge vocabularies); "
-        "'auto' = topk+neg for vocabularies >= 128k, else data (default)",
-    )
-    t.add_argument(
-        "--support-k", type=positive_int, default=32, help="topk+neg: target top-k per pair (default 32)"
-    )
-    t.add_argument(
-        "--negatives",
-        type=positive_int,
-        default=1024,
-        help="topk+neg: uniformly sampled negative ids per step (default 1024)",
-    )
-    t.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_train_draft_parser(sub)
 
     s = sub.add_parser(
         "serve",
@@ -501,12 +433,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return cmd_bench(args)
 
 
-def _cmd_train_draft(args: argparse.Namespace) -> int:
-    from evospec.train.command import cmd_train_draft
-
-    return cmd_train_draft(args)
-
-
 def cmd_models(args: argparse.Namespace) -> int:
     from evospec.models.registry import cache_dir, ensure_converted, is_converted
 
@@ -542,11 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         commands = {
             "generate": cmd_generate,
             "bench": _cmd_bench,
-            "train-draft": _cmd_train_draft,
             "models": cmd_models,
             "serve": cmd_serve,
         }
-        return commands[args.command](args)
+        run = getattr(args, "func", None) or commands[args.command]  # modules that own a sub-parser
+        return run(args)
     except (CheckpointError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -90,6 +90,10 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added (e.g. an assistant turn's body)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use a plain prompt")

@@ -12,9 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from evospec.cli import positive_int
+from evospec.common import DEFAULT_DATA, positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
-from evospec.paths import DEFAULT_DATA
 from indices.bigram import BigramParams
 from indices.hnsw import DEFAULT_EF, HnswParams
 from indices.manifest import Manifest

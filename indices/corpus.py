@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from evospec.train.prompts import EVAL_ONLY, _jsonl
+from evospec.train.prompts import EVAL_ONLY, read_jsonl
 
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".json")
 _META_KEYS = ("_task", "_split", "_license", "label", "src", "uid", "id", "path", "template")
@@ -58,11 +58,11 @@ def _lines(path: Path) -> Iterator[str]:
 
 
 def _oasst(data: Path) -> Iterator[str]:
-    for r in _jsonl(data / "oasst/oasst_1k_prompts.jsonl"):
+    for r in read_jsonl(data / "oasst/oasst_1k_prompts.jsonl"):
         yield r["prompt"]
-    for r in _jsonl(data / "oasst/prompt_lottery_en_250_text.jsonl"):
+    for r in read_jsonl(data / "oasst/prompt_lottery_en_250_text.jsonl"):
         yield r["prompt"]
-    for tree in _jsonl(data / "oasst/en_100_tree.jsonl"):  # every message of every tree
+    for tree in read_jsonl(data / "oasst/en_100_tree.jsonl"):  # every message of every tree
         stack = [tree["prompt"]]
         while stack:
             msg = stack.pop()
@@ -73,27 +73,27 @@ def _oasst(data: Path) -> Iterator[str]:
 
 def _arena_hard(data: Path) -> Iterator[str]:
     for name in ("question_v0.1.jsonl", "question_v2.0.jsonl"):
-        for r in _jsonl(data / "arena_hard" / name):
+        for r in read_jsonl(data / "arena_hard" / name):
             if isinstance(r.get("prompt"), str):
                 yield r["prompt"]
 
 
 def _self_instruct(data: Path) -> Iterator[str]:
     for name in ("seed_tasks.jsonl", "user_oriented_instructions.jsonl"):
-        for r in _jsonl(data / "self_instruct" / name):
+        for r in read_jsonl(data / "self_instruct" / name):
             for inst in r.get("instances") or [{}]:
                 parts = [r["instruction"], inst.get("input", ""), inst.get("output", "")]
                 yield "\n\n".join(p for p in parts if p)
 
 
 def _t0_sample(data: Path) -> Iterator[str]:
-    for r in _jsonl(data / "t0_sample/t0_sample_20_per_template_nonews.jsonl"):
+    for r in read_jsonl(data / "t0_sample/t0_sample_20_per_template_nonews.jsonl"):
         completion = r.get("completion", "").replace("<|endoftext|>", "").strip()
         yield r["prompt"] + (f"\n{completion}" if completion else "")
 
 
 def _gsm8k_train(data: Path) -> Iterator[str]:
-    for r in _jsonl(data / "gsm8k/train.jsonl"):
+    for r in read_jsonl(data / "gsm8k/train.jsonl"):
         yield f"{r['question']}\n\n{r['answer']}"
 
 
@@ -103,14 +103,14 @@ def _record_text(rec: dict[str, Any]) -> str:
 
 
 def _legalbench(data: Path) -> Iterator[str]:
-    for r in _jsonl(data / "legalbench/legalbench_permissive.jsonl"):
+    for r in read_jsonl(data / "legalbench/legalbench_permissive.jsonl"):
         text = _record_text(r)
         if text:
             yield text
 
 
 def _github_site_policy(data: Path) -> Iterator[str]:
-    for r in _jsonl(data / "github_site_policy/site_policy_docs.jsonl"):
+    for r in read_jsonl(data / "github_site_policy/site_policy_docs.jsonl"):
         yield r["text"]
 
 

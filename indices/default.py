@@ -13,9 +13,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from evospec.common import DEFAULT_DATA, evospec_home
 from evospec.models.loading import LoadedModel
-from evospec.models.registry import REGISTRY, evospec_home
-from evospec.paths import DEFAULT_DATA
+from evospec.models.registry import REGISTRY
 from indices.build import add_hnsw, build_from_texts
 from indices.corpus import training_texts
 from indices.manifest import IndexBundle, IndexLoadError, load_indices

@@ -207,7 +207,7 @@ def _require_adapter(ctx: ServiceContext) -> OnlineAdapter:
 
 
 def _default_adapter_path(ctx: ServiceContext, key: str | None) -> Path:
-    from evospec.models.registry import evospec_home
+    from evospec.common import evospec_home
 
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key) if key else ""
     name = f"{ctx.engine.method}.{safe}" if safe else ctx.engine.method

@@ -101,7 +101,7 @@ def calibrate(
 
 
 def _cache_file() -> Path:
-    from evospec.models.registry import evospec_home
+    from evospec.common import evospec_home
 
     return evospec_home() / "tuning" / "trees.json"
 
@@ -129,7 +129,7 @@ def tuned_tree(
     path = _cache_file()
     cache = json.loads(path.read_text()) if path.exists() else {}
     if key not in cache:
-        from evospec.paths import DEFAULT_DATA
+        from evospec.common import DEFAULT_DATA
         from evospec.train.prompts import training_prompts
 
         if loaded.codec is None:

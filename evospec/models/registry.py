@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from evospec.common import evospec_home
 from evospec.models.errors import CheckpointError
 
 CONVERTER_VERSION = 1
@@ -120,10 +120,6 @@ def default_head(model_name: str) -> Path | None:
     """The EAGLE-2 head shipped in the package for a registered model, if there is one."""
     folder = HEADS_DIR / model_name
     return folder if (folder / "config.json").is_file() else None
-
-
-def evospec_home() -> Path:
-    return Path(os.environ.get("EVOSPEC_HOME", Path.home() / ".cache" / "evospec")).expanduser()
 
 
 def sha256_of(paths: list[Path], progress: bool = True) -> str:

@@ -1,8 +1,9 @@
-"""``evospec train-draft``: generate the target's answers, cache features, train a head.
+"""``evospec train-draft``: cache the target's features and distributions, train a head.
 
-Owns: turning parsed ``train-draft`` arguments into the data stage (``datagen.py``), the
-training run (``trainer.py``) and the saved head with its ``training.json`` record, and
-stopping cleanly on SIGTERM. The argument parser itself lives in ``evospec/cli.py``.
+Owns: the ``train-draft`` sub-parser; turning its arguments into the data stage
+(``datagen.py``: the target's own answers, generated, and/or the datasets' answers,
+teacher-forced), the training run (``trainer.py``) and the saved head with its
+``training.json`` record; stopping cleanly on SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,8 +12,111 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
-from evospec.models.registry import REGISTRY
+from evospec.common import DEFAULT_DATA, positive_int
+from evospec.models.registry import DEFAULT_MODEL, REGISTRY
+
+
+def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``train-draft`` on the top-level sub-parsers."""
+    t = sub.add_parser(
+        "train-draft",
+        help="train an EAGLE-2 draft head for a target",
+        description="Cache the target's features and next-token distributions over training text -- its "
+        "own greedy answers to training prompts (generated) and/or the datasets' own answers (one "
+        "teacher-forced pass, several times faster per token) -- then train an EAGLE-2 draft head, "
+        "optionally unrolled on its own features for several steps, and save it in the EAGLE-2 "
+        "format (fp16). Both data stages are resumable.",
+    )
+    t.add_argument("--target", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
+    t.add_argument(
+        "--out", type=Path, default=None, help="output folder for the head (required unless --generate-only)"
+    )
+    t.add_argument(
+        "--data",
+        type=Path,
+        nargs="+",
+        default=[DEFAULT_DATA],
+        metavar="PATH",
+        help="training prompts: the shared data folder (its training-side sets; evaluation sets are "
+        'refused) and/or JSONL files of {"prompt": ...} records (default: ../shared/data next to the '
+        "checkout)",
+    )
+    t.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="work folder for generations, features, checkpoints (default: $EVOSPEC_HOME/train/<target>)",
+    )
+    t.add_argument(
+        "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
+    )
+    t.add_argument(
+        "--source",
+        choices=["generated", "dataset", "mix"],
+        default="generated",
+        help="training text: 'generated' (the target's greedy answers to training prompts, --tokens), "
+        "'dataset' (the training sets' own answers, teacher-forced, --dataset-tokens), 'mix' (both; "
+        "default: generated)",
+    )
+    t.add_argument(
+        "--dataset-tokens",
+        type=positive_int,
+        default=1_000_000,
+        help="answer tokens to teacher-force from the datasets' answers (default 1M)",
+    )
+    t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
+    t.add_argument(
+        "--steps",
+        type=positive_int,
+        default=1,
+        help="draft steps unrolled on the head's own features during training, each with a loss "
+        "(HASS uses 3; default 1, the EAGLE-1 recipe)",
+    )
+    t.add_argument(
+        "--step-decay", type=float, default=0.8, help="loss weight of step s is DECAY**(s-1) (default 0.8)"
+    )
+    t.add_argument(
+        "--reg-weight",
+        type=float,
+        default=1.0,
+        help="weight of the feature-regression loss (0 = token loss only; default 1.0, EAGLE's)",
+    )
+    t.add_argument(
+        "--device",
+        default="auto",
+        help="torch device for generation and training: auto (cuda when present, else cpu), cpu, "
+        "cuda, cuda:1 (default: auto)",
+    )
+    t.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="stop after the data stage (grow the cached answers and features, e.g. on a faster "
+        "machine or over several sessions; a later run without it trains on all of them)",
+    )
+    t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    t.add_argument("--batch-size", type=positive_int, default=16, help="generation batch size (default 16)")
+    t.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length cap (default 192)")
+    t.add_argument(
+        "--loss-support",
+        choices=["auto", "full", "data", "topk+neg"],
+        default="auto",
+        help="vocabulary rows of the soft cross-entropy: 'full'; 'data' (ids seen in the data); "
+        "'topk+neg' (the target's top-k per pair plus sampled negatives, for huge vocabularies); "
+        "'auto' = topk+neg for vocabularies >= 128k, else data (default)",
+    )
+    t.add_argument(
+        "--support-k", type=positive_int, default=32, help="topk+neg: target top-k per pair (default 32)"
+    )
+    t.add_argument(
+        "--negatives",
+        type=positive_int,
+        default=1024,
+        help="topk+neg: uniformly sampled negative ids per step (default 1024)",
+    )
+    t.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    t.set_defaults(func=cmd_train_draft)
 
 
 def _stop_cleanly_on_sigterm() -> None:
@@ -37,10 +141,11 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     import torch
 
+    from evospec.common import evospec_home
     from evospec.models.eagle import new_eagle_for, save_eagle
     from evospec.models.loading import load_model, resolve_device
-    from evospec.models.registry import evospec_home
-    from evospec.train.datagen import feature_shards, generate_responses
+    from evospec.train.conversations import training_conversations
+    from evospec.train.datagen import feature_shards, generate_responses, teacher_force
     from evospec.train.prompts import training_prompts
     from evospec.train.support import resolve_support
     from evospec.train.trainer import TrainConfig, load_sequences, train_head
@@ -58,29 +163,46 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     vocab = loaded.model.cfg.vocab_size
     prompts = training_prompts(args.data)
     codec = loaded.codec
-    have = generate_responses(
-        loaded.model,
-        lambda p: codec.encode_chat([{"role": "user", "content": p.text}]),
-        codec.eos_ids,
-        prompts,
-        work,
-        target_tokens=args.tokens,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        # topk+neg training reads the target's top-k per answer row: keep it from the generation
-        support_k=args.support_k if resolve_support(args.loss_support, vocab) == "topk+neg" else 0,
-        progress=progress,
-    )
+    support = resolve_support(args.loss_support, vocab)
+    have = taught = 0
+    if args.source in ("generated", "mix"):
+        have = generate_responses(
+            loaded.model,
+            lambda p: codec.encode_chat([{"role": "user", "content": p.text}]),
+            codec.eos_ids,
+            prompts,
+            work,
+            target_tokens=args.tokens,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            # topk+neg training reads the target's top-k per answer row: keep it from the generation
+            support_k=args.support_k if support == "topk+neg" else 0,
+            progress=progress,
+        )
+    if args.source in ("dataset", "mix"):
+        eos = codec.eos_ids[0]
+        taught = teacher_force(
+            loaded.model,
+            lambda c: (codec.encode_chat(list(c.history)), [*codec.encode_text(c.answer), eos]),
+            training_conversations(args.data),
+            work,
+            target_tokens=args.dataset_tokens,
+            support_k=args.support_k,  # the agreement label and the top-k loss need it
+            progress=progress,
+        )
     if args.generate_only:
-        print(f"{have} response tokens in {work}", file=sys.stderr)
+        print(f"{have} generated and {taught} teacher-forced answer tokens in {work}", file=sys.stderr)
         return 0
-    shards = feature_shards(work)
+    shards = feature_shards(work, generated=args.source != "dataset", teacher=args.source != "generated")
     cfg = TrainConfig(
         epochs=args.epochs,
         lr=args.lr,
         loss_vocab=args.loss_support,
         support_k=args.support_k,
         negatives=args.negatives,
+        steps=args.steps,
+        step_decay=args.step_decay,
+        w_reg=args.reg_weight,
     )
     seqs = load_sequences(shards, cfg.max_seq_len)
     head = new_eagle_for(loaded.model)
@@ -94,7 +216,9 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     info = {
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
+        "source": args.source,
         "response_tokens": have,
+        "teacher_forced_tokens": taught,
         "sequences": len(seqs),
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "hardware": (

@@ -11,6 +11,11 @@ Owns one resumable stage under a work folder:
   budget is reached; at most one unflushed shard is lost to an interruption.
 Generation is continuously batched (``batch_generate.greedy_stream``), which also yields the
 features, so no second forward pass is needed.
+
+``teacher_force`` writes the same layout for the datasets' *own* answers (``conversations.py``)
+under ``<work>/teacher``: one batched prefill pass of the target over prompt + answer yields the
+features and the target's top-k at every answer row (there the answer token is the dataset's,
+so the target's greedy choice is ``support_ids[:, 0]``, not the next token).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tqdm.auto import tqdm
 
 from evospec.models.transformer import Transformer
 from evospec.train.batch_generate import greedy_stream
+from evospec.train.conversations import TrainConversation
 from evospec.train.prompts import TrainPrompt
 
 
@@ -159,5 +165,104 @@ def generate_responses(
     return have
 
 
-def feature_shards(work: Path) -> list[Path]:
-    return sorted((work / "features").glob("shard_*.safetensors"))
+@torch.inference_mode()
+def _teacher_rows(
+    model: Transformer, seqs: list[tuple[list[int], int]], support_k: int
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+    """One forward over ``seqs`` ([(ids, prompt_len)], all but each last token fed, rows
+    right-aligned): per sequence its features [len - 1, D] fp16 and the target's top-k at the
+    answer rows prompt_len .. len - 2 (ids int32, log-probs float32, [len - 1 - prompt_len, K])."""
+    device = model.embed_tokens.weight.device
+    width = max(len(ids) - 1 for ids, _ in seqs)
+    pad = torch.tensor([width - (len(ids) - 1) for ids, _ in seqs], device=device)
+    tokens = torch.tensor([[ids[0]] * (width - len(ids) + 1) + ids[:-1] for ids, _ in seqs], device=device)
+    out = model(
+        tokens,
+        torch.arange(width, device=device),
+        model.new_cache(width, batch=len(seqs)),
+        logits="none",
+        left_pad=pad,
+    )
+    rows = []
+    for i, (ids, prompt_len) in enumerate(seqs):
+        lo = width - (len(ids) - 1)
+        hidden = out.hidden[i, lo:]  # [len - 1, D]
+        logits = model.project_logits(hidden[prompt_len:]).float()  # answer rows only
+        top, sid = logits.topk(support_k, dim=-1)
+        logp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        rows.append((hidden.half(), (sid.to("cpu", torch.int32), logp.cpu())))
+    return rows
+
+
+def teacher_force(
+    model: Transformer,
+    encode: Callable[[TrainConversation], tuple[list[int], list[int]]],
+    conversations: Sequence[TrainConversation],
+    work: Path,
+    *,
+    target_tokens: int,
+    support_k: int = 32,
+    max_len: int = 576,
+    batch_tokens: int = 2048,
+    shard_tokens: int = 20_000,
+    progress: bool = True,
+) -> int:
+    """Teacher-force the target on answered conversations until ``target_tokens`` answer tokens
+    exist under ``work / "teacher"``; returns that count (resumable like ``generate_responses``).
+
+    ``encode`` maps a conversation to (prompt ids, answer ids). Sequences longer than
+    ``max_len`` keep the answer and the end of the prompt; answers longer than that are cut.
+    Sequences are length-sorted within each chunk of 512 and run ~``batch_tokens`` per forward.
+    """
+    work = work / "teacher"
+    work.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(work, shard_tokens)
+    seen, have = _done(writer.jsonl)
+    todo = [c for c in conversations if c.uid not in seen]
+    bar = tqdm(
+        total=target_tokens,
+        initial=min(have, target_tokens),
+        unit="tok",
+        desc="teacher-forcing",
+        disable=not progress,
+    )
+    try:
+        for lo in range(0, len(todo), 512):
+            if have >= target_tokens:
+                break
+            chunk = []
+            for conv in todo[lo : lo + 512]:
+                prompt, answer = encode(conv)
+                answer = answer[: max_len // 2] if len(prompt) + len(answer) > max_len else answer
+                prompt = prompt[-(max_len - len(answer)) :]
+                if len(answer) >= 2 and prompt:
+                    chunk.append((conv, prompt, answer))
+            chunk.sort(key=lambda c: len(c[1]) + len(c[2]))
+            while chunk and have < target_tokens:
+                width = len(chunk[0][1]) + len(chunk[0][2])
+                n = max(1, min(len(chunk), batch_tokens // width))
+                while n > 1 and (len(chunk[n - 1][1]) + len(chunk[n - 1][2])) * n > batch_tokens:
+                    n -= 1
+                batch, chunk = chunk[:n], chunk[n:]
+                rows = _teacher_rows(model, [(p + a, len(p)) for _, p, a in batch], support_k)
+                for (conv, prompt, answer), (feats, support) in zip(batch, rows, strict=True):
+                    rec = {
+                        "uid": conv.uid,
+                        "source": conv.source,
+                        "prompt_ids": prompt,
+                        "response_ids": answer,
+                        "teacher_forced": True,
+                    }
+                    writer.add(rec, feats, support)
+                    have += len(answer)
+                    bar.update(len(answer))
+    finally:
+        writer.flush()
+        bar.close()
+    return have
+
+
+def feature_shards(work: Path, *, generated: bool = True, teacher: bool = True) -> list[Path]:
+    """The cached shards: the target's own answers, then teacher-forced dataset answers."""
+    out = sorted((work / "features").glob("shard_*.safetensors")) if generated else []
+    return out + (sorted((work / "teacher" / "features").glob("shard_*.safetensors")) if teacher else [])

@@ -25,7 +25,7 @@ class TrainPrompt:
     text: str  # the user message
 
 
-def _jsonl(path: Path) -> Iterator[dict]:
+def read_jsonl(path: Path) -> Iterator[dict]:
     with open(path) as f:
         for line in f:
             if line.strip():
@@ -39,33 +39,33 @@ def _clip(text: str, chars: int = 1500) -> str:
 
 def _source_prompts(data: Path) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    out["oasst"] = [r["prompt"] for r in _jsonl(data / "oasst/oasst_1k_prompts.jsonl")]
-    out["oasst"] += [r["prompt"] for r in _jsonl(data / "oasst/prompt_lottery_en_250_text.jsonl")]
-    out["arena_hard"] = [r["prompt"] for r in _jsonl(data / "arena_hard/question_v0.1.jsonl")]
+    out["oasst"] = [r["prompt"] for r in read_jsonl(data / "oasst/oasst_1k_prompts.jsonl")]
+    out["oasst"] += [r["prompt"] for r in read_jsonl(data / "oasst/prompt_lottery_en_250_text.jsonl")]
+    out["arena_hard"] = [r["prompt"] for r in read_jsonl(data / "arena_hard/question_v0.1.jsonl")]
     out["arena_hard"] += [
         r["prompt"]
-        for r in _jsonl(data / "arena_hard/question_v2.0.jsonl")
+        for r in read_jsonl(data / "arena_hard/question_v2.0.jsonl")
         if isinstance(r.get("prompt"), str)
     ]
     si = []
     for name in ("seed_tasks.jsonl", "user_oriented_instructions.jsonl"):
-        for r in _jsonl(data / "self_instruct" / name):
+        for r in read_jsonl(data / "self_instruct" / name):
             inst = r.get("instances") or [{}]
             extra = inst[0].get("input", "")
             si.append(r["instruction"] + (f"\n\n{extra}" if extra else ""))
     out["self_instruct"] = si
     out["t0_sample"] = [
-        _clip(r["prompt"]) for r in _jsonl(data / "t0_sample/t0_sample_20_per_template_nonews.jsonl")
+        _clip(r["prompt"]) for r in read_jsonl(data / "t0_sample/t0_sample_20_per_template_nonews.jsonl")
     ]
-    out["gsm8k_train"] = [r["question"] for r in _jsonl(data / "gsm8k/train.jsonl")]
+    out["gsm8k_train"] = [r["question"] for r in read_jsonl(data / "gsm8k/train.jsonl")]
     out["legalbench"] = [
         f"Explain in plain words what this contract clause means:\n\n{_clip(r['text'], 1200)}"
-        for r in _jsonl(data / "legalbench/legalbench_permissive.jsonl")
+        for r in read_jsonl(data / "legalbench/legalbench_permissive.jsonl")
         if len(r.get("text", "")) > 80
     ]
     out["github_site_policy"] = [
         f"Summarize the key points of this policy excerpt:\n\n{_clip(r['text'], 1500)}"
-        for r in _jsonl(data / "github_site_policy/site_policy_docs.jsonl")
+        for r in read_jsonl(data / "github_site_policy/site_policy_docs.jsonl")
     ]
     de = (data / "tatoeba_deen/tatoeba-test-v2021-08-07.deu").read_text().splitlines()
     out["translation"] = [f"Translate German to English: {s}" for s in de if len(s) > 20]
@@ -77,7 +77,7 @@ def _source_prompts(data: Path) -> dict[str, list[str]]:
 def _file_prompts(path: Path) -> list[str]:
     """A JSONL file of ``{"prompt": "..."}`` records (other keys ignored)."""
     out = []
-    for i, rec in enumerate(_jsonl(path)):
+    for i, rec in enumerate(read_jsonl(path)):
         if not isinstance(rec.get("prompt"), str):
             raise ValueError(f"{path}: record {i + 1} has no string 'prompt'")
         out.append(rec["prompt"])

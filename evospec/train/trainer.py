@@ -13,6 +13,14 @@ Pair convention (as at inference, see ``decoding/drafter.py``): input i = (featu
 token x_{i+1}); the head's output should equal f_{i+1}, and LM-head(output) should match
 the target's distribution for x_{i+2}. Only pairs whose token x_{i+1} belongs to the
 response are scored; prompt pairs still serve as attention context.
+
+Multi-step training (``steps`` S > 1, HASS / EAGLE-3's "training-time test"): step s feeds
+pair i the head's own step-(s-1) output at pair i - 1 in place of f_i, as drafting does at
+depth s, and attends to what a drafter's cache would hold there: true-feature keys up to pair
+i - s + 1 and the step-k keys of pairs i - s + k (k = 2..s) (``step_mask``). Every step is
+scored against the same targets, weighted ``step_decay ** (s - 1)``. The agreement label of a
+pair is the target's greedy token: the next token for the target's own answers, the top-1 of
+the stored support for teacher-forced dataset answers.
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ class TrainConfig:
     support_k: int = DEFAULT_K  # topk+neg: the target's top-k ids kept per pair
     negatives: int = DEFAULT_NEGATIVES  # topk+neg: uniform negative ids per step (shared by the batch)
     seed: int = 0
+    steps: int = 1  # draft steps unrolled on the head's own features (1 = the EAGLE-1 recipe)
+    step_decay: float = 0.8  # loss weight of step s: step_decay ** (s - 1)
+    eval_steps: int = 3  # held-out agreement is reported for steps 1..max(steps, eval_steps)
 
 
 @dataclass
@@ -71,6 +82,8 @@ class Sequence:
     # topk+neg only: the target's top-k at rows prompt_len.. ([T - prompt_len, K] each)
     support_ids: torch.Tensor | None = None  # int32
     support_logp: torch.Tensor | None = None  # float32
+    # the target's greedy token at rows prompt_len.. when it is not the next token (teacher-forced)
+    greedy: torch.Tensor | None = None  # [T - prompt_len] int64
 
 
 def load_sequences(shards: list[Path], max_len: int) -> list[Sequence]:
@@ -88,6 +101,7 @@ def load_sequences(shards: list[Path], max_len: int) -> list[Sequence]:
             if "support_ids" in d:  # stored at generation time, aligned with the rows
                 seq.support_ids = d["support_ids"][lo:end][seq.prompt_len :]
                 seq.support_logp = d["support_logp"][lo:end][seq.prompt_len :]
+                seq.greedy = seq.support_ids[:, 0].long()  # top-k is sorted: the target's argmax
             seqs.append(seq)
             start = end
     return seqs
@@ -134,6 +148,52 @@ def collate(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return tokens, feats, mask
 
 
+def collate_labels(batch: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+    """The target's greedy token per pair [B, T-2]: x_{i+2}, or the stored greedy id at row
+    i + 1 where the sequence has one (teacher-forced answers)."""
+    labels = tokens[:, 2:].clone()
+    for b, s in enumerate(batch):
+        if s.greedy is not None:
+            lo = s.prompt_len - 1
+            n = min(len(s.greedy), labels.shape[1] - lo)
+            labels[b, lo : lo + n] = s.greedy[:n]
+    return labels
+
+
+def step_mask(t: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Visibility [t, step * t] for draft step ``step`` over pairs 0..t-1: block k (slots
+    (k-1)t .. kt) holds the step-k keys; query i sees true keys j <= i - step + 1 (block 1) and,
+    for k >= 2, the one step-k key j = i - (step - k)."""
+    i = torch.arange(t, device=device)[:, None]
+    j = torch.arange(t, device=device)[None, :]
+    blocks = [j <= i - step + 1] + [j == i - (step - k) for k in range(2, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def head_unroll(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Outputs of draft steps 1..``steps`` over whole sequences ([B, T, D] each); step s > 1
+    consumes step s-1's outputs shifted by one pair, under ``step_mask``."""
+    b, t, _ = feats.shape
+    cfg = head.cfg
+    outs: list[torch.Tensor] = []
+    prev: KVCache | None = None
+    for s in range(1, steps + 1):
+        cache = KVCache(
+            1, cfg.num_kv_heads, cfg.head_dim, s * t, batch=b, dtype=feats.dtype, device=feats.device
+        )
+        if prev is None:
+            inp, mask = feats, None
+        else:  # earlier steps' keys stay as they were written (a fresh cache: no in-place reuse)
+            cache.k[:, :, :, : (s - 1) * t] = prev.k
+            cache.v[:, :, :, : (s - 1) * t] = prev.v
+            cache.length = (s - 1) * t
+            inp = torch.cat((feats[:, :1], outs[-1][:, :-1]), dim=1)  # pair i <- step s-1 at i - 1
+            mask = step_mask(t, s, feats.device)
+        outs.append(head(inp, tokens, torch.arange(t, device=feats.device), cache, mask))
+        prev = cache
+    return outs
+
+
 def collate_support(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-k per pair: ids [B, T-2, K] (int64), log-probs [B, T-2, K].
 
@@ -151,14 +211,6 @@ def collate_support(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, 1:-1], logp[:, 1:-1]
 
 
-def head_forward(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Training forward over whole sequences: feats [B, T, D], tokens [B, T] -> [B, T, D]."""
-    b, t, _ = feats.shape
-    cfg = head.cfg
-    cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, t, batch=b, dtype=feats.dtype, device=feats.device)
-    return head(feats, tokens, torch.arange(t, device=feats.device), cache, None)
-
-
 def pair_losses(
     head: EagleHead,
     lm_head: torch.Tensor,
@@ -171,25 +223,63 @@ def pair_losses(
     vocab_ids: torch.Tensor | None = None,
     support: tuple[torch.Tensor, torch.Tensor] | None = None,
     negatives: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    steps: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Regression + soft CE + top-1 agreement over the scored pairs.
+    """Regression + soft CE + top-1 agreement over the scored pairs, for each draft step.
 
     ``lm_head`` is [V', D]: the full head, or its rows ``vocab_ids`` ([V']). With ``support``
     (ids and log-probs [B, T-2, K] from ``collate_support``) the CE runs on the target's
-    top-k plus ``negatives`` ([M] ids into the full ``lm_head``) instead.
+    top-k plus ``negatives`` ([M] ids into the full ``lm_head``) instead. ``labels`` [B, T-2]:
+    the target's greedy token per pair (``collate_labels``; default x_{i+2}). ``steps``
+    (default ``cfg.steps``) unrolls the head on its own features; "loss" weights the steps,
+    "reg"/"cls"/"top1" are step 1's and "top1@s" step s's agreement.
     """
+    steps = steps or cfg.steps
     inp = feats[:, :-2]
     if train and cfg.noise:
         inp = inp + (torch.rand_like(inp) - 0.5) * cfg.noise * feat_std
-    out = head_forward(head, inp, tokens[:, 1:-1])  # [B, T-2, D] predicts f_{i+1}
+    outs = head_unroll(head, inp, tokens[:, 1:-1], steps)  # each [B, T-2, D], predicts f_{i+1}
     tgt = feats[:, 1:-1]
-    m = mask
-    out_m, tgt_m = out[m], tgt[m]  # [N, D]
+    labels = tokens[:, 2:] if labels is None else labels
+    pair = torch.arange(mask.shape[1], device=mask.device)
+    result: dict[str, torch.Tensor] = {}
+    total = torch.zeros((), device=feats.device)
+    weights = 0.0
+    for s, out in enumerate(outs, start=1):
+        m = mask & (pair >= s - 1)[None]  # the chain's root, pair i - s + 1, must exist
+        if not m.any():
+            break
+        sup = None if support is None else (support[0][m], support[1][m])
+        reg, cls, best = _step_losses(out[m], tgt[m], feat_std, lm_head, train, sup, negatives)
+        if vocab_ids is not None and support is None:
+            best = vocab_ids[best]  # compare in target-id space
+        top1 = (best == labels[m]).float().mean()
+        w = cfg.step_decay ** (s - 1)
+        total = total + w * (cfg.w_reg * reg + cfg.w_cls * cls)
+        weights += w
+        result[f"top1@{s}"] = top1
+        result[f"n@{s}"] = m.sum()
+        if s == 1:
+            result |= {"reg": reg, "cls": cls, "top1": top1}
+    result["loss"] = total / max(weights, 1e-9)
+    return result
+
+
+def _step_losses(
+    out_m: torch.Tensor,  # [N, D] head outputs at the scored pairs
+    tgt_m: torch.Tensor,  # [N, D] the target's features there
+    feat_std: torch.Tensor,
+    lm_head: torch.Tensor,
+    train: bool,
+    support: tuple[torch.Tensor, torch.Tensor] | None,
+    negatives: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(regression, soft CE, the head's argmax per pair [N]) for one draft step."""
     reg = F.smooth_l1_loss(out_m / feat_std, tgt_m / feat_std)
-    label = tokens[:, 2:][m]  # [N]
     if support is not None:
         neg = negatives if negatives is not None else torch.empty(0, dtype=torch.long, device=out_m.device)
-        cls, best = sampled_soft_ce(out_m, lm_head, support[0][m], support[1][m], neg)
+        cls, best = sampled_soft_ce(out_m, lm_head, support[0], support[1], neg)
     elif train:
         cls, best = full_soft_ce(out_m, tgt_m, lm_head)
     else:  # no graph to keep: bound memory to ~64M logits per chunk of rows
@@ -199,10 +289,7 @@ def pair_losses(
         ]
         cls = sum(c * len(b) for c, b in pieces) / max(len(out_m), 1)
         best = torch.cat([b for _, b in pieces])
-    if vocab_ids is not None and support is None:
-        best = vocab_ids[best]  # compare in target-id space
-    top1 = (best == label).float().mean()
-    return {"loss": cfg.w_reg * reg + cfg.w_cls * cls, "reg": reg, "cls": cls, "top1": top1}
+    return reg, cls, best
 
 
 def train_head(
@@ -283,6 +370,7 @@ def train_head(
                 vocab_ids=vocab_ids,
                 support=support,
                 negatives=negatives,
+                labels=collate_labels(batch, tokens),
             )
             opt.zero_grad(set_to_none=True)
             out["loss"].backward()
@@ -291,6 +379,8 @@ def train_head(
             sched.step()
             step += 1
             for k, v in out.items():
+                if k.startswith("n@"):
+                    continue
                 val = float(v.detach())
                 ema[k] = 0.95 * ema.get(k, val) + 0.05 * val
             bar.set_postfix(
@@ -300,6 +390,12 @@ def train_head(
         if done <= step and epoch < len(log["epochs"]):
             continue
         agreement = evaluate(head, full_head, hold, feat_std, cfg)
+        for kind, part in (
+            ("generated", [s for s in hold if s.greedy is None]),
+            ("teacher_forced", [s for s in hold if s.greedy is not None]),
+        ):
+            if part and len(part) < len(hold):
+                agreement[kind] = evaluate(head, full_head, part, feat_std, cfg)
         log["epochs"].append(
             {
                 "epoch": epoch,
@@ -324,7 +420,8 @@ def train_head(
             ckpt,
         )
         (ckpt_dir / "log.json").write_text(json.dumps(log, indent=2))
-        tqdm.write(f"epoch {epoch}: holdout top1 {agreement['top1']:.3f} cls {agreement['cls']:.3f}")
+        per_step = " ".join(f"{agreement[k]:.3f}" for k in sorted(agreement) if k.startswith("top1@"))
+        tqdm.write(f"epoch {epoch}: holdout top1 by step {per_step} cls {agreement['cls']:.3f}")
     bar.close()
     best = ckpt_dir / "best_head.pt"
     if best.is_file():
@@ -375,19 +472,40 @@ def run_key(seqs: list[Sequence], cfg: TrainConfig) -> dict:
 def evaluate(
     head: EagleHead, lm_head: torch.Tensor, seqs: list[Sequence], feat_std: torch.Tensor, cfg: TrainConfig
 ) -> dict[str, float]:
-    """Step-1 agreement on held-out generated sequences (teacher-forced), full vocabulary."""
+    """Held-out agreement (teacher-forced, full vocabulary): "top1" at step 1 and "top1@s" for
+    steps s = 1..max(steps, eval_steps), the head running on its own features from step 2."""
     head.eval()
-    n = tot_top1 = tot_cls = 0.0
+    steps = max(cfg.steps, cfg.eval_steps)
+    n = tot_cls = 0.0
+    hits = [0.0] * (steps + 1)
+    counts = [0.0] * (steps + 1)
     for batch in make_batches(seqs, cfg.tokens_per_batch, random.Random(0)):
         tokens, feats, mask = (t.to(lm_head.device) for t in collate(batch))
         if not mask.any():
             continue
-        out = pair_losses(head, lm_head, feats, tokens, mask, feat_std, cfg, train=False)
+        out = pair_losses(
+            head,
+            lm_head,
+            feats,
+            tokens,
+            mask,
+            feat_std,
+            cfg,
+            train=False,
+            labels=collate_labels(batch, tokens),
+            steps=steps,
+        )
         k = float(mask.sum())
         n += k
-        tot_top1 += float(out["top1"]) * k
         tot_cls += float(out["cls"]) * k
-    return {"top1": tot_top1 / max(n, 1), "cls": tot_cls / max(n, 1), "pairs": n}
+        for s in range(1, steps + 1):
+            if f"n@{s}" in out:
+                c = float(out[f"n@{s}"])
+                counts[s] += c
+                hits[s] += float(out[f"top1@{s}"]) * c
+    res = {"top1": hits[1] / max(counts[1], 1), "cls": tot_cls / max(n, 1), "pairs": n}
+    res |= {f"top1@{s}": hits[s] / max(counts[s], 1) for s in range(1, steps + 1)}
+    return res
 
 
 def _lr_factor(step: int, warmup: int, total: int) -> float:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evospec.paths import DEFAULT_DATA
+from evospec.common import DEFAULT_DATA
 from indices.corpus import EvalDataError, eval_only_match, read_corpus_files, training_texts
 
 needs_data = pytest.mark.skipif(not DEFAULT_DATA.is_dir(), reason="shared data folder not present")
