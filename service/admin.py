@@ -32,6 +32,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from evospec.adapt.online import OnlineAdapter
+from evospec.decoding.methods import METHOD_SPECS, method_spec
 from evospec.vocab.active import ActiveVocab
 from service.context import ServiceContext
 from service.engine import EngineSnapshot
@@ -40,7 +41,7 @@ from service.schemas import parse_body
 
 ADMIN_TOKEN_ENV = "EVOSPEC_ADMIN_TOKEN"
 CONTROL_TIMEOUT_S = 10.0  # longest wait for the engine's next safe point
-ARC_METHODS = ("evospec", "nanospec+evospec")  # methods whose policy keeps an ARC buffer
+ARC_METHODS = tuple(s.name for s in METHOD_SPECS.values() if s.has_arc)  # for messages
 
 
 class _AdminBody(BaseModel):
@@ -171,11 +172,11 @@ def router(ctx: ServiceContext) -> APIRouter:
         authorize(request)
         await parse_body(request, EmptyBody, allow_empty=True)
         vocab = _require_vocab(ctx)
-        if not _has_arc(vocab):
+        if not method_spec(ctx.engine.method).has_arc:
             raise APIError(
                 409,
                 f"method {ctx.engine.method} keeps no dynamic vocabulary to reset (only "
-                f"{' and '.join(ARC_METHODS)} have an ARC buffer; nanospec's window restarts with "
+                f"{', '.join(ARC_METHODS)} have an ARC buffer; nanospec's window restarts with "
                 "every request)",
                 code="no_dynamic_vocabulary",
             )
@@ -230,11 +231,6 @@ def _require_vocab(ctx: ServiceContext) -> ActiveVocab:
             code="no_draft_vocabulary",
         )
     return ctx.engine.vocab
-
-
-def _has_arc(vocab: ActiveVocab) -> bool:
-    """Whether the policy keeps an ARC buffer (evospec, nanospec+evospec)."""
-    return vocab.policy is not None and "arc" in vocab.policy.state()
 
 
 # -- run on the engine thread (Engine.call) -------------------------------------------------------
@@ -376,7 +372,7 @@ def _vocab_sections(ctx: ServiceContext, s: EngineSnapshot, vocab: dict[str, Any
     arc = vocab["arc"]
     if arc is None:
         arc_section = {
-            "note": f"method {s.method} keeps no ARC buffer (only {' and '.join(ARC_METHODS)} do)",
+            "note": f"method {s.method} keeps no ARC buffer (only {', '.join(ARC_METHODS)} do)",
             **dict.fromkeys(_SECTION_KEYS["arc"]),
         }
     else:

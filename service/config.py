@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from evospec.adapt.config import AdaptConfig
-from evospec.decoding.methods import ADAPTIVE, METHODS, VERIFY_LOGITS
+from evospec.decoding.methods import METHOD_SPECS, METHODS, VERIFY_LOGITS
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.vocab.factory import VocabConfig
 
@@ -106,7 +106,7 @@ class ServeConfig:
     """Everything ``evospec serve`` needs besides the admin token (an env variable)."""
 
     model: str = DEFAULT_MODEL  # registered name, Hugging Face folder or .gguf file
-    method: str = "ar"  # decoding method: one of evospec.decoding.methods.METHODS
+    method: str = "ar"  # decoding method: one of evospec.decoding.methods.METHODS, or "auto"
     draft: str | None = None  # EAGLE-2 head folder (default: the head shipped for the model)
     tree: TreeSettings = field(default_factory=TreeSettings)
     vocab: VocabSettings = field(default_factory=VocabSettings)
@@ -150,6 +150,28 @@ class ServeConfig:
             return cls(**values)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+
+    def stack_settings(self):
+        """What ``assembly.assemble`` loads for this server (one decoder: ``method``)."""
+        from evospec.assembly import StackSettings
+        from evospec.decoding.tree import TreeConfig
+
+        t = self.tree
+        return StackSettings(
+            model=self.model,
+            methods=(self.method,),
+            draft=self.draft,
+            tree=TreeConfig(top_k=t.top_k, depth=t.depth, total_tokens=t.total_tokens),
+            vocab=self.vocab.to_vocab_config(),
+            indices=self.vocab.indices,
+            adapt=self.adapt.to_adapt_config(METHOD_SPECS[self.method].adapt or "clora")
+            if self.method in METHOD_SPECS
+            else self.adapt.to_adapt_config("clora"),
+            verify_logits=self.verify_logits,
+            device=self.device,
+            dtype=self.dtype,
+            pack_weights=self.pack_weights,
+        )
 
     def with_overrides(self, **overrides: Any) -> ServeConfig:
         """A copy with the given fields replaced; ``None`` values are ignored (flag not given)."""
@@ -255,7 +277,8 @@ def _adapt_from(raw: Any, source: str) -> AdaptSettings:
 def _adapt_problems(a: AdaptSettings, method: str) -> list[str]:
     out = [] if a.scope in SCOPES else [f"adapt.scope {a.scope!r} is not one of {list(SCOPES)}"]
     try:
-        a.to_adapt_config(ADAPTIVE[method][1] if method in ADAPTIVE else "clora")
+        spec = METHOD_SPECS.get(method)
+        a.to_adapt_config(spec.adapt if spec is not None and spec.adapt else "clora")
     except ValueError as exc:
         out.append(str(exc).replace("adapt ", "adapt.", 1))
     return out
@@ -269,18 +292,18 @@ def _vocab_problems(v: VocabSettings, method: str) -> list[str]:
             out.append(f"vocab.{k} must be >= 1 or null, got {getattr(v, k)}")
     if v.indices == "":
         out.append("vocab.indices must not be empty (null: the default folder)")
-    if method == "nanospec+evospec" and v.w_max <= v.arc_capacity:
-        out.append(
-            f"nanospec+evospec shares vocab.w_max ({v.w_max}) between the window and the ARC buffer: "
-            f"it must exceed vocab.arc_capacity ({v.arc_capacity})"
-        )
+    spec = METHOD_SPECS.get(method)
+    if spec is not None and spec.policy is not None and not out:
+        problem = v.to_vocab_config().budget_problem(spec.policy)
+        if problem:
+            out.append(problem)
     return out
 
 
 def _problems(c: ServeConfig) -> list[str]:
     out = []
-    if c.method not in METHODS:
-        out.append(f"method {c.method!r} is not one of {list(METHODS)}")
+    if c.method not in (*METHODS, "auto"):
+        out.append(f"method {c.method!r} is not one of {[*METHODS, 'auto']}")
     if c.dtype not in DTYPES:
         out.append(f"dtype {c.dtype!r} is not one of {list(DTYPES)}")
     if not c.model:

@@ -2,11 +2,12 @@
 
 Owns: a bounded FIFO of typed :class:`GenerationRequest` s, the thread that serves them one at
 a time through a :class:`~evospec.decoding.methods.Decoder`, the per-request and global
-counters (:class:`SpecStats` with its :class:`VocabTotals`, :class:`EngineSnapshot`, the last
-OOV events), and *control calls* (:meth:`Engine.call`) that read or change the decoder's state
-on this thread. HTTP handlers only validate, build a request and :meth:`Engine.submit` it with
-a *sink*; the engine pushes every :class:`~evospec.decoding.events.StepEvent` to that sink,
-then exactly one :class:`Done`.
+counters (:class:`~evospec.decoding.stats.RequestStats`, the one fold over step events, per
+request and summed over the engine's life; :class:`EngineSnapshot`; the last OOV events), and
+*control calls* (:meth:`Engine.call`) that read or change the decoder's state on this thread.
+HTTP handlers only validate, build a request and :meth:`Engine.submit` it with a *sink*; the
+engine pushes every :class:`~evospec.decoding.events.StepEvent` to that sink, then exactly one
+:class:`Done`.
 
 Rules the engine keeps:
 - Full queue: :meth:`Engine.submit` raises :class:`EngineBusy` at once (the handler answers 503).
@@ -35,15 +36,16 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.events import StepEvent
-from evospec.decoding.methods import Decoder, SpeculativeDecoder
+from evospec.decoding.methods import Decoder
 from evospec.decoding.sampling import SamplingParams
-from evospec.vocab.active import ActiveVocab, VocabTotals
+from evospec.decoding.stats import RequestStats
+from evospec.vocab.active import ActiveVocab
 
 log = logging.getLogger("evospec.service.engine")
 
@@ -57,35 +59,6 @@ class Outcome(StrEnum):
     TIMEOUT = "timeout"  # the request's deadline passed
     FAILED = "failed"  # the decoder raised
     SHUTDOWN = "shutdown"  # the server stopped before the request finished
-
-
-@dataclass
-class SpecStats:
-    """Speculative bookkeeping of one request, or summed over the engine's life."""
-
-    tokens: int = 0  # generated tokens (the prefill's first token included)
-    rounds: int = 0  # draft+verify rounds; for ar, decode steps after the prefill
-    accepted: int = 0  # draft tokens the target agreed with
-    draft_s: float = 0.0  # wall time drafting
-    verify_s: float = 0.0  # wall time of target forwards (prefill included)
-    vocab: VocabTotals = field(default_factory=VocabTotals)  # speculative rounds only
-
-    def add(self, ev: StepEvent) -> None:
-        self.tokens += len(ev.tokens)
-        self.rounds += not ev.prefill
-        self.accepted += ev.accepted
-        self.draft_s += ev.draft_s
-        self.verify_s += ev.verify_s
-        if ev.vocab is not None:
-            self.vocab.add(ev.vocab)
-
-    def copy(self) -> SpecStats:
-        return replace(self, vocab=replace(self.vocab))
-
-    @property
-    def mal(self) -> float | None:
-        """Mean acceptance length: mean tokens per round, accepted + 1 (ar: 1.0); None without rounds."""
-        return (self.rounds + self.accepted) / self.rounds if self.rounds else None
 
 
 @dataclass
@@ -116,7 +89,7 @@ class Done:
 
     outcome: Outcome
     error: str | None  # FAILED: the exception type and message
-    stats: SpecStats
+    stats: RequestStats  # this request's events, folded
     prompt_tokens: int
     queue_s: float  # submission -> start of generation (or of the decision not to run)
     first_token_s: float | None  # submission -> first token delivered
@@ -166,26 +139,14 @@ class EngineSnapshot:
     rejected: int  # refused with EngineBusy
     outcomes: dict[str, int]  # Outcome value -> requests that ended so
     prompt_tokens: int
-    stats: SpecStats
+    stats: RequestStats  # every event the engine served, folded (a copy)
     recent_oov: tuple[OOVEvent, ...]  # the last RECENT_OOV OOV events, oldest first
 
 
-def adapter_of(decoder: Decoder) -> OnlineAdapter | None:
-    """The online adapter of an adaptive speculative decoder (clora, osd, evospec-full), else None."""
-    return getattr(decoder, "adapt", None) if isinstance(decoder, SpeculativeDecoder) else None
-
-
-def active_vocab_of(decoder: Decoder) -> ActiveVocab | None:
-    """The active vocabulary a speculative decoder drafts from; None for ``ar``."""
-    return decoder.vocab if isinstance(decoder, SpeculativeDecoder) else None
-
-
 class Engine:
-    """A bounded FIFO served by one thread that owns ``decoder`` (and so the model).
-
-    ``vocab``: the decoder's active vocabulary, for control calls that inspect or reset it
-    (default: the one of a :class:`SpeculativeDecoder`; pass it for wrapped decoders).
-    """
+    """A bounded FIFO served by one thread that owns ``decoder`` (and so the model). Control
+    calls inspect or reset the decoder's active vocabulary and adapter (``Decoder.vocab``,
+    ``Decoder.adapt``)."""
 
     def __init__(
         self,
@@ -193,13 +154,12 @@ class Engine:
         *,
         max_queue: int = 64,
         listeners: Sequence[Callable[[Done], None]] = (),
-        vocab: ActiveVocab | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.decoder = decoder
-        self.vocab = vocab if vocab is not None else active_vocab_of(decoder)
-        self.adapter = adapter_of(decoder)
+        self.vocab: ActiveVocab | None = decoder.vocab
+        self.adapter: OnlineAdapter | None = decoder.adapt
         self.max_queue = max_queue
         self._listeners = list(listeners)
         self._step_listeners: list[Callable[[StepEvent], None]] = []
@@ -213,7 +173,7 @@ class Engine:
         self._active: GenerationRequest | None = None
         self._submitted = self._rejected = self._prompt_tokens = 0
         self._outcomes: Counter[str] = Counter()
-        self._stats = SpecStats()
+        self._stats = RequestStats()
         self._service_s = 0.0  # moving average of a request's time on the engine
 
     @property
@@ -257,8 +217,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._drain()
-        if self.adapter is not None:
-            self.adapter.close()
+        self.decoder.close()  # the adapter's worker, the vocabulary's retrieval threads
 
     @property
     def alive(self) -> bool:
@@ -324,7 +283,7 @@ class Engine:
             fn, fut = self._controls.popleft()
             _run_control(fn, fut)
 
-    def _book(self, request: GenerationRequest, ev: StepEvent, stats: SpecStats) -> None:
+    def _book(self, request: GenerationRequest, ev: StepEvent, stats: RequestStats) -> None:
         """Book one event before it is delivered: global counters, OOV log, step listeners."""
         oov = ev.vocab is not None and ev.vocab.oov
         with self._lock:
@@ -344,11 +303,11 @@ class Engine:
             except queue.Empty:
                 return
             request.cancel(Outcome.SHUTDOWN)
-            self._finish(request, sink, Outcome.SHUTDOWN, None, SpecStats(), time.monotonic(), None)
+            self._finish(request, sink, Outcome.SHUTDOWN, None, RequestStats(), time.monotonic(), None)
 
     def _serve(self, request: GenerationRequest, sink: Sink) -> None:
         start = time.monotonic()
-        stats = SpecStats()
+        stats = RequestStats()
         first: float | None = None
         outcome: Outcome | None = request.cancelled_by
         error: str | None = None
@@ -400,7 +359,7 @@ class Engine:
         sink: Sink,
         outcome: Outcome,
         error: str | None,
-        stats: SpecStats,
+        stats: RequestStats,
         start: float,
         first: float | None,
     ) -> None:

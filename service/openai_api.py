@@ -27,8 +27,9 @@ from jinja2 import TemplateError
 
 from evospec.decoding.events import StepEvent
 from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.stats import RequestStats
 from service.context import ServiceContext
-from service.engine import AsyncSink, Done, EngineBusy, EngineStopped, GenerationRequest, Outcome, SpecStats
+from service.engine import AsyncSink, Done, EngineBusy, EngineStopped, GenerationRequest, Outcome
 from service.errors import SERVER_ERROR, APIError
 from service.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_body
 from service.textstream import TextAssembler
@@ -45,7 +46,7 @@ class _Job:
     request: GenerationRequest
     sink: AsyncSink
     text: TextAssembler
-    stats: SpecStats
+    stats: RequestStats
     ended: bool = False  # the handler saw the end (finish, stop string or error)
 
 
@@ -188,7 +189,7 @@ def _submit(
         ) from None
     except EngineStopped:
         raise APIError(503, "the engine is not running", type=SERVER_ERROR, code="engine_stopped") from None
-    return _Job(request, sink, TextAssembler(ctx.model.codec, body.stops), SpecStats())
+    return _Job(request, sink, TextAssembler(ctx.model.codec, body.stops), RequestStats())
 
 
 async def _pieces(
@@ -259,7 +260,7 @@ def _timeout(ctx: ServiceContext) -> APIError:
 
 
 # -- engine -> response ---------------------------------------------------------------------------
-def spec_fields(method: str, stats: SpecStats) -> dict[str, Any]:
+def spec_fields(method: str, stats: RequestStats) -> dict[str, Any]:
     """The ``evospec`` object of a response: this request's speculative stats (the vocabulary
     fields are null for ``ar``, which does not draft, and before a request's first round)."""
     mal, v = stats.mal, stats.vocab

@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random models (HF reference + ours with identical weights) and the real
-default model, loaded once per session.
+"""Shared fixtures: tiny random models (HF reference + ours with identical weights), the tiny
+speculative-decoding target with its random draft head (per module), and the real default
+model, loaded once per session.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 from evospec.models.config import ModelConfig
+from evospec.models.eagle import EagleHead, new_eagle_for
 from evospec.models.loading import LoadedModel
 from evospec.models.transformer import Transformer
+from tests.decoding.spec_helpers import tiny_target
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 TINY_VOCAB = 128
@@ -149,6 +152,20 @@ def tree_mask_and_depths(parents: tuple[int, ...]) -> tuple[torch.Tensor, list[i
 @pytest.fixture(scope="session")
 def tiny_llama() -> TinyPair:
     return tiny_models("llama", seed=1, max_position_embeddings=48)
+
+
+# -- the tiny speculative-decoding target (64 ids) and a random draft head for it ----------------
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    """The adaptation, vocabulary and overlap tests' target; a module that needs another one
+    (another seed or sharpness) defines its own ``target``."""
+    return tiny_target(3)
+
+
+@pytest.fixture(scope="module")
+def head(target: Transformer) -> EagleHead:
+    """A random EAGLE head for ``target``, shared read-only by a module's decoders."""
+    return new_eagle_for(target, seed=1)
 
 
 # -- the real default model (SmolLM2-135M-Instruct), shared by the whole session -----------------

@@ -49,12 +49,19 @@ def test_bench_quick_runs_every_method_side_by_side(setup, capsys: pytest.Captur
     assert result["config"]["verify_logits"] == "auto"
     for name, stats in result["methods"].items():
         assert stats["matches_ar"] == 1.0, name  # lossless under every policy
+        assert len(stats["acceptance_by_depth"]) == 3  # d = 1 .. --depth
         if name != "ar":
             assert 0 < stats["coverage"] <= 1 and stats["active_size"] > 0
+    assert result["methods"]["ar"]["acceptance_by_depth"] == [0.0, 0.0, 0.0]
+    assert all(
+        len(s["acceptance_by_depth"]) == 3 for c in result["per_category"].values() for s in c.values()
+    )
     assert result["methods"]["frspec"]["active_size"] <= 64 + 1  # + the always-active EOS
     assert (out / "b.md").read_text().strip() in stdout
+    assert "| acceptance by depth | d=1 | d=2 | d=3 |" in stdout
     assert sorted(p.name for p in (out / "plots").iterdir()) == [
         "acceptance.png",
+        "acceptance_by_depth.png",
         "draft_split.png",
         "speed.png",
     ]
@@ -72,7 +79,9 @@ def test_budget_smaller_than_the_arc_buffer_is_a_clear_error(
     argv = ["generate", "hi", "--method", "nanospec+evospec", "--model", str(setup["model"]), "--no-progress"]
     argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"]), "--w-max", "100"]
     assert main([*argv, "--arc-capacity", "200"]) == 2
-    assert "budget 100 must exceed the ARC capacity 200" in capsys.readouterr().err
+    err = capsys.readouterr().err  # refused by the settings, before anything loads
+    assert "shares vocab.w_max (100) between the window and the ARC buffer" in err
+    assert "must exceed vocab.arc_capacity (200)" in err
 
 
 def test_tree_flag_refuses_unknown_values(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@
 Owns: per-key adapter states (trainer, replay buffer, published weights, version; at most
 ``max_keys``, least recently used evicted), the worker that gates trajectories and runs
 updates, the double-buffered publication into the serving head, and save / load / reset.
+The adapter file's format and its checks live in :mod:`evospec.adapt.adapter_file`.
 
 Decode-thread contract (called by ``decoding/speculative.py``; all cheap, never blocking):
 ``select(key)`` before a request, ``start()`` after its prefill, ``begin_round(features,
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from evospec.adapt.adapter_file import read_adapter, write_adapter
 from evospec.adapt.config import AdaptConfig
 from evospec.adapt.trainers import QV, OnlineTrainer, make_trainer, tensor_bytes
 from evospec.adapt.trajectory import Recorder, Trajectory, stores_nbytes
@@ -48,7 +50,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KEY = ""  # the state of requests without a key
 _GATE_BATCH = 32  # trajectories gated per worker pass at most
-FORMAT = "evospec-adapter/1"
 _HISTORY = 1024  # update times and losses kept for the stats
 
 
@@ -380,57 +381,15 @@ class OnlineAdapter:
         return {"reset_keys": dropped}
 
     def save(self, path: str | Path, key: str | None = None) -> Path:
-        """Write one key's adapter (safetensors + JSON metadata in the header)."""
-        import json
-
-        from safetensors.torch import save_file
-
+        """Write one key's adapter (the format: :mod:`evospec.adapt.adapter_file`)."""
         self.wait_idle()
         st = self._state(key or DEFAULT_KEY)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in st.trainer.adapter_tensors().items()}
-        meta = {
-            "format": FORMAT,
-            "mode": self.cfg.mode,
-            "rank": str(self.cfg.rank),
-            "alpha": str(self.cfg.alpha),
-            "version": str(st.version),
-            "head": json.dumps(_head_signature(self.head)),
-        }
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=meta)
-        return path
+        return write_adapter(path, st.trainer.adapter_tensors(), self.cfg, self.head, st.version)
 
     def load(self, path: str | Path, key: str | None = None) -> dict:
-        """Install a saved adapter for ``key`` and publish it (next round boundary)."""
-        import json
-
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: adapter file not found")
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        except Exception as exc:  # safetensors raises its own error type for a corrupt header
-            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not an EvoSpec adapter (format {meta.get('format')!r})")
-        if meta.get("mode") != self.cfg.mode:
-            raise ValueError(
-                f"{path}: a {meta.get('mode')} adapter cannot load into a {self.cfg.mode} adapter"
-            )
-        if self.cfg.mode == "clora" and (
-            int(meta.get("rank", -1)) != self.cfg.rank or float(meta.get("alpha", -1)) != self.cfg.alpha
-        ):
-            raise ValueError(
-                f"{path}: LoRA rank/alpha {meta.get('rank')}/{meta.get('alpha')} != "
-                f"configured {self.cfg.rank}/{self.cfg.alpha}"
-            )
-        if json.loads(meta.get("head", "{}")) != _head_signature(self.head):
-            raise ValueError(f"{path}: saved for a different draft head")
+        """Install a saved adapter for ``key`` and publish it (next round boundary); the file is
+        validated (:func:`~evospec.adapt.adapter_file.read_adapter`) before the worker is waited on."""
+        tensors = read_adapter(path, self.cfg, self.head)
         self.wait_idle()
         k = key or DEFAULT_KEY
         st = self._state(k)
@@ -455,8 +414,3 @@ class OnlineAdapter:
                     with contextlib.suppress(queue.Empty):
                         self._queue.get_nowait()
             self._thread.join(timeout=30)
-
-
-def _head_signature(head: EagleHead) -> dict:
-    c = head.cfg
-    return {"hidden": c.hidden_size, "vocab": c.vocab_size, "heads": c.num_heads, "kv_heads": c.num_kv_heads}

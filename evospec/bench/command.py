@@ -1,8 +1,8 @@
 """``evospec bench``: the Spec-Bench side-by-side run and the topic-shift scenario.
 
-Owns: turning parsed ``bench`` arguments into decoders (through the shared helpers of
-``evospec/cli.py``), running them (``runner.py`` / ``topic_shift.py``) and writing the table,
-JSON and plots. The argument parser itself lives in ``evospec/cli.py``.
+Owns: the ``bench`` sub-parser; turning its arguments into decoders (``options.py`` ->
+``assembly.py``), running them (``runner.py`` / ``topic_shift.py``) and writing the table,
+JSON and plots.
 """
 
 from __future__ import annotations
@@ -10,8 +10,86 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from evospec.cli import _adapt_config, _decoders, _load, _sampling, _vocab_config
+from evospec import options
+from evospec.common import DEFAULT_DATA, positive_int
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="run decoding methods side by side on the same prompts",
+        description="Benchmark methods in one process on the same prompts; prints a table "
+        "and optionally writes JSON. 'hf' is transformers' generate on the same weights.",
+    )
+    b.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated methods: hf (transformers' generate on the same weights) and "
+        + options.METHOD_HELP.removeprefix("decoding method: ")
+        + " (default: ar,hf; topic-shift: frspec,clora,osd,evospec-full)",
+    )
+    b.add_argument(
+        "--scenario",
+        choices=["spec-bench", "topic-shift"],
+        default="spec-bench",
+        help="'spec-bench': prompts from --data, methods side by side; 'topic-shift': HumanEval requests "
+        "then law/medicine requests from the shared data folder, per-request MAL of each method with "
+        "its adapter carried across the stream (frspec is the frozen baseline)",
+    )
+    b.add_argument(
+        "--shift-requests",
+        type=positive_int,
+        default=12,
+        help="topic-shift: requests before and after the shift (default 12 + 12)",
+    )
+    b.add_argument(
+        "--shared-data", type=Path, default=DEFAULT_DATA, help="topic-shift: the shared data folder"
+    )
+    b.add_argument(
+        "--adapt-key",
+        choices=["none", "category"],
+        default="none",
+        help="topic-shift: 'none' shares one adapter across the stream; 'category' keeps one per domain "
+        "(code, law, medicine), as a server keyed by tenant would (default none)",
+    )
+    b.add_argument(
+        "--replay",
+        action="store_true",
+        help="topic-shift: record the target's greedy answers once, then replay every method's rounds "
+        "over them (same acceptance and adapter feedback, no verify forwards, MAL only: no timings; "
+        "updates run inline)",
+    )
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run for CI: 2 prompts and 16 new tokens unless --limit/--max-new-tokens say otherwise",
+    )
+    b.add_argument("--markdown", type=Path, default=None, help="also write the tables as markdown here")
+    b.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        help="write PNG plots (speed, acceptance, acceptance by depth, draft split) here",
+    )
+    b.add_argument(
+        "--data",
+        nargs="+",
+        default=[str(DEFAULT_DATA / "spec_bench" / "question.jsonl")],
+        metavar="FILE",
+        help="prompt files, read in order: Spec-Bench question.jsonl, HumanEval prompts.jsonl, PubMedQA "
+        'pqal.jsonl or {"prompt": ...} JSONL (default: Spec-Bench from the shared data)',
+    )
+    b.add_argument("--per-category", type=positive_int, default=None, help="at most N prompts per category")
+    b.add_argument("--limit", type=positive_int, default=None, help="at most N prompts in all")
+    b.add_argument("--json", type=Path, default=None, help="write the results JSON here")
+    options.add_model_args(b)
+    options.add_draft_args(b)
+    options.add_adapt_args(b)
+    options.add_sampling_args(b, 64)
+    b.set_defaults(max_new_tokens=None)
+    b.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -28,23 +106,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.limit = 2
     if args.max_new_tokens is None:
         args.max_new_tokens = 16 if args.quick else 64
-    params = _sampling(args)
+    from evospec.assembly import assemble
+
+    params = options.sampling_params(args)
     prompts = load_prompts(args.data, per_category=args.per_category, limit=args.limit)
     if not prompts:
         raise SystemExit(f"error: no prompts selected from {', '.join(map(str, args.data))}")
-    loaded = _load(args)
-    codec = loaded.codec
-    eos = codec.eos_ids or loaded.model.cfg.eos_token_ids
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    ours = _decoders([n for n in names if n != "hf"], args, loaded, eos)
+    stack = assemble(
+        options.stack_settings(args, [n for n in names if n != "hf"]), progress=not args.no_progress
+    )
+    loaded, codec, eos = stack.loaded, stack.codec, stack.eos_ids
     decoders = {}
     for name in names:
         if name == "hf":
             from evospec.bench.hf_baseline import HFGenerateDecoder
 
             decoders[name] = HFGenerateDecoder(loaded.source, eos)
-        else:
-            decoders[name] = ours[name]
+        else:  # "auto" is listed under the method it resolved to
+            decoders[stack.resolved.get(name, name)] = stack.decoder(name)
 
     def encode(p):
         return codec.encode_chat([{"role": "user", "content": p.text}]) if p.chat else codec.encode(p.text)
@@ -62,8 +142,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "methods": list(decoders),
         "draft": args.draft,
-        "tree": {n: asdict(d.tree) for n, d in decoders.items() if hasattr(d, "tree")},
-        "vocab": asdict(_vocab_config(args)),
+        "tree": {n: asdict(d.tree) for n, d in decoders.items() if d.tree is not None},
+        "vocab": asdict(stack.settings.vocab),
         "quick": args.quick,
         "torch_threads": torch.get_num_threads(),
         "packed_weights": not args.no_pack,
@@ -108,22 +188,22 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
     if args.max_new_tokens is None:
         args.max_new_tokens = 16 if args.quick else 64
     stream = topic_shift_stream(args.shared_data, n, n)
-    loaded = _load(args)
-    codec = loaded.codec
-    eos = codec.eos_ids or loaded.model.cfg.eos_token_ids
     names = [m.strip() for m in (args.methods or "frspec,clora,osd,evospec-full").split(",") if m.strip()]
     if "hf" in names:
         raise SystemExit("error: 'hf' is not part of the topic-shift scenario")
     if args.replay:  # replay rounds are fast: an update inline stands for a worker that keeps up
         args.adapt_sync = True
-    decoders = _decoders(names, args, loaded, eos)
+    from evospec.assembly import assemble
+
+    stack = assemble(options.stack_settings(args, names), progress=not args.no_progress)
+    loaded, codec, eos, decoders = stack.loaded, stack.codec, stack.eos_ids, stack.decoders
 
     def encode(p):  # a base model without a chat template gets the plain text
         if codec.has_chat_template:
             return codec.encode_chat([{"role": "user", "content": p.text}])
         return codec.encode(p.text)
 
-    params = _sampling(args)
+    params = options.sampling_params(args)
     keyed = args.adapt_key == "category"
     if args.replay:
         from evospec.bench.replay import record_requests
@@ -146,8 +226,8 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "methods": names,
         "frozen": "frspec" if "frspec" in names else None,
-        "adapt": asdict(_adapt_config(args)),
-        "tree": {k: asdict(d.tree) for k, d in decoders.items() if hasattr(d, "tree")},
+        "adapt": asdict(stack.settings.adapt),
+        "tree": {k: asdict(d.tree) for k, d in decoders.items() if d.tree is not None},
         "outputs_differing_from_first_method": mismatches,
         "torch_threads": torch.get_num_threads(),
         "packed_weights": not args.no_pack,
@@ -158,8 +238,7 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
     table = format_stream_table(result)
     print(table)
     for dec in decoders.values():
-        if getattr(dec, "adapt", None) is not None:
-            dec.adapt.close()
+        dec.close()
     if any(mismatches.values()):
         print(f"error: outputs differ between methods: {mismatches}", file=sys.stderr)
     if args.markdown:

@@ -20,12 +20,16 @@ class HFGenerateDecoder:
     """``model.generate`` of transformers on the same weights (greedy only)."""
 
     name = "hf"
+    tree = vocab = adapt = None  # plain decoding: no draft state (the Decoder protocol)
 
     def __init__(self, folder: str | Path, eos_ids: Sequence[int]) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         self.eos_ids = list(eos_ids)
+
+    def close(self) -> None:
+        pass
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
         if not params.greedy:

@@ -1,14 +1,17 @@
 """PNG plots of a benchmark result (matplotlib, headless).
 
-Owns: three figures from the results JSON of ``runner.summarise``: ``speed.png`` (tok/s and
-speedup vs AR per method), ``acceptance.png`` (MAL and coverage per method) and
-``draft_split.png`` (per-round draft backbone / LM head / gather and verify time, stacked).
-Reads the summary only; knows nothing about models.
+Owns: the figures from the results JSON of ``runner.summarise``: ``speed.png`` (tok/s and
+speedup vs AR per method), ``acceptance.png`` (MAL and coverage per method),
+``draft_split.png`` (per-round draft backbone / LM head / gather and verify time, stacked) and
+``acceptance_by_depth.png`` (per drafting method, the share of rounds that accepted at least
+d draft tokens, d = 1..depth). Reads the summary only; knows nothing about models.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from evospec.bench.runner import drafted
 
 
 def write_plots(result: dict, out_dir: Path) -> list[Path]:
@@ -67,6 +70,20 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         ax.set_title(title, fontsize=9)
         paths.append(_save(fig, out_dir / "draft_split.png"))
+
+    deep = [n for n in names if drafted(methods[n]) and methods[n].get("acceptance_by_depth")]
+    if deep:
+        fig, ax = plt.subplots(figsize=(5.5, 3.5))
+        for n in deep:
+            shares = methods[n]["acceptance_by_depth"]
+            ax.plot(range(1, len(shares) + 1), shares, "o-", label=n)
+        ax.set_xlabel("depth d (draft tokens accepted)")
+        ax.set_ylabel("share of rounds accepting >= d")
+        ax.set_ylim(0, 1.05)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=9)
+        paths.append(_save(fig, out_dir / "acceptance_by_depth.png"))
     return paths
 
 

@@ -4,7 +4,10 @@ Owns: :class:`RecordedRequest` (one greedy answer of the target with its feature
 next-token log-probabilities at every position, recorded once with ``greedy_stream``) and
 :func:`replay_request`, which drives a decoder's drafter, active vocabulary and online adapter
 through that answer exactly as ``decoding/speculative.py`` does, with verification read off
-the recording instead of a target forward.
+the recording instead of a target forward. Each replayed round becomes a
+:class:`~evospec.decoding.events.StepEvent` folded into a
+:class:`~evospec.decoding.stats.RequestStats`, as a live run's are (counts only: no times and
+no vocabulary facts).
 
 Why this is exact for greedy decoding: every accepted prefix is a prefix of the greedy answer,
 so the target's greedy choice at any tree node that acceptance visits is the answer's next
@@ -14,7 +17,10 @@ float noise between a tree-masked verify forward and the recorded one), and hand
 adapter the same trajectories (its top-K support is the recorded one; K >= the adapter's
 ``k_logit``). What it does not give is wall time: use it to compare adaptation settings on
 one recording (MAL per request) in a fraction of a live run's time, then confirm with
-``evospec bench --scenario topic-shift``.
+``evospec bench --scenario topic-shift``. One place a replay can differ: MAL counts a round's
+accepted draft tokens before clipping, and a live run's last round may accept draft tokens
+past the answer's end (past the length budget or an EOS); the recording stops there, so the
+replay's last round accepts at most the tokens left.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import SpeculativeDecoder
+from evospec.decoding.stats import RequestStats
 from evospec.decoding.tree import build_tree
 from evospec.models.transformer import Transformer
 from evospec.train.batch_generate import greedy_stream
@@ -86,22 +94,16 @@ def record_requests(
     return [r for r in out if r is not None]
 
 
-@dataclass
-class ReplayResult:
-    tokens: int  # answer tokens (as a live run produces them, the prefill's first included)
-    rounds: int
-    accepted: int  # draft tokens accepted over all rounds
-
-    @property
-    def mal(self) -> float:
-        return (self.tokens - 1) / self.rounds if self.rounds else 1.0
-
-
 @torch.inference_mode()
-def replay_request(dec: SpeculativeDecoder, req: RecordedRequest) -> ReplayResult:
-    """Greedy rounds of ``dec`` over one recorded answer (its vocabulary and adapter observe)."""
+def replay_request(dec: SpeculativeDecoder, req: RecordedRequest) -> RequestStats:
+    """Greedy rounds of ``dec`` over one recorded answer (its vocabulary and adapter observe),
+    folded as a live run's events: ``tokens`` = the answer (its first, the prefill's, included),
+    ``rounds``, ``accepted`` (the last round's before clipping, as live) and depth counts."""
+    stats = RequestStats()
+    answer = req.ids[req.prompt_len :].tolist()  # [L - P]
+    stats.add(StepEvent(tokens=answer[:1], prefill=True))
     if req.answer_len < 2:
-        return ReplayResult(req.answer_len, 0, 0)
+        return stats
     device = dec.model.embed_tokens.weight.device
     vocab_size = dec.model.cfg.vocab_size
     seq = req.ids.to(device)
@@ -115,7 +117,6 @@ def replay_request(dec: SpeculativeDecoder, req: RecordedRequest) -> ReplayResul
         adapt.start()
     pending_feats, pending_tokens = feats[:p], seq[1 : p + 1]
     r = p  # the root's position: seq[r] is the last token produced so far
-    rounds = accepted_total = 0
     while r < n - 1:
         if vocab is not None:
             vocab.begin_round()
@@ -131,8 +132,7 @@ def replay_request(dec: SpeculativeDecoder, req: RecordedRequest) -> ReplayResul
                 break
             path.append(int(hit.nonzero()[0, 0]))
         a = len(path) - 1
-        rounds += 1
-        accepted_total += a
+        stats.add(StepEvent(tokens=answer[r + 1 - p : r + a + 2 - p], accepted=a))
         if r + a + 1 >= n:  # the answer ends inside this round: a live run clips it here
             break
         verified = seq[r + 1 : r + a + 2]  # [a + 1] accepted, then the bonus
@@ -149,4 +149,4 @@ def replay_request(dec: SpeculativeDecoder, req: RecordedRequest) -> ReplayResul
                 adapt.end_round(tree.parents, path_t, verified, path_logits, mask)
         pending_feats, pending_tokens = feats[r : r + a + 1], verified
         r += a + 1
-    return ReplayResult(req.answer_len, rounds, accepted_total)
+    return stats

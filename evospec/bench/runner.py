@@ -1,10 +1,17 @@
 """Run decoding methods side by side on the same prompts and summarise them.
 
 Owns: interleaved timing (prompt by prompt, every method in turn, after a warm-up), the
-per-method and per-category aggregates (MAL, tok/s, speedup vs AR, agreement with AR, and for
-speculative methods the active-vocabulary figures: coverage, active size, OOV events, the
-draft time split and retrieval latency), the oracle speed, and the JSON contract
-``{"methods": ..., "per_category": ..., "config": ...}``.
+per-method and per-category aggregates (MAL, acceptance by depth, tok/s, speedup vs AR,
+agreement with AR, and for speculative methods the active-vocabulary figures: coverage, active
+size, OOV events, the draft time split and retrieval latency), the oracle speed, the markdown
+tables, and the JSON contract ``{"methods": ..., "per_category": ..., "config": ...}``.
+
+Counting is not done here: each run's events fold into a
+:class:`~evospec.decoding.stats.RequestStats` (``run_one``), and a method's or category's runs
+merge into one, whose ``mal`` and ``acceptance_by_depth`` the summary reports (MAL = accepted
++ 1 per round before clipping, the prefill no round; see docs/engine.md). ``acceptance_by_depth``
+lists, for d = 1 .. the deepest tree in ``config["tree"]`` (or the deepest acceptance seen),
+the share of rounds that accepted at least d draft tokens.
 
 Draft time split per round: ``lm_head`` (the draft LM head: projection, log-softmax, top-k),
 ``gather`` (loading newly active rows), ``backbone`` (the rest of drafting: the draft
@@ -19,49 +26,43 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from evospec.bench.prompts import BenchPrompt
 from evospec.decoding.methods import Decoder
 from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.stats import RequestStats
 from evospec.vocab.active import VocabTotals
+
+
+def bench_stats() -> RequestStats:
+    """An empty fold that keeps every retrieval latency (the summary reports their median)."""
+    return RequestStats(vocab=VocabTotals(latencies=[]))
 
 
 @dataclass
 class RunRecord:
-    """One method on one prompt."""
+    """One method on one prompt: its output and its events folded."""
 
     method: str
     category: str
     prompt_index: int
-    tokens: list[int]
-    seconds: float
-    rounds: int
-    accepted: int
-    draft_s: float
-    verify_s: float
-    vocab: VocabTotals | None = None
-    prefill_s: float = 0.0  # the prefill step (prompt forward + first token), inside ``seconds``
+    tokens: list[int]  # [T] the output ids (compared with AR's)
+    seconds: float  # wall time of the whole generate call, prefill included
+    stats: RequestStats = field(default_factory=bench_stats)
 
 
 def run_one(
     decoder: Decoder, prompt_ids: Sequence[int], params: SamplingParams, method: str = "", category: str = ""
 ) -> RunRecord:
-    """Generate once and time it; the prefill token is no round."""
-    rec = RunRecord(method, category, -1, [], 0.0, 0, 0, 0.0, 0.0)
+    """Generate once, time it and fold its events."""
+    rec = RunRecord(method, category, -1, [], 0.0)
     t0 = time.perf_counter()
     for ev in decoder.generate(prompt_ids, params):
         rec.tokens.extend(ev.tokens)
-        rec.rounds += not ev.prefill
-        if ev.prefill:
-            rec.prefill_s += ev.verify_s + ev.draft_s
-        rec.accepted += ev.accepted
-        rec.draft_s += ev.draft_s
-        rec.verify_s += ev.verify_s
-        if ev.vocab is not None:
-            rec.vocab = rec.vocab or VocabTotals(latencies=[])
-            rec.vocab.add(ev.vocab)
+        rec.stats.add(ev)
     rec.seconds = time.perf_counter() - t0
     return rec
 
@@ -93,23 +94,28 @@ def run_side_by_side(
     return records
 
 
-def _summarise(recs: list[RunRecord], ar_by_prompt: dict[int, RunRecord] | None) -> dict[str, float]:
-    tokens = sum(len(r.tokens) for r in recs)
+def _summarise(
+    recs: list[RunRecord], ar_by_prompt: dict[int, RunRecord] | None, depth: int
+) -> dict[str, Any]:
+    total = bench_stats()
+    for r in recs:
+        total.merge(r.stats)
     seconds = sum(r.seconds for r in recs)
-    rounds = sum(r.rounds for r in recs)
-    round_tokens = tokens - sum(1 for r in recs if r.tokens)  # minus each prompt's prefill token
-    decode_s = seconds - sum(r.prefill_s for r in recs)
-    out: dict[str, float] = {
-        "mal": round_tokens / max(rounds, 1),
-        "tok_per_s": tokens / seconds if seconds else 0.0,
+    round_tokens = total.tokens - sum(1 for r in recs if r.tokens)  # minus each prompt's prefill token
+    decode_s = seconds - total.prefill_s
+    mal = total.mal
+    out: dict[str, Any] = {
+        "mal": math.nan if mal is None else mal,
+        "acceptance_by_depth": total.acceptance_by_depth(depth),
+        "tok_per_s": total.tokens / seconds if seconds else 0.0,
         "decode_tok_per_s": round_tokens / decode_s if decode_s > 0 else 0.0,  # after the first token
-        "prefill_s_median": statistics.median(r.prefill_s for r in recs) if recs else 0.0,
+        "prefill_s_median": statistics.median(r.stats.prefill_s for r in recs) if recs else 0.0,
         "prompts": len(recs),
-        "tokens": tokens,
+        "tokens": total.tokens,
         "seconds": seconds,
-        "rounds": rounds,
-        "draft_s": sum(r.draft_s for r in recs),
-        "verify_s": sum(r.verify_s for r in recs),
+        "rounds": total.rounds,
+        "draft_s": total.draft_s,
+        "verify_s": total.verify_s,
     }
     if ar_by_prompt:
         per_prompt = [
@@ -123,35 +129,40 @@ def _summarise(recs: list[RunRecord], ar_by_prompt: dict[int, RunRecord] | None)
             r.tokens == ar_by_prompt[r.prompt_index].tokens for r in recs if r.prompt_index in ar_by_prompt
         ]
         out["matches_ar"] = sum(same) / len(same) if same else 0.0
-    vocab = [r.vocab for r in recs if r.vocab is not None]
-    if vocab:
-        out.update(_vocab_summary(vocab, out))
+    if total.vocab.rounds:
+        out.update(_vocab_summary(total.vocab, out))
     return out
 
 
-def _vocab_summary(vocab: list[VocabTotals], base: dict[str, float]) -> dict[str, float]:
-    rounds = max(sum(v.rounds for v in vocab), 1)
-    lm_head = sum(v.lm_head_s for v in vocab)
-    gather = sum(v.gather_s for v in vocab)
-    latencies = [x for v in vocab for x in v.latencies or ()]
+def _vocab_summary(vocab: VocabTotals, base: dict[str, Any]) -> dict[str, float]:
+    rounds = vocab.rounds
+    latencies = vocab.latencies or []
     merged = len(latencies)
     return {
-        "coverage": sum(v.covered for v in vocab) / max(sum(v.verified for v in vocab), 1),
-        "active_size": sum(v.active_size_sum for v in vocab) / rounds,
-        "oov_events": sum(v.oov_events for v in vocab),
+        "coverage": vocab.covered / max(vocab.verified, 1),
+        "active_size": vocab.active_size_sum / rounds,
+        "oov_events": vocab.oov_events,
         "draft_ms_per_round": 1e3 * base["draft_s"] / rounds,
         "verify_ms_per_round": 1e3 * base["verify_s"] / rounds,
-        "backbone_ms_per_round": 1e3 * (base["draft_s"] - lm_head - gather) / rounds,
-        "lm_head_ms_per_round": 1e3 * lm_head / rounds,
-        "gather_ms_per_round": 1e3 * gather / rounds,
-        "policy_ms_per_round": 1e3 * sum(v.policy_s for v in vocab) / rounds,
-        "rows_gathered_per_round": sum(v.rows_gathered for v in vocab) / rounds,
+        "backbone_ms_per_round": 1e3 * (base["draft_s"] - vocab.lm_head_s - vocab.gather_s) / rounds,
+        "lm_head_ms_per_round": 1e3 * vocab.lm_head_s / rounds,
+        "gather_ms_per_round": 1e3 * vocab.gather_s / rounds,
+        "policy_ms_per_round": 1e3 * vocab.policy_s / rounds,
+        "rows_gathered_per_round": vocab.rows_gathered / rounds,
         "retrievals": merged,
         "retrieval_ms_median": 1e3 * statistics.median(latencies) if latencies else float("nan"),
-        "retrieval_late_share": sum(v.late for v in vocab) / merged if merged else float("nan"),
-        "retrieval_errors": sum(v.errors for v in vocab),
-        "retrieval_dropped": sum(v.dropped for v in vocab),
+        "retrieval_late_share": vocab.late / merged if merged else float("nan"),
+        "retrieval_errors": vocab.errors,
+        "retrieval_dropped": vocab.dropped,
     }
+
+
+def report_depth(stats: Iterable[RequestStats], config: dict) -> int:
+    """Depths a summary reports acceptance for: the deepest tree in ``config["tree"]`` (method ->
+    tree config), or the deepest acceptance seen if that is deeper; 0 when nothing drafted."""
+    trees = [t for t in (config.get("tree") or {}).values() if isinstance(t, dict)]
+    seen = [len(s.depth_counts) for s in stats]
+    return max([*seen, *(int(t.get("depth", 0)) for t in trees)], default=0)
 
 
 def summarise(records: list[RunRecord], config: dict) -> dict:
@@ -160,17 +171,20 @@ def summarise(records: list[RunRecord], config: dict) -> dict:
     for r in records:
         by_method[r.method].append(r)
     ar = {r.prompt_index: r for r in by_method.get("ar", [])}
-    methods = {m: _summarise(rs, ar) for m, rs in by_method.items()}
+    depth = report_depth((r.stats for r in records), config)
+    methods = {m: _summarise(rs, ar, depth) for m, rs in by_method.items()}
     _add_speedup(methods)
-    per_category: dict[str, dict[str, dict[str, float]]] = {}
+    per_category: dict[str, dict[str, dict[str, Any]]] = {}
     for cat in sorted({r.category for r in records}):
-        cat_methods = {m: _summarise([r for r in rs if r.category == cat], ar) for m, rs in by_method.items()}
+        cat_methods = {
+            m: _summarise([r for r in rs if r.category == cat], ar, depth) for m, rs in by_method.items()
+        }
         _add_speedup(cat_methods)
         per_category[cat] = cat_methods
     return {"methods": methods, "per_category": per_category, "config": config}
 
 
-def _add_speedup(methods: dict[str, dict[str, float]]) -> None:
+def _add_speedup(methods: dict[str, dict[str, Any]]) -> None:
     base = methods.get("ar", {}).get("tok_per_s")
     base_decode = methods.get("ar", {}).get("decode_tok_per_s")
     full_mal = methods.get("eagle2", {}).get("mal")
@@ -210,7 +224,7 @@ VOCAB_COLS = (
 )
 
 
-def _table(methods: dict[str, dict[str, float]], cols: Sequence[str]) -> list[str]:
+def _table(methods: dict[str, dict[str, Any]], cols: Sequence[str]) -> list[str]:
     lines = [f"| method | {' | '.join(cols)} |", "|" + "---|" * (len(cols) + 1)]
     for name, s in methods.items():
         vals = " | ".join(_fmt(s[c]) if c in s else "-" for c in cols)
@@ -222,7 +236,7 @@ def _fmt(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3f}"
 
 
-def _category_table(per_category: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+def _category_table(per_category: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     """One row per category: AR's tok/s, then each other method's MAL and speedup vs AR."""
     names = list(next(iter(per_category.values())))
     others = [m for m in names if m != "ar"]
@@ -241,13 +255,37 @@ def _category_table(per_category: dict[str, dict[str, dict[str, float]]]) -> lis
     return lines
 
 
+def drafted(stats: dict[str, Any]) -> bool:
+    """A method's summary shows drafting: vocabulary figures, or a draft token accepted."""
+    return "coverage" in stats or any(stats.get("acceptance_by_depth") or ())
+
+
+def _depth_table(methods: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per method: the share of rounds accepting >= d draft tokens, d = 1.. (none at depth 0)."""
+    depth = max((len(s.get("acceptance_by_depth") or ()) for s in methods.values()), default=0)
+    if not depth:
+        return []
+    lines = [
+        f"| acceptance by depth | {' | '.join(f'd={d}' for d in range(1, depth + 1))} |",
+        "|" + "---|" * (depth + 1),
+    ]
+    for name, s in methods.items():
+        shares = s.get("acceptance_by_depth") or []
+        cells = [f"{x:.3f}" for x in shares] + ["-"] * (depth - len(shares))
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines
+
+
 def format_table(result: dict) -> str:
-    """Markdown: the speed table, then (if any method drafted) the vocabulary table, then (with
-    more than one category) MAL and speedup per category."""
+    """Markdown: the speed table, then (if any method drafted) the vocabulary table and the
+    acceptance-by-depth table, then (with more than one category) MAL and speedup per category."""
     lines = _table(result["methods"], SPEED_COLS)
     spec = {m: s for m, s in result["methods"].items() if "coverage" in s}
     if spec:
         lines += ["", *_table(spec, VOCAB_COLS)]
+    depth_table = _depth_table({m: s for m, s in result["methods"].items() if drafted(s)})
+    if depth_table:
+        lines += ["", *depth_table]
     if len(result.get("per_category", {})) > 1:
         lines += ["", *_category_table(result["per_category"])]
     return "\n".join(lines)

@@ -8,6 +8,8 @@ and each adaptive method's auxiliary memory and update counters. Plots per-reque
 
 The stream is ``code`` requests then ``shift`` requests; "second half" means the requests
 after the shift. Adapters start from the base head (they are reset after the warm-up).
+Every request's events fold into a :class:`~evospec.decoding.stats.RequestStats`; MAL is its
+``mal`` (accepted + 1 per round before clipping, the prefill no round; docs/engine.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evospec.bench.prompts import BenchPrompt, contract_prompt, humaneval_prompt, pubmedqa_prompt
+from evospec.bench.runner import report_depth
 from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.stats import RequestStats
 
 _MIN_LAW_CHARS = 200  # shorter LegalBench items (labels, fragments) are skipped
 
@@ -59,17 +63,20 @@ def topic_shift_stream(data: Path, code: int, shift: int) -> list[BenchPrompt]:
 
 @dataclass
 class RequestRecord:
+    """One method on one request of the stream."""
+
     method: str
     index: int
     category: str
-    tokens: int
-    rounds: int
-    seconds: float
-    round_s: list[float] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)  # the request's events, folded
+    seconds: float = 0.0  # wall time of the request (0 in a replay)
+    round_times: list[float] = field(default_factory=list)  # [rounds] each round's wall time (live only)
 
     @property
     def mal(self) -> float:
-        return (self.tokens - 1) / self.rounds if self.rounds else 1.0
+        """The request's MAL; 1.0 for a request that ended at its prefill (no rounds)."""
+        mal = self.stats.mal
+        return 1.0 if mal is None else mal
 
 
 def run_stream(
@@ -100,16 +107,15 @@ def run_stream(
         first: list[int] | None = None
         for name, dec in decoders.items():
             _select(dec, p, keyed)
-            rec = RequestRecord(name, i, p.category, 0, 0, 0.0)
+            rec = RequestRecord(name, i, p.category)
             out: list[int] = []
             t0 = time.perf_counter()
             for ev in dec.generate(ids, params):
                 out.extend(ev.tokens)
+                rec.stats.add(ev)
                 if not ev.prefill:
-                    rec.rounds += 1
-                    rec.round_s.append(ev.round_s)
+                    rec.round_times.append(ev.round_s)
             rec.seconds = time.perf_counter() - t0
-            rec.tokens = len(out)
             first = out if first is None else first
             mismatches[name] += out != first
             records.append(rec)
@@ -137,7 +143,7 @@ def replay_stream(
 ) -> list[RequestRecord]:
     """Like :func:`run_stream`, but every method replays the target's recorded greedy answers
     (``bench/replay.py``): the same acceptance and adapter feedback, no verify forwards, no
-    wall times (a record's ``seconds`` and ``round_s`` stay empty)."""
+    wall times (a record's ``seconds`` and ``round_times`` stay empty)."""
     from tqdm.auto import tqdm
 
     from evospec.bench.replay import replay_request
@@ -150,8 +156,7 @@ def replay_stream(
     for i, (p, rec) in enumerate(zip(stream, recorded, strict=True)):
         for name, dec in decoders.items():
             _select(dec, p, keyed)
-            got = replay_request(dec, rec)
-            records.append(RequestRecord(name, i, p.category, got.tokens, got.rounds, 0.0))
+            records.append(RequestRecord(name, i, p.category, replay_request(dec, rec)))
             bar.update(1)
     bar.close()
     for dec in decoders.values():
@@ -166,20 +171,27 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarise_stream(records: list[RequestRecord], code: int, decoders: dict, config: dict) -> dict:
+    """Per method: MAL over the stream (all its requests' events merged) and by depth, the
+    mean per-request MAL before / after the shift and by category, tok/s, round percentiles,
+    and the adapter's state."""
+    depth = report_depth((r.stats for r in records), config)
     methods: dict[str, dict] = {}
     for name in decoders:
         recs = [r for r in records if r.method == name]
         before = [r.mal for r in recs if r.index < code]
         after = [r.mal for r in recs if r.index >= code]
-        rounds = [x for r in recs for x in r.round_s]
-        tokens = sum(r.tokens for r in recs)
+        rounds = [x for r in recs for x in r.round_times]
+        total = RequestStats()
+        for r in recs:
+            total.merge(r.stats)
         seconds = sum(r.seconds for r in recs)
         timed = bool(rounds)  # a replayed stream has no wall times
         s = {
-            "mal": (tokens - len(recs)) / max(sum(r.rounds for r in recs), 1),
+            "mal": total.mal if total.mal is not None else 1.0,
+            "acceptance_by_depth": total.acceptance_by_depth(depth),
             "mal_first_half": statistics.fmean(before) if before else float("nan"),
             "mal_second_half": statistics.fmean(after) if after else float("nan"),
-            "tok_per_s": tokens / seconds if timed and seconds else None,
+            "tok_per_s": total.tokens / seconds if timed and seconds else None,
             "round_ms_p50": 1e3 * _pct(rounds, 0.5) if timed else None,
             "round_ms_p99": 1e3 * _pct(rounds, 0.99) if timed else None,
             "per_request_mal": [round(r.mal, 4) for r in recs],

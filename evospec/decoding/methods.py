@@ -1,20 +1,24 @@
 """Decoding methods by name: the one place that maps ``--method NAME`` to a decoder.
 
-Owns: the :class:`Decoder` protocol (``generate(prompt_ids, params) -> Iterator[StepEvent]``)
-and the factory :func:`make_decoder`. Each decoder keeps its preallocated state (KV caches,
-tree buffers) between requests. Knows token ids only.
+Owns: the method table (:data:`METHOD_SPECS`, one :class:`MethodSpec` per name, resolved by
+:func:`method_spec`: what a method is made of, which inputs it needs, what state it keeps --
+every consumer reads these fields instead of testing names), the :class:`Decoder` protocol
+(``generate(prompt_ids, params) -> Iterator[StepEvent]``) and the factory :func:`make_decoder`.
+Each decoder keeps its preallocated state (KV caches, tree buffers) between requests. Knows
+token ids only.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from evospec.adapt.config import AdaptConfig
 from evospec.adapt.online import OnlineAdapter
-from evospec.decoding.autoregressive import generate_ar, plan_budget
+from evospec.decoding.autoregressive import generate_ar
+from evospec.decoding.budget import cache_for, plan_budget
 from evospec.decoding.drafter import Drafter, EagleDrafter
 from evospec.decoding.events import StepEvent
 from evospec.decoding.node_logits import calibrate_prefetch
@@ -26,12 +30,76 @@ from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
 from evospec.models.transformer import Transformer
 from evospec.vocab.active import ActiveVocab
-from evospec.vocab.factory import POLICIES, VocabConfig, make_policy
+from evospec.vocab.factory import (
+    HAS_ARC,
+    NEEDS_COUNTS,
+    NEEDS_RETRIEVAL,
+    POLICIES,
+    SHARED_BUDGET,
+    VocabConfig,
+    make_policy,
+)
 
-# online-adaptive methods: name -> (vocabulary policy, adaptation mode)
-ADAPTIVE = {"clora": ("frspec", "clora"), "osd": ("frspec", "osd"), "evospec-full": ("evospec", "clora")}
-METHODS = ("ar", "eagle2", *POLICIES, *ADAPTIVE)
-SPECULATIVE = ("eagle2", *POLICIES, *ADAPTIVE)  # methods that need an EAGLE-2 draft head
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What one decoding method is made of (a row of :data:`METHOD_SPECS`)."""
+
+    name: str
+    speculative: bool  # drafts a tree and verifies it: needs an EAGLE-2 draft head
+    policy: str | None  # active-vocabulary policy the draft proposes over; None: full vocabulary
+    adapt: str | None  # online adaptation mode ("clora" | "osd"); None: the draft is frozen
+
+    @property
+    def needs_counts(self) -> bool:  # the frequency table of the model's indices
+        return self.policy in NEEDS_COUNTS
+
+    @property
+    def needs_hnsw(self) -> bool:  # the HNSW index over the LM head and the bigram graph
+        return self.policy in NEEDS_RETRIEVAL
+
+    @property
+    def needs_indices(self) -> bool:
+        return self.needs_counts or self.needs_hnsw
+
+    @property
+    def has_arc(self) -> bool:  # keeps an ARC buffer of retrieved ids (resettable, inspectable)
+        return self.policy in HAS_ARC
+
+    @property
+    def shares_budget(self) -> bool:  # window and ARC buffer split vocab.w_max
+        return self.policy in SHARED_BUDGET
+
+    @property
+    def drafts_like(self) -> str:
+        """The method whose drafting cost this one has (an adaptive method drafts like its
+        vocabulary policy): what the tree tuner measures and caches."""
+        return self.policy or self.name
+
+
+def _table() -> dict[str, MethodSpec]:
+    rows = [MethodSpec("ar", False, None, None), MethodSpec("eagle2", True, None, None)]
+    rows += [MethodSpec(p, True, p, None) for p in POLICIES]
+    rows += [
+        MethodSpec("clora", True, "frspec", "clora"),
+        MethodSpec("osd", True, "frspec", "osd"),
+        MethodSpec("evospec-full", True, "evospec", "clora"),
+    ]
+    return {r.name: r for r in rows}
+
+
+METHOD_SPECS: dict[str, MethodSpec] = _table()
+METHODS = tuple(METHOD_SPECS)
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The table row of ``name``; ValueError naming the available methods otherwise."""
+    spec = METHOD_SPECS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return spec
+
+
 # which tree nodes the verify forward projects onto the vocabulary (see node_logits.py):
 # "all" every node (one big call; right on a GPU), "lazy" on demand with prefetch, "auto"
 # lazy on a CPU, all elsewhere
@@ -40,26 +108,39 @@ _PREFETCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> 
 
 
 class Decoder(Protocol):
+    """What the engine, the bench and the CLI may read of a decoder, and nothing more."""
+
     name: str
+    tree: TreeConfig | None  # the draft tree's shape; None: no drafting (ar)
+    vocab: ActiveVocab | None  # the active draft vocabulary (eagle2: the full one); None for ar
+    adapt: OnlineAdapter | None  # the online adapter of the adaptive methods; else None
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]: ...
+
+    def close(self) -> None:
+        """Stop background work (retrieval, adapter worker); the decoder is not used after."""
 
 
 class ARDecoder:
     """Plain decoding with a KV cache reused across requests (grown when a request needs more)."""
 
     name = "ar"
+    tree = None
+    vocab = None
+    adapt = None
 
     def __init__(self, model: Transformer, eos_ids: Sequence[int] = ()) -> None:
         self.model = model
         self.eos_ids = tuple(eos_ids)
         self.cache: KVCache | None = None
 
+    def close(self) -> None:
+        pass
+
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
-        _, slots = plan_budget(self.model, len(prompt), params)
-        if self.cache is None or self.cache.max_len < slots:
-            self.cache = self.model.new_cache(slots)
-        return generate_ar(self.model, prompt, params, eos_ids=self.eos_ids, cache=self.cache)
+        budget = plan_budget(self.model, len(prompt), params, eos_ids=self.eos_ids)
+        self.cache = cache_for(self.model, self.cache, budget.slots)
+        return generate_ar(self.model, prompt, params, eos_ids=self.eos_ids, cache=self.cache, budget=budget)
 
 
 class SpeculativeDecoder:
@@ -86,10 +167,15 @@ class SpeculativeDecoder:
         self.eos_ids = tuple(eos_ids)
         self.cache: KVCache | None = None
 
+    def close(self) -> None:
+        if self.adapt is not None:
+            self.adapt.close()
+        if self.vocab is not None:
+            self.vocab.close()
+
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
-        _, slots = plan_budget(self.model, len(prompt), params, slack=self.tree.max_nodes)
-        if self.cache is None or self.cache.max_len < slots:
-            self.cache = self.model.new_cache(slots)
+        budget = plan_budget(self.model, len(prompt), params, eos_ids=self.eos_ids, slack=self.tree.max_nodes)
+        self.cache = cache_for(self.model, self.cache, budget.slots)
         return generate_speculative(
             self.model,
             self.drafter,
@@ -101,6 +187,7 @@ class SpeculativeDecoder:
             vocab=self.vocab,
             adapt=self.adapt,
             prefetch=self.prefetch,
+            budget=budget,
         )
 
 
@@ -120,25 +207,23 @@ def make_decoder(
     """``ar``; or a speculative method (needs ``draft``, an EAGLE-2 head for ``model``):
     ``eagle2`` drafts over the full vocabulary, the others over a policy's active vocabulary
     (``frspec``/``evospec`` also need ``indices``, an ``indices.IndexBundle`` for ``model``).
-    The :data:`ADAPTIVE` methods also tune a private copy of ``draft`` online (``adapt``
-    settings; its ``mode`` is the method's). ``verify_logits`` (:data:`VERIFY_LOGITS`) and
+    Methods whose spec has an ``adapt`` mode also tune a private copy of ``draft`` online
+    (``adapt`` settings; the ``mode`` is the spec's). ``verify_logits`` (:data:`VERIFY_LOGITS`) and
     ``prefetch`` (a fixed threshold in [0, 1]; default: calibrated once per target) choose how
     verification projects tree nodes onto the vocabulary; the output is the same either way."""
-    if name == "ar":
+    spec = method_spec(name)
+    if not spec.speculative:
         return ARDecoder(model, eos_ids)
-    if name not in SPECULATIVE:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
     if draft is None:
         raise ValueError(f"method {name} needs a draft head (--draft PATH)")
     tree = tree or TreeConfig()
     if tree.top_k > model.cfg.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
     weight = model.lm_head.weight
-    policy_name, online = ADAPTIVE.get(name, (name, None))
     policy = None
-    if policy_name != "eagle2":
+    if spec.policy is not None:
         policy = make_policy(
-            policy_name,
+            spec.policy,
             model.cfg.vocab_size,
             cfg=vocab or VocabConfig(),
             indices=indices,
@@ -146,9 +231,9 @@ def make_decoder(
         )
     active = ActiveVocab(policy, weight, always_ids=eos_ids, project=projection(model.lm_head))
     adapter = None
-    if online is not None:
+    if spec.adapt is not None:
         draft = clone_head(draft)  # its weights will move: never share them with another decoder
-        adapter = OnlineAdapter(draft.attach(model), weight, replace(adapt or AdaptConfig(), mode=online))
+        adapter = OnlineAdapter(draft.attach(model), weight, replace(adapt or AdaptConfig(), mode=spec.adapt))
     drafter = EagleDrafter(draft.attach(model), active.draft_head)
     threshold = verify_prefetch(model, verify_logits, prefetch)
     return SpeculativeDecoder(

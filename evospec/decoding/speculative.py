@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from evospec.adapt.online import OnlineAdapter
-from evospec.decoding.autoregressive import plan_budget, stop_rule
+from evospec.decoding.budget import Budget, cache_for, plan_budget
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
 from evospec.decoding.node_logits import NodeLogits
@@ -46,17 +46,17 @@ def generate_speculative(
     vocab: ActiveVocab | None = None,
     adapt: OnlineAdapter | None = None,
     prefetch: float | None = None,
+    budget: Budget | None = None,
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
-    loads each round's active ids at the round's first draft LM-head call and observes each
-    verified round. ``prefetch``: None projects every tree node onto the vocabulary in the
-    verify forward; a threshold projects rows on demand (``node_logits.py``)."""
-    max_new, slots = plan_budget(target, len(prompt), params, slack=tree_cfg.max_nodes)
-    if cache is None or cache.max_len < slots:
-        cache = target.new_cache(slots)
-    cache.reset()
-    drafter.start(prompt, slots + tree_cfg.draft_slots)
-    rule = stop_rule(target, params, max_new, eos_ids)
+        loads each round's active ids at the round's first draft LM-head call and observes each
+        verified round. ``prefetch``: None projects every tree node onto the vocabulary in the
+        verify forward; a threshold projects rows on demand (``node_logits.py``). ``budget``: planned
+    by the caller (``budget.plan_budget`` with the tree's slack), else here."""
+    budget = budget or plan_budget(target, len(prompt), params, eos_ids=eos_ids, slack=tree_cfg.max_nodes)
+    cache = cache_for(target, cache, budget.slots)
+    drafter.start(prompt, budget.slots + tree_cfg.draft_slots)
+    rule = budget.rule
     device = target.embed_tokens.weight.device
     gen = params.make_generator(device)
 

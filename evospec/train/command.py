@@ -39,9 +39,10 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         default=[DEFAULT_DATA],
         metavar="PATH",
-        help="training prompts: the shared data folder (its training-side sets; evaluation sets are "
-        'refused) and/or JSONL files of {"prompt": ...} records (default: ../shared/data next to the '
-        "checkout)",
+        help="training data: the shared data folder (its training-side sets; evaluation sets are "
+        'refused) and/or JSONL files of {"prompt": ...} records (prompts for generation) or '
+        '{"messages": [..., {"role": "assistant", ...}]} conversations (teacher-forced answers; their '
+        "last user turn is also a prompt) (default: ../shared/data next to the checkout)",
     )
     t.add_argument(
         "--work",
@@ -96,6 +97,13 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         "machine or over several sessions; a later run without it trains on all of them)",
     )
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    t.add_argument(
+        "--init",
+        default=None,
+        metavar="HEAD",
+        help="start from this EAGLE-2 head folder ('shipped': the head shipped for the target) instead "
+        "of a random one, e.g. to train an existing head on more data or for more steps",
+    )
     t.add_argument("--batch-size", type=positive_int, default=16, help="generation batch size (default 16)")
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length cap (default 192)")
     t.add_argument(
@@ -142,7 +150,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     import torch
 
     from evospec.common import evospec_home
-    from evospec.models.eagle import new_eagle_for, save_eagle
+    from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
     from evospec.models.loading import load_model, resolve_device
     from evospec.train.conversations import training_conversations
     from evospec.train.datagen import feature_shards, generate_responses, teacher_force
@@ -180,10 +188,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             progress=progress,
         )
     if args.source in ("dataset", "mix"):
-        eos = codec.eos_ids[0]
+        eos = [*(codec.eos_ids or loaded.model.cfg.eos_token_ids)][:1]  # the answer ends as generated ones do
         taught = teacher_force(
             loaded.model,
-            lambda c: (codec.encode_chat(list(c.history)), [*codec.encode_text(c.answer), eos]),
+            lambda c: (codec.encode_chat(list(c.history)), [*codec.encode_text(c.answer), *eos]),
             training_conversations(args.data),
             work,
             target_tokens=args.dataset_tokens,
@@ -205,7 +213,16 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         w_reg=args.reg_weight,
     )
     seqs = load_sequences(shards, cfg.max_seq_len)
-    head = new_eagle_for(loaded.model)
+    init = args.init
+    if init == "shipped":
+        from evospec.models.registry import default_head
+
+        init = default_head(loaded.name)
+        if init is None:
+            raise ValueError(f"--init shipped: no head ships for {loaded.name}")
+    head = (
+        new_eagle_for(loaded.model) if init is None else load_eagle(init, device=device).attach(loaded.model)
+    )
     for p in head.parameters():
         p.requires_grad_(True)
     log = train_head(head, loaded.model, seqs, work / "ckpt", cfg, progress=progress)
@@ -217,6 +234,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
         "source": args.source,
+        "init": str(init) if init else None,
         "response_tokens": have,
         "teacher_forced_tokens": taught,
         "sequences": len(seqs),

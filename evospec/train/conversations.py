@@ -96,12 +96,30 @@ def _pairs(data: Path) -> dict[str, list[tuple[tuple[Message, ...], str]]]:
     return out
 
 
+def _file_conversations(path: Path) -> list[tuple[tuple[Message, ...], str]]:
+    """A JSONL file's ``{"messages": [...]}`` records whose last message is the assistant's
+    answer; files of prompt-only records (``{"prompt": ...}``) carry no answers: none."""
+    out = []
+    for i, rec in enumerate(read_jsonl(path)):
+        msgs = rec.get("messages")
+        if msgs is None:
+            continue
+        ok = isinstance(msgs, list) and len(msgs) >= 2 and all(isinstance(m, dict) for m in msgs)
+        if not ok or msgs[-1].get("role") != "assistant" or msgs[-2].get("role") != "user":
+            raise ValueError(
+                f"{path}: record {i + 1}: 'messages' must end with a user and an assistant message"
+            )
+        history = tuple({"role": m["role"], "content": str(m.get("content", ""))} for m in msgs[:-1])
+        out.append((history, str(msgs[-1].get("content", ""))))
+    return out
+
+
 def training_conversations(
     data: str | Path | Sequence[str | Path], *, seed: int = 0
 ) -> list[TrainConversation]:
-    """Every answered training conversation under the data folder(s), shuffled per source and
-    interleaved round-robin. Paths that are not folders (prompt-only JSONL files) carry no
-    answers and are skipped."""
+    """Every answered training conversation in ``data``, shuffled per source and interleaved
+    round-robin: the shared data folder's training-side sets, and JSONL files of
+    ``{"messages": [...]}`` records (one source per file, named by its stem)."""
     paths = [Path(data)] if isinstance(data, str | Path) else [Path(d) for d in data]
     per_source: dict[str, list[tuple[tuple[Message, ...], str]]] = {}
     for path in paths:
@@ -110,7 +128,9 @@ def training_conversations(
         if path.is_dir():
             for source, pairs in _pairs(path).items():
                 per_source.setdefault(source, []).extend(pairs)
-        elif not path.is_file():
+        elif path.is_file():
+            per_source.setdefault(path.stem, []).extend(_file_conversations(path))
+        else:
             raise FileNotFoundError(f"{path}: no such training data folder or prompt file")
     rng = random.Random(seed)
     queues = []

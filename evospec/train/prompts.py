@@ -75,9 +75,16 @@ def _source_prompts(data: Path) -> dict[str, list[str]]:
 
 
 def _file_prompts(path: Path) -> list[str]:
-    """A JSONL file of ``{"prompt": "..."}`` records (other keys ignored)."""
+    """A JSONL file of ``{"prompt": "..."}`` records (other keys ignored), or of
+    ``{"messages": [...]}`` conversations (their last user message)."""
     out = []
     for i, rec in enumerate(read_jsonl(path)):
+        msgs = rec.get("messages")
+        if isinstance(msgs, list):  # a conversation (teacher-forced data): its last user turn
+            users = [m.get("content") for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
+            if users and isinstance(users[-1], str):
+                out.append(users[-1])
+                continue
         if not isinstance(rec.get("prompt"), str):
             raise ValueError(f"{path}: record {i + 1} has no string 'prompt'")
         out.append(rec["prompt"])

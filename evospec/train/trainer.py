@@ -341,6 +341,8 @@ def train_head(
             step, log = state["step"], state["log"]
         else:  # more data or other settings since: resuming would mix two schedules
             tqdm.write(f"{ckpt}: written for other data or settings; training from the start")
+    if step == 0:  # where training starts from (a random head, or one given to continue from)
+        log["initial_holdout"] = evaluate(head, full_head, hold, feat_std, cfg)
     t0 = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="train-draft", unit="step", disable=not progress)
     done = 0

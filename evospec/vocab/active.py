@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -85,6 +85,18 @@ class VocabTotals:
         self.dropped += st.dropped
         if self.latencies is not None:
             self.latencies.extend(st.retrieval_s)
+
+    def merge(self, other: VocabTotals) -> None:
+        """Add ``other``'s totals to these (its latencies too, when these keep them)."""
+        for f in fields(self):
+            if f.name != "latencies":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        if self.latencies is not None:
+            self.latencies.extend(other.latencies or ())
+
+    def copy(self) -> VocabTotals:
+        """An independent copy (the latency list is copied, not shared)."""
+        return replace(self, latencies=None if self.latencies is None else list(self.latencies))
 
     @property
     def coverage(self) -> float | None:

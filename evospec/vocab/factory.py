@@ -27,6 +27,8 @@ from evospec.vocab.retrieval import IndexRetriever, RetrievalPool
 POLICIES = ("frspec", "nanospec", "evospec", "nanospec+evospec")
 NEEDS_COUNTS = frozenset({"frspec", "evospec"})  # policies that read the frequency table
 NEEDS_RETRIEVAL = frozenset({"evospec", "nanospec+evospec"})  # ... and the HNSW index + graph
+HAS_ARC = frozenset({"evospec", "nanospec+evospec"})  # policies that keep an ARC buffer
+SHARED_BUDGET = frozenset({"nanospec+evospec"})  # window and ARC buffer share w_max
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,16 @@ class VocabConfig:
     max_pending: int = 4  # in-flight retrievals before new OOV events are dropped
     synchronous: bool = False  # run retrieval inline (deterministic; for tests and ablations)
     persist: bool = True  # keep the ARC buffer across requests (False: reset per request)
+
+    def budget_problem(self, policy: str) -> str | None:
+        """Why these settings cannot run ``policy`` (None: they can): the policies in
+        :data:`SHARED_BUDGET` split ``w_max`` between the window and the ARC buffer."""
+        if policy in SHARED_BUDGET and self.w_max <= self.arc_capacity:
+            return (
+                f"{policy} shares vocab.w_max ({self.w_max}) between the window and the ARC buffer: "
+                f"it must exceed vocab.arc_capacity ({self.arc_capacity})"
+            )
+        return None
 
     def __post_init__(self) -> None:
         for name in ("k_pre", "k_ver", "w_max", "arc_capacity", "n_top", "max_pending"):

@@ -10,7 +10,7 @@ import torch
 
 from evospec.adapt.config import AdaptConfig
 from evospec.adapt.online import OnlineAdapter
-from evospec.decoding.methods import ADAPTIVE, make_decoder
+from evospec.decoding.methods import METHOD_SPECS, make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import new_eagle_for
@@ -22,16 +22,6 @@ EOS = (V - 1,)
 TREE = TreeConfig(top_k=4, depth=4, total_tokens=12)
 # small and eager: updates happen every few rounds, and move the weights visibly
 FAST = AdaptConfig(buffer_size=4, lr=1e-2, context=8, k_logit=16, rank=4, alpha=4)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(3)
-
-
-@pytest.fixture(scope="module")
-def head(target):
-    return new_eagle_for(target, seed=1)
 
 
 def decoder(target, head, method, **cfg):
@@ -49,7 +39,7 @@ def decoder(target, head, method, **cfg):
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["inline", "async"])
-@pytest.mark.parametrize("method", list(ADAPTIVE))
+@pytest.mark.parametrize("method", [s.name for s in METHOD_SPECS.values() if s.adapt])
 def test_greedy_output_equals_ar_while_updates_run(target, head, method, asynchronous):
     dec = decoder(target, head, method, asynchronous=asynchronous)
     params = SamplingParams(max_new_tokens=40)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 
 from evospec.bench.prompts import BenchPrompt
-from evospec.bench.runner import RunRecord, format_table, run_side_by_side, summarise
+from evospec.bench.runner import RunRecord, bench_stats, format_table, run_side_by_side, summarise
+from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import ARDecoder
 from evospec.decoding.sampling import SamplingParams
 from tests.conftest import TinyPair, random_tokens
@@ -22,6 +24,16 @@ PROMPTS = [
 
 def _encode(p: BenchPrompt) -> list[int]:
     return random_tokens(4 + len(p.text), seed=ord(p.text))[0].tolist()
+
+
+def _ar_record(method: str, i: int, tokens: list[int], prefill_s: float = 0.0) -> RunRecord:
+    """A plain-decoding run of 1.0 s, all of it target forwards, folded from its events: the first
+    token from the prefill (``prefill_s``), then one decode step per token."""
+    step_s = (1.0 - prefill_s) / max(len(tokens) - 1, 1)
+    rec = RunRecord(method, "c", i, list(tokens), seconds=1.0, stats=bench_stats())
+    for k, tok in enumerate(tokens):
+        rec.stats.add(StepEvent([tok], verify_s=prefill_s if k == 0 else step_s, prefill=k == 0))
+    return rec
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +56,11 @@ def test_records(result: tuple[list[RunRecord], dict]) -> None:
         ("ar_again", 2, "writing"),
     ]
     for r in records:
-        assert len(r.tokens) == 6 and r.rounds == 5 and r.accepted == 0  # the prefill token is no round
-        assert r.seconds > 0 and 0 < r.verify_s <= r.seconds
-        assert 0 < r.prefill_s < r.verify_s  # the prefill event's time, one of six steps
+        st = r.stats
+        assert len(r.tokens) == st.tokens == 6 and st.rounds == 5 and st.accepted == 0  # prefill: no round
+        assert r.seconds > 0 and 0 < st.verify_s <= r.seconds
+        assert 0 < st.prefill_s < st.verify_s  # the prefill event's time, one of six steps
+        assert st.depth_counts == [] and st.mal == 1.0
 
 
 def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
@@ -58,6 +72,7 @@ def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
     assert set(summary["per_category"]) == {"math", "writing"}
     keys = {
         "mal",
+        "acceptance_by_depth",
         "tok_per_s",
         "speedup_vs_ar",
         "median_prompt_speedup_vs_ar",
@@ -79,6 +94,7 @@ def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
         for stats in scope.values():
             assert keys <= set(stats)
             assert stats["mal"] == 1.0
+            assert stats["acceptance_by_depth"] == []  # nothing drafted, no tree configured
             assert stats["matches_ar"] == 1.0
             assert stats["tok_per_s"] > 0 and math.isfinite(stats["speedup_vs_ar"])
         assert scope["ar"]["speedup_vs_ar"] == 1.0
@@ -87,16 +103,11 @@ def test_summary_json_shape(result: tuple[list[RunRecord], dict]) -> None:
 
 
 def test_matches_ar_detects_a_difference() -> None:
-    def rec(method: str, i: int, tokens: list[int]) -> RunRecord:
-        return RunRecord(
-            method, "c", i, tokens, seconds=1.0, rounds=len(tokens) - 1, accepted=0, draft_s=0.0, verify_s=1.0
-        )
-
     records = [
-        rec("ar", 0, [1, 2, 3]),
-        rec("other", 0, [1, 2, 3]),
-        rec("ar", 1, [4, 5]),
-        rec("other", 1, [4, 6]),
+        _ar_record("ar", 0, [1, 2, 3]),
+        _ar_record("other", 0, [1, 2, 3]),
+        _ar_record("ar", 1, [4, 5]),
+        _ar_record("other", 1, [4, 6]),
     ]
     stats = summarise(records, {})["methods"]["other"]
     assert stats["matches_ar"] == 0.5
@@ -105,7 +116,8 @@ def test_matches_ar_detects_a_difference() -> None:
 
 def test_decode_rate_leaves_the_prefill_out() -> None:
     """3 tokens in 1.0 s of which 0.6 s prefill: 3 tok/s overall, 2 tokens / 0.4 s decoding."""
-    rec = RunRecord("ar", "c", 0, [1, 2, 3], 1.0, 2, 0, 0.0, 1.0, prefill_s=0.6)
+    rec = _ar_record("ar", 0, [1, 2, 3], prefill_s=0.6)
+    assert (rec.stats.rounds, rec.stats.prefill_s, rec.stats.verify_s) == (2, 0.6, pytest.approx(1.0))
     stats = summarise([rec], {})["methods"]["ar"]
     assert stats["tok_per_s"] == pytest.approx(3.0)
     assert stats["decode_tok_per_s"] == pytest.approx(5.0)
@@ -113,7 +125,7 @@ def test_decode_rate_leaves_the_prefill_out() -> None:
 
 
 def test_no_ar_means_no_speedup_baseline() -> None:
-    records = [RunRecord("x", "c", 0, [1, 2], 1.0, 1, 0, 0.0, 1.0)]
+    records = [_ar_record("x", 0, [1, 2])]
     stats = summarise(records, {})["methods"]["x"]
     assert math.isnan(stats["speedup_vs_ar"]) and "matches_ar" not in stats
 
@@ -133,8 +145,10 @@ def test_format_table(result: tuple[list[RunRecord], dict]) -> None:
     assert len(lines) == 9
 
 
-def test_speculative_method_side_by_side() -> None:
-    """eagle2-style decoding in the same harness: MAL counts accepted + 1 per round."""
+@pytest.mark.parametrize("max_new", [13, 12])
+def test_speculative_method_side_by_side(max_new: int) -> None:
+    """eagle2-style decoding in the same harness: MAL counts accepted + 1 per round, before
+    clipping (with 12 new tokens the third round's 4 tokens are cut to 3: MAL stays 4)."""
     from evospec.decoding.drafter import TargetDrafter
     from evospec.decoding.methods import SpeculativeDecoder
     from evospec.decoding.tree import TreeConfig
@@ -147,14 +161,27 @@ def test_speculative_method_side_by_side() -> None:
         "spec": SpeculativeDecoder("spec", target, TargetDrafter(target), tree),
     }
     prompts = [BenchPrompt("x", str(i), False) for i in range(3)]
-    params = SamplingParams(max_new_tokens=13)
+    params = SamplingParams(max_new_tokens=max_new)
     records = run_side_by_side(decoders, prompts, lambda p: prompt_of(int(p.text), 5), params, progress=False)
     summary = summarise(records, {})
     spec = summary["methods"]["spec"]
     assert spec["matches_ar"] == 1.0
-    assert spec["mal"] == pytest.approx(4.0)  # 12 tokens after the prefill, 3 rounds of depth 3 + 1
+    assert spec["tokens"] == 3 * max_new and spec["rounds"] == 9
+    assert spec["mal"] == pytest.approx(4.0)  # 3 rounds per prompt, each of depth 3 + 1
+    assert spec["acceptance_by_depth"] == [1.0, 1.0, 1.0]  # every round accepted the whole tree
     assert summary["methods"]["ar"]["mal"] == pytest.approx(1.0)
-    assert all(r.accepted == 9 for r in records if r.method == "spec")
+    assert summary["methods"]["ar"]["acceptance_by_depth"] == [0.0, 0.0, 0.0]
+    assert summary["per_category"]["x"]["spec"]["acceptance_by_depth"] == [1.0, 1.0, 1.0]
+    assert all(
+        r.stats.accepted == 9 and r.stats.depth_counts == [3, 3, 3] for r in records if r.method == "spec"
+    )
+    # the depth table lists the method that drafted, not plain decoding
+    tables = format_table(summary).split("\n\n")
+    assert tables[1].splitlines() == [
+        "| acceptance by depth | d=1 | d=2 | d=3 |",
+        "|---|---|---|---|",
+        "| spec | 1.000 | 1.000 | 1.000 |",
+    ]
 
 
 def test_vocabulary_methods_report_coverage_split_and_oracle() -> None:
@@ -175,7 +202,8 @@ def test_vocabulary_methods_report_coverage_split_and_oracle() -> None:
     prompts = [BenchPrompt("x", str(i), False) for i in range(2)]
     params = SamplingParams(max_new_tokens=12)
     records = run_side_by_side(decoders, prompts, lambda p: prompt_of(int(p.text), 6), params, progress=False)
-    methods = summarise(records, {})["methods"]
+    config = {"tree": {"eagle2": asdict(tree), "nanospec": asdict(tree)}}
+    methods = summarise(records, config)["methods"]
     assert "coverage" not in methods["ar"]
     assert methods["eagle2"]["coverage"] == 1.0 and methods["eagle2"]["active_size"] == 64
     nano = methods["nanospec"]
@@ -184,5 +212,12 @@ def test_vocabulary_methods_report_coverage_split_and_oracle() -> None:
     round_ms = nano["draft_ms_per_round"] + nano["verify_ms_per_round"]
     assert nano["oracle_tok_per_s"] == pytest.approx(1e3 * methods["eagle2"]["mal"] / round_ms)
     assert nano["matches_ar"] == 1.0
+    for name in ("eagle2", "nanospec"):  # d = 1 .. the tree's depth, never rising with d
+        shares = methods[name]["acceptance_by_depth"]
+        assert len(shares) == tree.depth and shares == sorted(shares, reverse=True)
+        assert sum(shares) == pytest.approx(methods[name]["mal"] - 1)
     table = format_table({"methods": methods})
     assert "| nanospec |" in table.split("\n\n")[1] and "| ar |" not in table.split("\n\n")[1]
+    depth = table.split("\n\n")[2].splitlines()
+    assert depth[0] == "| acceptance by depth | d=1 | d=2 | d=3 |"
+    assert [row.split(" | ")[0] for row in depth[2:]] == ["| eagle2", "| nanospec"]

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from evospec.decoding.autoregressive import generate_ar, plan_budget, stop_rule
+from evospec.decoding.autoregressive import generate_ar
+from evospec.decoding.budget import plan_budget, stop_rule
 from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import METHODS, ARDecoder, make_decoder
 from evospec.decoding.sampling import SamplingParams
@@ -103,8 +104,9 @@ def test_empty_prompt_raises(tiny_llama: TinyPair) -> None:
 
 def test_prompt_near_context_clips_max_new_tokens(tiny_llama: TinyPair) -> None:
     prompt = _prompt(CTX - 3, seed=3)
-    assert plan_budget(tiny_llama.ours, len(prompt), _greedy(10)) == (3, CTX)
-    assert plan_budget(tiny_llama.ours, len(prompt), _greedy(10), slack=4) == (3, CTX + 4)
+    b = plan_budget(tiny_llama.ours, len(prompt), _greedy(10))
+    assert (b.max_new, b.slots, b.rule.max_new_tokens) == (3, CTX, 3)
+    assert plan_budget(tiny_llama.ours, len(prompt), _greedy(10), slack=4).slots == CTX + 4
     tokens, events = _run(tiny_llama.ours, prompt, _greedy(10))
     assert len(tokens) == 3 and events[-1].finish_reason == "length"
     assert tokens == _run(tiny_llama.ours, prompt, _greedy(3))[0]

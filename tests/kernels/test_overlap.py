@@ -17,15 +17,10 @@ from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import new_eagle_for
 from evospec.vocab.active import ActiveVocab
 from evospec.vocab.factory import make_policy
-from tests.decoding.spec_helpers import ar_tokens, prompt_of, tiny_target
+from tests.decoding.spec_helpers import ar_tokens, prompt_of
 from tests.vocab.helpers import SMALL, stand_in_indices
 
 EOS = 63
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(3)
 
 
 def _run(target, method: str, overlap: bool, prompts: list[list[int]]):

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from evospec.adapt.config import AdaptConfig
-from evospec.decoding.methods import ADAPTIVE, SpeculativeDecoder, make_decoder
+from evospec.decoding.methods import METHOD_SPECS, SpeculativeDecoder, make_decoder, method_spec
 from evospec.decoding.tree import TreeConfig
-from evospec.models.eagle import new_eagle_for
 from service.config import AdaptSettings
-from tests.service.conftest import complete, wait_for
+from tests.service.helpers import api_error, complete, wait_for
 from tests.vocab.helpers import SMALL, stand_in_indices
 
 TREE = TreeConfig(top_k=4, depth=3, total_tokens=8)
@@ -26,11 +25,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FAST = AdaptConfig(buffer_size=4, lr=1e-2, context=8, k_logit=16, rank=4, alpha=4)
 VOCAB = replace(SMALL, frspec_k=49152)  # the static core covers what the tiny model says: steps get admitted
 PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time"]
-
-
-@pytest.fixture(scope="module")
-def head(tiny):
-    return new_eagle_for(tiny, seed=3)
 
 
 @pytest.fixture
@@ -51,14 +45,7 @@ def make(tiny, codec, head) -> Callable[..., SpeculativeDecoder]:
     return factory
 
 
-def _err(r, status: int, code: str) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["code"] == code
-    return err
-
-
-@pytest.mark.parametrize("name", list(ADAPTIVE))
+@pytest.mark.parametrize("name", [s.name for s in METHOD_SPECS.values() if s.adapt])
 def test_adaptive_methods_equal_greedy_while_learning(name, serve, make, codec, reference) -> None:
     live = serve(make(name), admin_token=TOKEN)
     for prompt in PROMPTS * 2:
@@ -70,9 +57,9 @@ def test_adaptive_methods_equal_greedy_while_learning(name, serve, make, codec, 
         st = http.get("/admin/adapter").json()
         state = http.get("/admin/state").json()["adaptation"]
         metrics = http.get("/metrics").text
-    assert st["method"] == name and st["mode"] == ADAPTIVE[name][1] and st["updates"] >= 1
+    assert st["method"] == name and st["mode"] == method_spec(name).adapt and st["updates"] >= 1
     assert st["aux_bytes"]["total"] > 0 and st["keys"]["default"]["version"] == st["updates"]
-    assert state["implemented"] and state["mode"] == ADAPTIVE[name][1] and state["update_count"] >= 1
+    assert state["implemented"] and state["mode"] == method_spec(name).adapt and state["update_count"] >= 1
     value = re.search(r"^evospec_lora_updates_total (\S+)$", metrics, re.M)
     assert value and float(value.group(1)) == st["updates"]
 
@@ -93,15 +80,15 @@ def test_save_reset_load_through_admin(serve, make, codec, reference, tmp_path: 
         assert http.get("/admin/adapter").json()["keys"] == {}
         loaded = http.post("/admin/adapter/load", json={"path": saved["path"]}).json()
         assert loaded["version"] == 1 and loaded["key"] == "default"
-        _err(
+        api_error(
             http.post("/admin/adapter/load", json={"path": str(tmp_path / "nope.safetensors")}),
             404,
             "adapter_not_found",
         )
         junk = tmp_path / "junk.safetensors"
         junk.write_bytes(b"not a safetensors file")
-        _err(http.post("/admin/adapter/load", json={"path": str(junk)}), 400, "invalid_adapter")
-        _err(http.post("/admin/adapter/reset", json={"all": "yes"}), 400, "invalid_type")
+        api_error(http.post("/admin/adapter/load", json={"path": str(junk)}), 400, "invalid_adapter")
+        api_error(http.post("/admin/adapter/reset", json={"all": "yes"}), 400, "invalid_type")
     assert served is live.engine.decoder.drafter.head
     # still lossless after all that
     assert complete(live, PROMPTS[0])["choices"][0]["text"] == reference(codec.encode(PROMPTS[0]), 20)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.service.conftest import LiveServer, wait_for
+from tests.service.helpers import LiveServer, wait_for
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.service.conftest import CONTEXT, MODEL_NAME, LiveServer, wait_for
+from tests.service.helpers import CONTEXT, MODEL_NAME, LiveServer, wait_for
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Say something about speculative decoding."}]
@@ -103,7 +103,7 @@ def test_stop_string_truncates(ar_server: LiveServer, codec, reference, stream: 
 
 
 def _greedy_ids(server: LiveServer, codec, ids: list[int]) -> list[int]:
-    from tests.service.conftest import ar_ids
+    from tests.service.helpers import ar_ids
 
     return ar_ids(server.engine.decoder.model, codec, ids, 24)
 

@@ -18,6 +18,7 @@ from evospec.cli import main
 from service.config import ServeConfig
 from service.context import ServedModel
 from service.server import curl_example
+from tests.indices.helpers import write_model_folder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -49,16 +50,6 @@ def test_curl_example(codec) -> None:
     assert body["model"] == "m" and body["messages"][0]["role"] == "user"
 
 
-def _write_model_folder(folder: Path, model, codec) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(model.cfg.to_hf_dict()))
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rope")}
-    save_file(state, str(folder / "model.safetensors"))
-    codec.save(folder)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,7 +58,7 @@ def _free_port() -> int:
 
 def test_serve_subprocess_and_printed_curl(tmp_path: Path, tiny, codec, reference) -> None:
     folder = tmp_path / "tiny-folder"
-    _write_model_folder(folder, tiny, codec)
+    write_model_folder(folder, tiny, codec)
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "EVOSPEC_ADMIN_TOKEN": "t0k"}
     cmd = [

@@ -9,7 +9,7 @@ import pytest
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import new_eagle_for
-from tests.service.conftest import MODEL_NAME, LiveServer
+from tests.service.helpers import MODEL_NAME, LiveServer
 
 PROMPTS = ["The quick brown fox", "In the beginning", "def fibonacci(n):"]
 

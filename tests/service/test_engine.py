@@ -10,7 +10,7 @@ import pytest
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.sampling import SamplingParams
 from service.engine import Done, Engine, EngineStopped, GenerationRequest, Outcome
-from tests.service.conftest import GateDecoder, WrappedDecoder, wait_for
+from tests.service.helpers import GateDecoder, WrappedDecoder, wait_for
 
 
 class Collect:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.service.conftest import CONTEXT, MAX_TOKENS_LIMIT, MODEL_NAME, LiveServer
+from tests.service.helpers import CONTEXT, MAX_TOKENS_LIMIT, MODEL_NAME, LiveServer
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.service.conftest import MODEL_NAME, LiveServer, wait_for
+from tests.service.helpers import MODEL_NAME, LiveServer, wait_for
 
 CLIENTS = 16
 MAX_TOKENS = 12

@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import re
 
-from tests.service.conftest import MODEL_NAME, wait_for
-
-
-def _value(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in metrics"
-    return float(m.group(1))
+from tests.service.helpers import MODEL_NAME, metric_value, wait_for
 
 
 def test_health(ar_server) -> None:
@@ -40,15 +34,15 @@ def test_metrics_exposition(serve) -> None:
         m = http.get("/metrics")
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     text = m.text
-    assert _value(text, 'evospec_requests_total{outcome="finished"}') == 1
-    assert _value(text, "evospec_generated_tokens_total") == 5
-    assert _value(text, "evospec_rounds_total") == 4
-    assert _value(text, "evospec_accepted_tokens_total") == 0
-    assert _value(text, "evospec_mean_acceptance_length") == 1.0
-    assert _value(text, "evospec_queue_depth") == 0
-    assert _value(text, "evospec_request_latency_seconds_count") == 1
-    assert _value(text, "evospec_time_to_first_token_seconds_count") == 1
-    assert _value(text, 'evospec_http_responses_total{code="400",route="/v1/completions"}') == 1
+    assert metric_value(text, 'evospec_requests_total{outcome="finished"}') == 1
+    assert metric_value(text, "evospec_generated_tokens_total") == 5
+    assert metric_value(text, "evospec_rounds_total") == 4
+    assert metric_value(text, "evospec_accepted_tokens_total") == 0
+    assert metric_value(text, "evospec_mean_acceptance_length") == 1.0
+    assert metric_value(text, "evospec_queue_depth") == 0
+    assert metric_value(text, "evospec_request_latency_seconds_count") == 1
+    assert metric_value(text, "evospec_time_to_first_token_seconds_count") == 1
+    assert metric_value(text, 'evospec_http_responses_total{code="400",route="/v1/completions"}') == 1
     for name in (
         "evospec_oov_events_total",  # ar does not draft: every vocabulary series stays at 0
         "evospec_draft_verified_tokens_total",
@@ -63,6 +57,6 @@ def test_metrics_exposition(serve) -> None:
         "evospec_lora_updates_total",
         "evospec_lora_update_failures_total",
     ):
-        assert _value(text, name) == 0
-    assert _value(text, "evospec_adapter_version") == 0  # ar does not adapt
+        assert metric_value(text, name) == 0
+    assert metric_value(text, "evospec_adapter_version") == 0  # ar does not adapt
     assert not re.findall(r"^# HELP (evospec_\w+) NOT YET BACKED", text, re.M)  # every series is backed

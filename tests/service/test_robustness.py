@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from evospec.decoding.methods import make_decoder
-from tests.service.conftest import MODEL_NAME, FailingDecoder, GateDecoder, SlowDecoder, wait_for
+from tests.service.helpers import MODEL_NAME, FailingDecoder, GateDecoder, SlowDecoder, wait_for
 
 PROMPT = "Once upon a time"
 

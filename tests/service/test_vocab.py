@@ -12,7 +12,6 @@ successor graph.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,15 +28,16 @@ from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import SpeculativeDecoder, make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
-from evospec.models.eagle import EagleHead, new_eagle_for
 from service.config import ServeConfig, TreeSettings, VocabSettings
 from service.engine import Done, Engine, GenerationRequest
-from tests.service.conftest import (
+from tests.service.helpers import (
     MODEL_NAME,
     GateDecoder,
     WrappedDecoder,
+    api_error,
     ar_ids,
     complete,
+    metric_value,
     wait_for,
 )
 from tests.vocab.helpers import SMALL, stand_in_indices
@@ -47,11 +47,6 @@ TOKEN = "vocab-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
 VOCAB_METHODS = ("frspec", "nanospec", "evospec", "nanospec+evospec")
-
-
-@pytest.fixture(scope="module")
-def head(tiny) -> EagleHead:
-    return new_eagle_for(tiny, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +64,6 @@ def make(tiny, codec, head, bundle) -> Callable[[str], SpeculativeDecoder]:
         return dec
 
     return factory
-
-
-def _err(r, status: int, code: str) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["code"] == code
-    return err
 
 
 # -- lossless through the API -----------------------------------------------------------------------
@@ -116,7 +104,7 @@ def test_evospec_admin_state_shows_the_arc_buffer(serve, make) -> None:
         vocab = http.get("/admin/vocab").json()
         with_ids = http.get("/admin/vocab?ids=true").json()
         state = http.get("/admin/state").json()
-        _err(http.get("/admin/vocab?ids=maybe"), 400, "invalid_value")
+        api_error(http.get("/admin/vocab?ids=maybe"), 400, "invalid_value")
     assert vocab["method"] == "evospec" and vocab["policy"] == "evospec"
     assert vocab["static_size"] == 16 and vocab["window"] is None
     assert vocab["pending_retrievals"] in (0, 1)  # the last event's result waits for a next round
@@ -173,14 +161,17 @@ def test_vocab_reset_empties_the_arc_buffer(serve, make, codec, reference) -> No
 def test_reset_needs_an_arc_buffer(name: str, serve, make) -> None:
     live = serve(make(name), admin_token=TOKEN)
     with live.http(headers=AUTH) as http:
-        err = _err(http.post("/admin/vocab/reset", json={}), 409, "no_dynamic_vocabulary")
+        err = api_error(http.post("/admin/vocab/reset", json={}), 409, "no_dynamic_vocabulary")
         assert f"method {name} keeps no dynamic vocabulary" in err["message"]
         vocab = http.get("/admin/vocab").json()
         state = http.get("/admin/state").json()
     assert vocab["policy"] == name and vocab["arc"] is None and vocab["pending_retrievals"] is None
     if name == "nanospec":
         assert vocab["window"] == 24 and vocab["static_size"] is None
-    assert state["arc"]["note"] == f"method {name} keeps no ARC buffer (only evospec and nanospec+evospec do)"
+    assert (
+        state["arc"]["note"]
+        == f"method {name} keeps no ARC buffer (only evospec, nanospec+evospec, evospec-full do)"
+    )
     assert state["arc"]["t1"] is None and state["vocabulary"]["policy"] == name
 
 
@@ -193,7 +184,7 @@ def test_eagle2_vocab_is_the_full_vocabulary(serve, tiny, codec, head) -> None:
     assert spec["active_vocab_size"] == tiny.cfg.vocab_size
     with live.http(headers=AUTH) as http:
         vocab = http.get("/admin/vocab").json()
-        _err(http.post("/admin/vocab/reset"), 409, "no_dynamic_vocabulary")
+        api_error(http.post("/admin/vocab/reset"), 409, "no_dynamic_vocabulary")
     assert vocab["policy"] == "full" and vocab["active_size"] == vocab["capacity"] == tiny.cfg.vocab_size
 
 
@@ -217,7 +208,7 @@ def test_control_calls_run_between_rounds_on_the_engine_thread(make, codec) -> N
     inner = make("evospec")
     log: list = []
     dec = _Paused(inner, log, pause_at=2)
-    engine = Engine(dec, vocab=inner.vocab)
+    engine = Engine(dec)  # the wrapper exposes the inner decoder's vocabulary
     assert engine.call(lambda: threading.current_thread().name).result() == threading.current_thread().name
 
     def control() -> dict:
@@ -247,7 +238,7 @@ def test_control_calls_run_between_rounds_on_the_engine_thread(make, codec) -> N
 def test_reset_over_http_waits_for_a_safe_point(serve, make, codec, reference, monkeypatch) -> None:
     inner = make("evospec")
     gated = GateDecoder(inner)
-    live = serve(gated, admin_token=TOKEN, vocab=inner.vocab)
+    live = serve(gated, admin_token=TOKEN)
     done: dict = {}
     calls: list[int] = []
     real_reset = admin.reset_dynamic
@@ -266,7 +257,7 @@ def test_reset_over_http_waits_for_a_safe_point(serve, make, codec, reference, m
     # no safe point comes in time: 503, and the cancelled reset never runs later
     monkeypatch.setattr(admin, "CONTROL_TIMEOUT_S", 0.3)
     with live.http(headers=AUTH) as http:
-        _err(http.post("/admin/vocab/reset"), 503, "engine_busy")
+        api_error(http.post("/admin/vocab/reset"), 503, "engine_busy")
     monkeypatch.setattr(admin, "CONTROL_TIMEOUT_S", 10.0)
     resetter = threading.Thread(target=reset)
     resetter.start()
@@ -281,12 +272,6 @@ def test_reset_over_http_waits_for_a_safe_point(serve, make, codec, reference, m
 
 
 # -- metrics ----------------------------------------------------------------------------------------
-def _value(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in metrics"
-    return float(m.group(1))
-
-
 def test_vocab_metrics_after_a_request(serve, make) -> None:
     live = serve(make("evospec"))
     spec = complete(live, PROMPTS[0])["evospec"]
@@ -294,20 +279,20 @@ def test_vocab_metrics_after_a_request(serve, make) -> None:
     v = live.engine.snapshot().stats.vocab
     with live.http() as http:
         text = http.get("/metrics").text
-    assert _value(text, "evospec_draft_verified_tokens_total") == v.verified > 0
-    assert _value(text, "evospec_draft_covered_tokens_total") == v.covered
-    assert _value(text, "evospec_draft_coverage") == pytest.approx(v.covered / v.verified)
-    assert _value(text, "evospec_oov_events_total") == spec["oov_events"] > 0
-    assert _value(text, "evospec_active_vocab_size_count") == spec["rounds"]
-    assert _value(text, "evospec_active_vocab_size_sum") == v.active_size_sum
-    assert _value(text, "evospec_retrievals_total") == v.retrievals > 0
-    assert _value(text, "evospec_retrieval_latency_seconds_count") == v.retrievals
+    assert metric_value(text, "evospec_draft_verified_tokens_total") == v.verified > 0
+    assert metric_value(text, "evospec_draft_covered_tokens_total") == v.covered
+    assert metric_value(text, "evospec_draft_coverage") == pytest.approx(v.covered / v.verified)
+    assert metric_value(text, "evospec_oov_events_total") == spec["oov_events"] > 0
+    assert metric_value(text, "evospec_active_vocab_size_count") == spec["rounds"]
+    assert metric_value(text, "evospec_active_vocab_size_sum") == v.active_size_sum
+    assert metric_value(text, "evospec_retrievals_total") == v.retrievals > 0
+    assert metric_value(text, "evospec_retrieval_latency_seconds_count") == v.retrievals
     for name in (
         "evospec_retrievals_late_total",
         "evospec_retrieval_errors_total",
         "evospec_retrievals_dropped_total",
     ):
-        assert _value(text, name) == 0  # synchronous retrieval: never late, never saturated
+        assert metric_value(text, name) == 0  # synchronous retrieval: never late, never saturated
 
 
 # -- server.build -----------------------------------------------------------------------------------

@@ -103,3 +103,35 @@ def test_sigterm_becomes_a_clean_exit() -> None:
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
+
+
+def test_teacher_forced_conversations_train_a_head_from_another(model: Path, tmp_path: Path) -> None:
+    convs = tmp_path / "convs.jsonl"
+    texts = [line for line in CORPUS.replace(". ", ".\n").splitlines() if line.strip()]
+    recs = [
+        {"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]}
+        for a, b in zip(texts, texts[1:], strict=False)
+    ]
+    convs.write_text("\n".join(json.dumps(r) for r in recs))
+    first = tmp_path / "first"
+    argv = ["train-draft", "--target", str(model), "--work", str(tmp_path / "w1"), "--data", str(convs)]
+    argv += ["--source", "dataset", "--dataset-tokens", "40", "--epochs", "1", "--no-progress"]
+    assert main([*argv, "--out", str(first)]) == 0
+    info = json.loads((first / "training.json").read_text())
+    assert (
+        info["source"] == "dataset" and info["response_tokens"] == 0 and info["teacher_forced_tokens"] >= 40
+    )
+    second = tmp_path / "second"
+    argv[argv.index(str(tmp_path / "w1"))] = str(tmp_path / "w2")
+    assert main([*argv, "--out", str(second), "--init", str(first), "--steps", "2", "--epochs", "1"]) == 0
+    info = json.loads((second / "training.json").read_text())
+    assert info["init"] == str(first) and info["train_log"]["config"]["steps"] == 2
+    assert "top1@2" in info["train_log"]["epochs"][-1]["holdout"]
+
+
+def test_bad_conversation_records_are_refused(model: Path, tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    argv = ["train-draft", "--target", str(model), "--work", str(tmp_path / "w"), "--data", str(bad)]
+    assert main([*argv, "--source", "dataset", "--generate-only", "--no-progress"]) == 2
+    assert "must end with a user and an assistant message" in capsys.readouterr().err

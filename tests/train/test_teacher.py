@@ -53,7 +53,13 @@ def test_teacher_forcing_stores_what_generation_stores(tmp_path):
         # greedy answers: the target's top-1 at every fed answer row is the next token
         assert torch.equal(s.greedy[:-1], s.tokens[s.prompt_len + 1 :])  # the last row is never fed
     again = teacher_force(
-        target, lambda c: ids[c.uid], convs, tmp_path / "tf", target_tokens=10_000, support_k=8, progress=False
+        target,
+        lambda c: ids[c.uid],
+        convs,
+        tmp_path / "tf",
+        target_tokens=10_000,
+        support_k=8,
+        progress=False,
     )
     assert again == have  # resumed: nothing left to do
 
@@ -86,7 +92,9 @@ def test_unrolled_training_forward_equals_drafting(tmp_path):
             cache = head.new_cache(16)
             cache.k = cache.k.expand(-1, 2, -1, -1, -1).clone()
             cache.v = cache.v.expand(-1, 2, -1, -1, -1).clone()
-            out = head(feats[:, : root + 1], tokens[:, : root + 1], torch.arange(root + 1), cache, None)[:, -1:]
+            out = head(feats[:, : root + 1], tokens[:, : root + 1], torch.arange(root + 1), cache, None)[
+                :, -1:
+            ]
             assert torch.allclose(out[:, 0], outs[0][:, root], atol=1e-5)
             for depth in (2, 3):  # a chain: each step appends one pair that sees everything before it
                 pos = root + depth - 1
@@ -107,6 +115,7 @@ def test_multi_step_training_logs_agreement_per_step(tmp_path):
     last = log["epochs"][-1]
     assert {"top1@1", "top1@2", "top1@3"} <= set(last["holdout"]) and "top1@2" in last["train_ema"]
     assert last["holdout"]["top1@1"] == last["holdout"]["top1"]
+    assert set(log["initial_holdout"]) == set(last["holdout"])  # the starting point, measured alike
 
 
 @pytest.mark.skipif(not (DEFAULT_DATA / "gsm8k").is_dir(), reason="needs the shared data folder")

@@ -13,10 +13,9 @@ import torch
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
-from evospec.models.eagle import new_eagle_for
 from evospec.vocab.factory import POLICIES, VocabConfig, make_policy, static_table
 from evospec.vocab.policy import NanoSpecConfig, NanoSpecVocab, RoundFeedback, frspec_size
-from tests.decoding.spec_helpers import ar_tokens, prompt_of, tiny_target
+from tests.decoding.spec_helpers import ar_tokens, prompt_of
 from tests.vocab.helpers import SMALL, stand_in_indices
 
 V = 64
@@ -24,16 +23,6 @@ V = 64
 
 def bundle(target, counts=None):
     return stand_in_indices(target, counts)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(3)
-
-
-@pytest.fixture(scope="module")
-def head(target):
-    return new_eagle_for(target, seed=1)
 
 
 def test_frspec_size_rule():

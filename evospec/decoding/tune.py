@@ -1,10 +1,14 @@
-"""``--tree auto``: pick the draft-tree shape that decodes fastest on this machine.
+"""``--tree auto`` and ``--method auto``: the draft-tree shape, and the method, that decode
+fastest on this machine.
 
-Owns: the candidate shapes, the calibration run and its cache. Verifying many tree tokens is
+Owns: the candidate shapes, the calibration prompts, the calibration run and its cache, and
+the method choice (:func:`tuned_method`: the candidate with the best measured speedup over
+AR, or ``ar`` itself when none beats it). Verifying many tree tokens is
 not free on a CPU (PERF_NOTES: a 60-token verify costs several AR steps), while on a GPU it
 nearly is, so the best (top_k, depth, total_tokens) depends on the machine, the model, the
 draft head and the vocabulary method. The tuner measures instead of modelling: it decodes a
-few *training-side* prompts (never an evaluation set) with every candidate shape and with
+few calibration prompts (:data:`CALIBRATION_TEXTS`, written for this purpose: no data set,
+so a fresh install can tune) with every candidate shape and with
 plain AR, in two interleaved passes (each keeps its faster pass), keeps the shape with the
 highest tokens/s, and caches the choice in
 ``$EVOSPEC_HOME/tuning/trees.json`` under a key naming all of those. If no shape beats AR the
@@ -37,8 +41,15 @@ CANDIDATES = (
     TreeConfig(top_k=6, depth=5, total_tokens=30),
     TreeConfig(top_k=10, depth=5, total_tokens=60),
 )
-CALIBRATION_PROMPTS = 3
+CALIBRATION_TEXTS = (
+    "Explain in a few sentences why the sky looks blue during the day and red at sunset.",
+    "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Show your working.",
+    "Write a Python function that returns the n-th Fibonacci number, with a short docstring.",
+)
+CALIBRATION_PROMPTS = len(CALIBRATION_TEXTS)
 CALIBRATION_TOKENS = 48
+# methods --method auto considers: frozen drafts (an adaptive draft's speed drifts as it learns)
+AUTO_CANDIDATES = ("frspec", "evospec", "nanospec", "eagle2")
 
 
 def machine_key() -> str:
@@ -106,6 +117,51 @@ def _cache_file() -> Path:
     return evospec_home() / "tuning" / "trees.json"
 
 
+def tuning(
+    method: str,
+    build: Callable[[str, TreeConfig], Decoder],
+    loaded,
+    *,
+    draft_id: str,
+    eos: Sequence[int],
+    progress: bool = True,
+    verify_logits: str = "auto",
+) -> dict:
+    """The cached (or freshly measured) calibration of ``method`` on ``loaded`` (a LoadedModel):
+    ``calibrate``'s result. ``verify_logits`` must be what ``build`` verifies with (it changes
+    what a big tree costs)."""
+    from evospec.models.packing import PackedLinear
+
+    packed = isinstance(getattr(loaded.model, "lm_head", None), PackedLinear)
+    kernels = "onednn-packed" if packed else "dense"  # packing changes what a verify costs
+    key = "|".join(
+        [
+            loaded.name,
+            draft_id,
+            method,
+            machine_key(),
+            torch.__version__,
+            kernels,
+            f"verify-{verify_logits}",
+            "prompts-v2",  # CALIBRATION_TEXTS (v1 read training-side data)
+        ]
+    )
+    path = _cache_file()
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    if key not in cache:
+        if loaded.codec is None:
+            raise ValueError("auto tuning needs a model with a tokenizer for its calibration prompts")
+        ids = [loaded.codec.encode_chat([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
+        result = calibrate(lambda t: build(method, t), ARDecoder(loaded.model, eos), ids, progress=progress)
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        cache[key] = result
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=2))
+        tmp.replace(path)
+    return cache[key]
+
+
 def tuned_tree(
     method: str,
     build: Callable[[str, TreeConfig], Decoder],
@@ -114,36 +170,12 @@ def tuned_tree(
     draft_id: str,
     eos: Sequence[int],
     progress: bool = True,
-    data_dir: Path | None = None,
     verify_logits: str = "auto",
 ) -> TreeConfig:
-    """The cached or freshly calibrated shape for ``method`` on ``loaded`` (a LoadedModel);
-    ``verify_logits`` must be what ``build`` verifies with (it changes what a big tree costs)."""
-    from evospec.models.packing import PackedLinear
-
-    packed = isinstance(getattr(loaded.model, "lm_head", None), PackedLinear)
-    kernels = "onednn-packed" if packed else "dense"  # packing changes what a verify costs
-    key = "|".join(
-        [loaded.name, draft_id, method, machine_key(), torch.__version__, kernels, f"verify-{verify_logits}"]
+    """The fastest measured shape for ``method`` (see :func:`tuning`); prints it."""
+    result = tuning(
+        method, build, loaded, draft_id=draft_id, eos=eos, progress=progress, verify_logits=verify_logits
     )
-    path = _cache_file()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    if key not in cache:
-        from evospec.common import DEFAULT_DATA
-        from evospec.train.prompts import training_prompts
-
-        if loaded.codec is None:
-            raise ValueError("--tree auto needs a model with a tokenizer for its calibration prompts")
-        prompts = training_prompts(data_dir or DEFAULT_DATA)[:CALIBRATION_PROMPTS]
-        ids = [loaded.codec.encode_chat([{"role": "user", "content": p.text}]) for p in prompts]
-        result = calibrate(lambda t: build(method, t), ARDecoder(loaded.model, eos), ids, progress=progress)
-        cache = json.loads(path.read_text()) if path.exists() else {}
-        cache[key] = result
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=2))
-        tmp.replace(path)
-    result = cache[key]
     tree = TreeConfig(**result["tree"])
     if progress:
         verdict = "beats" if result["beats_ar"] else "does NOT beat"
@@ -154,3 +186,36 @@ def tuned_tree(
             file=sys.stderr,
         )
     return tree
+
+
+def tuned_method(
+    candidates: Sequence[str],
+    build: Callable[[str, TreeConfig], Decoder],
+    loaded,
+    *,
+    draft_id: str,
+    eos: Sequence[int],
+    progress: bool = True,
+    verify_logits: str = "auto",
+) -> tuple[str, TreeConfig | None, dict[str, float]]:
+    """The fastest lossless method here: (name, its tuned tree, speedup over AR per candidate).
+
+    Each candidate is calibrated at its best tree shape (cached like ``--tree auto``); the
+    one with the highest tok/s relative to the AR run measured beside it wins, and ``ar``
+    (tree None) when no candidate's speedup exceeds 1."""
+    speedups: dict[str, float] = {}
+    trees: dict[str, TreeConfig] = {}
+    for name in candidates:
+        res = tuning(
+            name, build, loaded, draft_id=draft_id, eos=eos, progress=progress, verify_logits=verify_logits
+        )
+        speedups[name] = res["tok_per_s"] / max(res["ar_tok_per_s"], 1e-9)
+        trees[name] = TreeConfig(**res["tree"])
+    best = max(speedups, key=speedups.__getitem__, default=None)
+    chosen = best if best is not None and speedups[best] > 1.0 else "ar"
+    if progress:
+        table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
+        print(
+            f"[evospec] --method auto: {chosen} (speedup over AR on this machine: {table})", file=sys.stderr
+        )
+    return chosen, trees.get(chosen), speedups

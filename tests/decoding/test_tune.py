@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from evospec.bench import tune
+from evospec.decoding import tune
 from evospec.decoding.events import StepEvent
 from evospec.decoding.tree import TreeConfig
 from evospec.models.packing import PackedLinear

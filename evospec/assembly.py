@@ -1,0 +1,212 @@
+"""One assembly for ``generate``, ``bench`` and ``serve``: settings in, a loaded :class:`Stack` out.
+
+Owns: loading the target with its tokenizer (every entry point handles text, so a model
+without one is a ValueError), the draft head (the head shipped for the model unless a path
+is given) when a method drafts, the model's index bundle when a method's vocabulary policy
+reads it (``indices.default.ensure_indices``: loaded, or built once on first use), the tree
+of each method (fixed, or tuned on this machine by ``decoding/tune.py``), and one decoder per
+method (``decoding/methods.py: make_decoder``). What a method needs is read off its
+:class:`~evospec.decoding.methods.MethodSpec`. Everything it loaded is listed in
+``Stack.facts`` (the lines ``serve`` prints). Knows nothing about argparse or HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evospec.adapt.config import AdaptConfig
+from evospec.decoding.methods import Decoder, MethodSpec, make_decoder, method_spec
+from evospec.decoding.tree import TreeConfig
+from evospec.models.registry import DEFAULT_MODEL
+from evospec.vocab.factory import VocabConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # a method name that resolves to the fastest lossless method measured here
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    """What to load and which decoders to build (the knobs shared by generate, bench, serve)."""
+
+    model: str = DEFAULT_MODEL  # registered name, Hugging Face folder or .gguf file
+    methods: tuple[str, ...] = ("ar",)  # decoders to build, by method name (or "auto")
+    draft: str | None = None  # EAGLE-2 head folder; None: the head shipped for the model
+    tree: TreeConfig = field(default_factory=TreeConfig)  # the shape when not tuned
+    tune_tree: bool = False  # True: the fastest shape measured on this machine (``--tree auto``)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    indices: str | None = None  # index folder; None: $EVOSPEC_HOME/indices/<model>, built on first use
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)  # mode: each method's own
+    verify_logits: str = "auto"  # see decoding/methods.py: VERIFY_LOGITS
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", "auto"
+    dtype: str = "float32"  # one of DTYPES
+    pack_weights: bool = True  # CPU fp32: oneDNN-packed linears
+
+    def __post_init__(self) -> None:
+        for spec in self.specs:  # unknown names: ValueError listing the methods
+            problem = self.vocab.budget_problem(spec.policy) if spec.policy else None
+            if problem:
+                raise ValueError(problem)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+
+    @property
+    def specs(self) -> list[MethodSpec]:
+        """The named methods' specs; "auto" stands for its candidates."""
+        from evospec.decoding.tune import AUTO_CANDIDATES
+
+        names = [c for n in self.methods for c in (AUTO_CANDIDATES if n == AUTO else (n,))]
+        return [method_spec(n) for n in dict.fromkeys(names)]
+
+
+@dataclass
+class Stack:
+    """A loaded target with one decoder per method, and what went into them."""
+
+    settings: StackSettings
+    loaded: Any  # evospec.models.loading.LoadedModel
+    eos_ids: tuple[int, ...]
+    draft: Any | None  # EagleHead shared by the speculative decoders (adaptive ones clone it)
+    draft_path: Path | None
+    indices: Any | None  # indices.IndexBundle
+    decoders: dict[str, Decoder]  # by method name; "auto" is resolved (see ``resolved``)
+    facts: list[str]  # one line per loaded part
+    resolved: dict[str, str] = field(default_factory=dict)  # "auto" -> the method it chose
+
+    @property
+    def codec(self):
+        return self.loaded.codec
+
+    def decoder(self, name: str) -> Decoder:
+        """The decoder of ``name`` ("auto": the method it resolved to)."""
+        return self.decoders[self.resolved.get(name, name)]
+
+
+def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
+    """Load everything ``settings`` names; bad paths, shapes or stale indices surface as
+    ValueError / CheckpointError / IndexLoadError."""
+    import torch
+
+    from evospec.models.loading import load_model, resolve_device
+
+    dtype = getattr(torch, settings.dtype)
+    device = resolve_device(settings.device)
+    loaded = load_model(
+        settings.model, dtype=dtype, device=device, progress=progress, pack=settings.pack_weights
+    )
+    if loaded.codec is None:
+        raise ValueError(f"{loaded.source} has no tokenizer.json; EvoSpec needs one to handle text")
+    facts = [f"model: {loaded.name} from {loaded.source} ({settings.dtype} on {device})"]
+    eos = tuple(loaded.codec.eos_ids or loaded.model.cfg.eos_token_ids)
+    specs = settings.specs
+    draft = draft_path = None
+    if any(s.speculative for s in specs):
+        from evospec.models.eagle import load_eagle
+        from evospec.models.registry import default_head
+
+        draft_path = Path(settings.draft).expanduser() if settings.draft else default_head(loaded.name)
+        if draft_path is None:
+            raise ValueError(
+                f"speculative methods need a draft head (--draft PATH): none ships for {loaded.name}"
+            )
+        draft = load_eagle(draft_path, dtype=dtype, device=device)
+        facts.append(f"draft head: {draft_path}")
+    indices = None
+    named = [method_spec(n) for n in settings.methods if n != AUTO]
+    if any(s.needs_indices for s in specs):
+        from indices.default import ensure_indices
+
+        try:
+            indices = ensure_indices(
+                loaded,
+                directory=Path(settings.indices).expanduser() if settings.indices else None,
+                need_hnsw=any(s.needs_hnsw for s in specs),
+                progress=progress,
+            )
+            facts.append(f"indices: {describe_indices(indices)}")
+        except (FileNotFoundError, ValueError) as exc:
+            if any(s.needs_indices for s in named):
+                raise
+            facts.append(f"indices unavailable ({exc}): auto leaves out the methods that read them")
+
+    def build(name: str, tree: TreeConfig) -> Decoder:
+        return make_decoder(
+            name,
+            loaded.model,
+            eos_ids=eos,
+            draft=draft,
+            tree=tree,
+            vocab=settings.vocab,
+            indices=indices,
+            adapt=settings.adapt,
+            verify_logits=settings.verify_logits,
+        )
+
+    resolved: dict[str, str] = {}
+    auto_tree = None
+    if AUTO in settings.methods:
+        from evospec.decoding.tune import AUTO_CANDIDATES, tuned_method
+
+        candidates = [n for n in AUTO_CANDIDATES if indices is not None or not method_spec(n).needs_indices]
+        resolved[AUTO], auto_tree, speedups = tuned_method(
+            candidates,
+            build,
+            loaded,
+            draft_id=str(settings.draft or "shipped"),
+            eos=eos,
+            progress=progress,
+            verify_logits=settings.verify_logits,
+        )
+        table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
+        facts.append(f"method auto: {resolved[AUTO]} (measured speedup over ar: {table})")
+    wanted = [resolved.get(n, n) for n in settings.methods]
+    decoders: dict[str, Decoder] = {}
+    for spec in [method_spec(n) for n in dict.fromkeys(wanted)]:
+        tree = settings.tree
+        if spec.name == resolved.get(AUTO) and auto_tree is not None:
+            tree = auto_tree  # the shape the choice was measured with
+        elif settings.tune_tree and spec.speculative:
+            from evospec.decoding.tune import tuned_tree
+
+            tree = tuned_tree(
+                spec.drafts_like,  # an adaptive method drafts like its vocabulary policy: tune that
+                build,
+                loaded,
+                draft_id=str(settings.draft or "shipped"),
+                eos=eos,
+                progress=progress,
+                verify_logits=settings.verify_logits,
+            )
+        decoders[spec.name] = build(spec.name, tree)
+        facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
+    return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved)
+
+
+def _decoder_facts(spec: MethodSpec, decoder: Decoder, adapt: AdaptConfig) -> list[str]:
+    out = []
+    vocab = decoder.vocab
+    if vocab is not None:
+        out.append(f"draft vocabulary: {describe_vocab(vocab.state())}")  # names the policy
+    if spec.adapt is not None:
+        out.append(f"online adaptation: {spec.adapt} lr={adapt.lr:g} buffer={adapt.buffer_size}")
+    return out
+
+
+def describe_indices(bundle) -> str:
+    """One line about an ``indices.IndexBundle``: where it is, what it holds, what it counted."""
+    m = bundle.manifest
+    parts = [f"frequency table ({m.corpus.num_tokens:,} tokens of {m.corpus.description})"]
+    parts.append(f"bigram graph ({m.num_edges:,} edges)")
+    if bundle.hnsw is not None:
+        parts.append("HNSW over the LM head")
+    return f"{bundle.directory}: " + ", ".join(parts) + f"; built {m.created}"
+
+
+def describe_vocab(state: dict) -> str:
+    """One line from ``ActiveVocab.state()``: policy and sizes."""
+    keys = ("capacity", "static_size", "window", "arc_size")
+    sizes = " ".join(f"{k}={state[k]}" for k in keys if state.get(k) is not None)
+    if "arc" in state:
+        sizes += f" arc_capacity={state['arc']['config']['capacity']}"
+    return f"policy={state['policy']} {sizes}"

@@ -1,0 +1,120 @@
+"""The one assembly: settings in, a Stack of decoders out -- the same for generate, bench, serve;
+``auto`` resolves to the fastest measured method, or ar."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from evospec.assembly import AUTO, StackSettings, assemble
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.tree import TreeConfig
+from evospec.models.eagle import new_eagle_for, save_eagle
+from evospec.tokenizer import TextCodec
+from tests.decoding.spec_helpers import tiny_target
+from tests.indices.helpers import write_model_folder
+from tests.vocab.helpers import SMALL
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny model folder with the default model's tokenizer, and a random draft head for it."""
+    from evospec.models.registry import DEFAULT_MODEL, REGISTRY, ensure_converted
+
+    codec = TextCodec.from_folder(ensure_converted(REGISTRY[DEFAULT_MODEL], progress=False))
+    tiny = tiny_target(0, ctx=256, vocab=codec.vocab_size, eos=codec.eos_ids)
+    root = tmp_path_factory.mktemp("assembly")
+    model = write_model_folder(root / "tiny-model", tiny, codec)
+    head = save_eagle(new_eagle_for(tiny, seed=3), root / "head", dtype=torch.float32)
+    return model, head
+
+
+def _tokens(dec, ids, n=10) -> list[int]:
+    return [t for ev in dec.generate(ids, SamplingParams(max_new_tokens=n)) for t in ev.tokens]
+
+
+def test_one_stack_serves_every_named_method(folder, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))  # nothing may be written outside it
+    model, head = folder
+    settings = StackSettings(
+        model=str(model),
+        methods=("ar", "nanospec", "eagle2"),
+        draft=str(head),
+        tree=TreeConfig(4, 3, 8),
+        vocab=SMALL,
+    )
+    stack = assemble(settings, progress=False)
+    try:
+        assert list(stack.decoders) == ["ar", "nanospec", "eagle2"]
+        assert stack.draft_path == head and stack.indices is None  # neither method reads indices
+        assert stack.facts[0].startswith("model: tiny-model from ") and f"draft head: {head}" in stack.facts
+        assert any(f.startswith("draft vocabulary: policy=nanospec") for f in stack.facts)
+        ids = stack.codec.encode("The quick brown fox")
+        want = _tokens(stack.decoder("ar"), ids)
+        assert _tokens(stack.decoder("nanospec"), ids) == want == _tokens(stack.decoder("eagle2"), ids)
+        assert stack.decoder("eagle2").tree == TreeConfig(4, 3, 8) and stack.decoder("ar").tree is None
+    finally:
+        for dec in stack.decoders.values():
+            dec.close()
+
+
+def test_settings_are_checked_before_anything_loads() -> None:
+    with pytest.raises(ValueError, match="unknown method 'medusa'"):
+        StackSettings(methods=("medusa",))
+    with pytest.raises(ValueError, match=r"must exceed vocab\.arc_capacity"):
+        StackSettings(methods=("nanospec+evospec",), vocab=SMALL.__class__(w_max=64, arc_capacity=64))
+    with pytest.raises(ValueError, match="dtype 'int3'"):
+        StackSettings(dtype="int3")
+
+
+def test_a_model_without_tokenizer_is_one_clear_error(folder, tmp_path) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(folder[0], bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"has no tokenizer\.json"):
+        assemble(StackSettings(model=str(bare)), progress=False)
+
+
+def test_speculative_methods_need_a_head(folder) -> None:
+    with pytest.raises(ValueError, match="need a draft head"):
+        assemble(StackSettings(model=str(folder[0]), methods=("eagle2",)), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("speedups", "chosen"),
+    [({"nanospec": 1.4, "eagle2": 1.1}, "nanospec"), ({"nanospec": 0.9, "eagle2": 0.97}, "ar")],
+)
+def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, speedups, chosen) -> None:
+    """A fake timer: each candidate's calibration reports the given speedup over AR."""
+    import indices.default
+    from evospec.decoding import tune
+
+    seen = []
+
+    def fake_tuning(method, build, loaded, **kw):
+        seen.append(method)
+        return {
+            "tree": {"top_k": 2, "depth": 2, "total_tokens": 3},
+            "tok_per_s": speedups[method],
+            "ar_tok_per_s": 1.0,
+        }
+
+    def no_indices(*a, **kw):
+        raise FileNotFoundError("no shared data folder")
+
+    monkeypatch.setattr(tune, "tuning", fake_tuning)
+    monkeypatch.setattr(indices.default, "ensure_indices", no_indices)
+    model, head = folder
+    stack = assemble(StackSettings(model=str(model), methods=(AUTO,), draft=str(head)), progress=False)
+    assert seen == ["nanospec", "eagle2"]  # frspec and evospec need indices, unavailable here
+    assert stack.resolved == {AUTO: chosen} and stack.decoder(AUTO).name == chosen
+    assert list(stack.decoders) == [chosen]
+    if chosen != "ar":
+        assert stack.decoder(AUTO).tree == TreeConfig(2, 2, 3)  # the shape the choice was measured with
+    assert any(f.startswith(f"method auto: {chosen} ") for f in stack.facts)
+    assert any(f.startswith("indices unavailable") for f in stack.facts)
+    stack.decoder(AUTO).close()

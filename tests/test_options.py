@@ -1,0 +1,48 @@
+"""Shared command-line knobs: generate, bench and serve turn the same flags into equal settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from evospec.cli import build_parser
+from evospec.decoding.methods import METHODS
+from evospec.options import METHOD_HELP, stack_settings
+
+FLAGS = [
+    "--top-k-tree", "3", "--depth", "4", "--total-tokens", "9", "--frspec-k", "512", "--w-max", "900",
+    "--arc-capacity", "64", "--adapt-lr", "0.001", "--adapt-rank", "8", "--adapt-seed", "7",
+    "--verify-logits", "all", "--device", "cpu", "--dtype", "float32", "--no-pack",
+]  # fmt: skip
+
+
+def test_generate_and_bench_build_equal_settings() -> None:
+    parser = build_parser()
+    gen = parser.parse_args(["generate", "hi", "--method", "frspec", *FLAGS])
+    bench = parser.parse_args(["bench", "--methods", "frspec", *FLAGS])
+    a, b = stack_settings(gen, ["frspec"]), stack_settings(bench, ["frspec"])
+    assert a == b
+    assert (a.tree.top_k, a.tree.depth, a.tree.total_tokens) == (3, 4, 9)
+    assert (a.vocab.frspec_k, a.vocab.w_max, a.vocab.arc_capacity) == (512, 900, 64)
+    assert (a.adapt.lr, a.adapt.rank, a.adapt.alpha, a.adapt.seed) == (0.001, 8, 8.0, 7)
+    assert a.verify_logits == "all" and not a.pack_weights and not a.tune_tree
+
+
+def test_defaults_agree_with_the_serve_config() -> None:
+    from service.config import ServeConfig
+
+    args = build_parser().parse_args(["generate", "hi", "--method", "evospec"])
+    cli = stack_settings(args, ["evospec"])
+    served = ServeConfig(method="evospec").stack_settings()
+    assert cli.tree == served.tree and cli.vocab == served.vocab
+    assert cli.model == served.model and cli.verify_logits == served.verify_logits
+    for key in ("lr", "buffer_size", "rank", "alpha", "context", "temperature", "gate_kl", "seed"):
+        assert getattr(cli.adapt, key) == getattr(served.adapt, key), key
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["bench"], ["serve"]])
+def test_method_help_names_every_method(command, capsys) -> None:
+    assert set(METHODS) | {"auto"} <= set(METHOD_HELP.replace("|", " ").split())
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--help"])
+    out = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens
+    assert all(m in out for m in (*METHODS, "auto"))
