@@ -18,9 +18,9 @@ from typing import Any
 
 from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import Decoder, MethodSpec, make_decoder, method_spec
-from evospec.decoding.tree import TreeConfig
+from evospec.decoding.tree_config import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL
-from evospec.vocab.factory import VocabConfig
+from evospec.vocab.config import VocabConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # a method name that resolves to the fastest lossless method measured here
@@ -36,7 +36,6 @@ class StackSettings:
     tree: TreeConfig = field(default_factory=TreeConfig)  # the shape when not tuned
     tune_tree: bool = False  # True: the fastest shape measured on this machine (``--tree auto``)
     vocab: VocabConfig = field(default_factory=VocabConfig)
-    indices: str | None = None  # index folder; None: $EVOSPEC_HOME/indices/<model>, built on first use
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # mode: each method's own
     verify_logits: str = "auto"  # see decoding/methods.py: VERIFY_LOGITS
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", "auto"
@@ -120,7 +119,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         try:
             indices = ensure_indices(
                 loaded,
-                directory=Path(settings.indices).expanduser() if settings.indices else None,
+                directory=Path(settings.vocab.indices).expanduser() if settings.vocab.indices else None,
                 need_hnsw=any(s.needs_hnsw for s in specs),
                 progress=progress,
             )

@@ -3,17 +3,24 @@
 Owns: the argument groups (model, draft tree, vocabulary, online adaptation, sampling) with
 one set of names and defaults, and their conversion into the typed settings the rest of the
 project reads: :func:`stack_settings` (-> ``assembly.StackSettings``) and
-:func:`sampling_params`. Command modules register their own sub-parsers and call these.
+:func:`sampling_params`. The tree, vocabulary and adaptation flags are derived from the
+``TreeConfig``, ``VocabConfig`` and ``AdaptConfig`` fields (``evospec/settings.py``), so their
+names, types and defaults are the serve config's. Command modules register their own
+sub-parsers and call these.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from evospec.adapt.config import AdaptConfig
 from evospec.common import positive_int
+from evospec.decoding.tree_config import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
+from evospec.settings import add_section_flags, section_from_args
+from evospec.vocab.config import VocabConfig
 
+SECTIONS = {"tree": TreeConfig, "vocab": VocabConfig, "adapt": AdaptConfig}  # flag groups by config section
 # Kept as text so --help does not import torch; tests/test_options.py checks it against METHODS.
 METHOD_HELP = (
     "decoding method: ar | eagle2 | frspec | nanospec | evospec | nanospec+evospec | clora | osd | "
@@ -48,120 +55,51 @@ def add_pack_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_draft_args(p: argparse.ArgumentParser) -> None:
+def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> None:
+    """The draft head, tree, verification and vocabulary flags. ``overrides`` (serve): every flag
+    defaults to None, so only the flags given replace the config file's values."""
     p.add_argument(
         "--draft",
         default=None,
         help="EAGLE-2 head folder (config.json + model.safetensors or pytorch_model.bin); "
         "default: the head shipped for the model, if any",
     )
-    p.add_argument(
-        "--top-k-tree",
-        type=positive_int,
-        default=10,
-        dest="tree_top_k",
-        help="tree: children per expanded node and frontier width (default 10)",
-    )
-    p.add_argument("--depth", type=positive_int, default=5, help="tree: draft levels per round (default 5)")
-    p.add_argument(
-        "--total-tokens",
-        type=positive_int,
-        default=60,
-        help="tree: draft tokens verified per round (default 60)",
-    )
+    add_section_flags(p.add_argument_group("draft tree"), TreeConfig, "tree")
     p.add_argument(
         "--tree",
         choices=["fixed", "auto"],
-        default="fixed",
-        help="'fixed': the three flags above; 'auto': pick the fastest tree shape for this machine, "
+        default=None if overrides else "fixed",
+        help="'fixed': the tree flags; 'auto': pick the fastest tree shape for this machine, "
         "model, head and method by a short calibration run on training-side prompts (cached under "
         "$EVOSPEC_HOME/tuning)",
     )
     p.add_argument(
         "--verify-logits",
         choices=["auto", "all", "lazy"],
-        default="auto",
+        default=None if overrides else "auto",
         help="which tree nodes verification projects onto the vocabulary: 'all' (one call; best on "
         "a GPU), 'lazy' (the root, then only where the walk goes, prefetching nodes the draft "
         "expects to be accepted; best on a CPU), 'auto' = lazy on a CPU (default). Same output",
     )
     v = p.add_argument_group("active vocabulary (frspec, nanospec, evospec, nanospec+evospec)")
-    v.add_argument(
-        "--frspec-k",
-        type=positive_int,
-        default=None,
-        help="static frequency table size (frspec; evospec's core); default 32768 for vocabularies "
-        ">= 128k, else V/4 rounded up to 256",
-    )
-    v.add_argument(
-        "--core-k",
-        type=positive_int,
-        default=None,
-        help="evospec's static core alone (evospec, evospec-full), e.g. a smaller core than the "
-        "frspec table it is compared with; default: --frspec-k",
-    )
-    v.add_argument("--w-max", type=positive_int, default=3072, help="NanoSpec window (default 3072)")
-    v.add_argument(
-        "--arc-capacity", type=positive_int, default=256, help="EvoSpec dynamic buffer (default 256)"
-    )
-    v.add_argument(
-        "--indices",
-        type=Path,
-        default=None,
-        help="index folder from evospec-index build (default: $EVOSPEC_HOME/indices/<model>, built on "
-        "first use from the training-side data)",
-    )
+    add_section_flags(v, VocabConfig, "vocab")
 
 
-def add_adapt_args(p: argparse.ArgumentParser) -> None:
+def add_adapt_args(p: argparse.ArgumentParser, *, debug: bool = True) -> None:
+    """The adaptation flags (``debug``: also ``--adapt-sync``, inline updates)."""
     a = p.add_argument_group("online adaptation (clora, osd, evospec-full)")
-    a.add_argument("--adapt-lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
-    a.add_argument(
-        "--adapt-buffer", type=positive_int, default=32, help="admitted positions per update (default 32)"
-    )
-    a.add_argument("--adapt-rank", type=positive_int, default=32, help="LoRA rank = alpha (default 32)")
-    a.add_argument(
-        "--adapt-context",
-        type=positive_int,
-        default=1024,
-        help="committed pairs replayed before each round's root when training (default 1024)",
-    )
-    a.add_argument(
-        "--adapt-temperature",
-        type=float,
-        default=1.0,
-        help="distillation temperature T_KD of the KL objective (default 1.0)",
-    )
-    a.add_argument(
-        "--adapt-gate",
-        type=float,
-        default=0.1,
-        help="admit a covered position when KL(target || draft) exceeds this (default 0.1)",
-    )
-    a.add_argument(
-        "--adapt-steps", type=positive_int, default=1, help="optimizer steps per full buffer (default 1)"
-    )
-    a.add_argument("--adapt-seed", type=int, default=0, help="seed of the LoRA initialisation (default 0)")
-    a.add_argument(
-        "--adapt-sync", action="store_true", help="run gate and updates inline at the round end (debugging)"
-    )
+    add_section_flags(a, AdaptConfig, "adapt", "adapt-")
+    if debug:
+        a.add_argument(
+            "--adapt-sync",
+            action="store_true",
+            help="run gate and updates inline at the round end (debugging)",
+        )
 
 
-def adapt_config(args: argparse.Namespace):
-    from evospec.adapt.config import AdaptConfig
-
-    return AdaptConfig(
-        lr=args.adapt_lr,
-        buffer_size=args.adapt_buffer,
-        rank=args.adapt_rank,
-        alpha=float(args.adapt_rank),
-        context=args.adapt_context,
-        temperature=args.adapt_temperature,
-        gate_kl=args.adapt_gate,
-        steps_per_update=args.adapt_steps,
-        seed=args.adapt_seed,
-        asynchronous=not args.adapt_sync,
-    )
+def adapt_config(args: argparse.Namespace) -> AdaptConfig:
+    base = AdaptConfig(asynchronous=not getattr(args, "adapt_sync", False))
+    return section_from_args(args, AdaptConfig, "adapt", base=base)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
@@ -184,23 +122,24 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
-def vocab_config(args: argparse.Namespace):
-    from evospec.vocab.factory import VocabConfig
-
-    return VocabConfig(
-        frspec_k=args.frspec_k, core_k=args.core_k, w_max=args.w_max, arc_capacity=args.arc_capacity
-    )
+def vocab_config(args: argparse.Namespace) -> VocabConfig:
+    return section_from_args(args, VocabConfig, "vocab")
 
 
-def tree_config(args: argparse.Namespace):
-    from evospec.decoding.tree import TreeConfig
+def tree_config(args: argparse.Namespace) -> TreeConfig:
+    return section_from_args(args, TreeConfig, "tree")
 
-    return TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
+
+def section_overrides(args: argparse.Namespace) -> dict:
+    """The tree / vocab / adapt keys given on the command line, as serve config overrides."""
+    from evospec.settings import given_flags
+
+    out = {name: given_flags(args, cls, name) for name, cls in SECTIONS.items()}
+    return {name: keys for name, keys in out.items() if keys}
 
 
 def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...]):
     """The assembly's settings from parsed model/draft/vocabulary/adaptation flags."""
-    from evospec.adapt.config import AdaptConfig
     from evospec.assembly import StackSettings
 
     return StackSettings(
@@ -210,8 +149,7 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         tree=tree_config(args),
         tune_tree=args.tree == "auto",
         vocab=vocab_config(args),
-        indices=str(args.indices) if args.indices else None,
-        adapt=adapt_config(args) if hasattr(args, "adapt_lr") else AdaptConfig(),
+        adapt=adapt_config(args),
         verify_logits=args.verify_logits,
         device=args.device,
         dtype=args.dtype,

@@ -22,7 +22,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--config", type=Path, default=None, help="YAML preset, e.g. configs/eagle2.yaml")
     s.add_argument("--model", default=None, help=f"model to serve (default: {DEFAULT_MODEL})")
-    s.add_argument("--draft", default=None, help="EAGLE-2 head folder (speculative methods)")
     s.add_argument(
         "--method",
         default=None,
@@ -37,26 +36,29 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="weights dtype (default float32)",
     )
-    s.add_argument(
-        "--verify-logits",
-        choices=["auto", "all", "lazy"],
-        default=None,
-        help="tree nodes projected onto the vocabulary when verifying: all | lazy | auto (lazy on a "
-        "CPU; default)",
-    )
+    options.add_draft_args(s, overrides=True)
+    options.add_adapt_args(s, debug=False)
     s.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options.add_pack_arg(s)
     s.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace):
+    """The ``ServeConfig`` a parsed ``serve`` command runs: the file (or defaults), then the flags given."""
     from service.config import ServeConfig, load_config
-    from service.server import serve
 
     base = load_config(args.config) if args.config else ServeConfig()
     names = ("model", "draft", "method", "host", "port", "device", "dtype", "verify_logits")
-    flags = {k: getattr(args, k) for k in names}
+    flags = {k: getattr(args, k) for k in names} | options.section_overrides(args)
+    if args.tree is not None:
+        flags["tune_tree"] = args.tree == "auto"
     if args.no_pack:
         flags["pack_weights"] = False
-    serve(base.with_overrides(**flags), progress=not args.no_progress)
+    return base.with_overrides(**flags)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from service.server import serve
+
+    serve(serve_config(args), progress=not args.no_progress)
     return 0

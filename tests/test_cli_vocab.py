@@ -162,9 +162,9 @@ def test_bad_adaptation_settings_are_clear_errors(setup, capsys: pytest.CaptureF
     argv = ["generate", "hi", "--method", "clora", "--model", str(setup["model"]), "--no-progress"]
     argv += ["--draft", str(setup["draft"]), "--indices", str(setup["idx"])]
     assert main([*argv, "--adapt-lr", "-1"]) == 2
-    assert "adapt lr must be > 0" in capsys.readouterr().err
+    assert "adapt.lr must be > 0" in capsys.readouterr().err
     assert main([*argv, "--adapt-temperature", "0"]) == 2
-    assert "adapt temperature must be > 0" in capsys.readouterr().err
+    assert "adapt.temperature must be > 0" in capsys.readouterr().err
     assert main([*argv, "--adapt-gate", "-1"]) == 2
     assert "gate_kl" in capsys.readouterr().err
     with pytest.raises(SystemExit):

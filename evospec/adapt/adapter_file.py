@@ -58,7 +58,7 @@ def write_adapter(
         "format": FORMAT,
         "mode": cfg.mode,
         "rank": str(cfg.rank),
-        "alpha": str(cfg.alpha),
+        "alpha": str(cfg.lora_alpha),
         "version": str(version),
         "head": json.dumps(head_signature(head)),
     }
@@ -87,11 +87,11 @@ def read_adapter(path: str | Path, cfg: AdaptConfig, head: EagleHead) -> dict[st
     if meta.get("mode") != cfg.mode:
         raise ValueError(f"{path}: a {meta.get('mode')} adapter cannot load into a {cfg.mode} adapter")
     if cfg.mode == "clora" and (
-        int(meta.get("rank", -1)) != cfg.rank or float(meta.get("alpha", -1)) != cfg.alpha
+        int(meta.get("rank", -1)) != cfg.rank or float(meta.get("alpha", -1)) != cfg.lora_alpha
     ):
         raise ValueError(
             f"{path}: LoRA rank/alpha {meta.get('rank')}/{meta.get('alpha')} != "
-            f"configured {cfg.rank}/{cfg.alpha}"
+            f"configured {cfg.rank}/{cfg.lora_alpha}"
         )
     if json.loads(meta.get("head", "{}")) != head_signature(head):
         raise ValueError(f"{path}: saved for a different draft head")

@@ -176,7 +176,7 @@ class LoraTrainer(OnlineTrainer):
             p.requires_grad_(False)
         lora = LoraConfig(
             r=cfg.rank,
-            lora_alpha=cfg.alpha,
+            lora_alpha=cfg.lora_alpha,
             lora_dropout=0.0,
             target_modules=["q_proj", "v_proj"],
             bias="none",

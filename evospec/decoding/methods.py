@@ -30,12 +30,12 @@ from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
 from evospec.models.transformer import Transformer
 from evospec.vocab.active import ActiveVocab
+from evospec.vocab.config import SHARED_BUDGET
 from evospec.vocab.factory import (
     HAS_ARC,
     NEEDS_COUNTS,
     NEEDS_RETRIEVAL,
     POLICIES,
-    SHARED_BUDGET,
     VocabConfig,
     make_policy,
 )

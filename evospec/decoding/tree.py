@@ -1,8 +1,9 @@
 """EAGLE-2 dynamic draft tree: expansion by cumulative log-probability, then global rerank.
 
-Owns: :class:`TreeConfig`, :class:`DraftTree` (a dataclass of tensors) and
-:func:`build_tree`. The tree is built with tensor ops only (``topk``/``sort``/indexing); no
-value is read back to the host while drafting.
+Owns: :class:`DraftTree` (a dataclass of tensors) and :func:`build_tree`; the shape settings,
+:class:`TreeConfig`, live in ``tree_config.py`` (no torch, so the command line reads them).
+The tree is built with tensor ops only (``topk``/``sort``/indexing); no value is read back to
+the host while drafting.
 
 Algorithm (Li et al., "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
 Trees", 2024): the root's top-k children form the first frontier; at each further depth every
@@ -21,27 +22,7 @@ from typing import Protocol
 
 import torch
 
-
-@dataclass(frozen=True)
-class TreeConfig:
-    top_k: int = 10  # children per expanded node and frontier width
-    depth: int = 5  # levels below the root (max accepted draft tokens per round)
-    total_tokens: int = 60  # draft nodes kept after reranking (the root comes on top)
-
-    def __post_init__(self) -> None:
-        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 1:
-            raise ValueError(f"tree parameters must be >= 1: {self}")
-
-    @property
-    def max_nodes(self) -> int:
-        """Upper bound on nodes incl. the root (for preallocating caches)."""
-        pool = self.top_k + (self.depth - 1) * self.top_k * self.top_k
-        return 1 + min(self.total_tokens, pool)
-
-    @property
-    def draft_slots(self) -> int:
-        """Draft-cache slots the frontier expansions write in one round."""
-        return self.depth * self.top_k
+from evospec.decoding.tree_config import TreeConfig
 
 
 @dataclass

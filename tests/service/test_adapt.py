@@ -15,7 +15,6 @@ import pytest
 from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import METHOD_SPECS, SpeculativeDecoder, make_decoder, method_spec
 from evospec.decoding.tree import TreeConfig
-from service.config import AdaptSettings
 from tests.service.helpers import api_error, complete, wait_for
 from tests.vocab.helpers import SMALL, stand_in_indices
 
@@ -106,7 +105,7 @@ def test_pausing_adaptation_stops_recording(serve, make) -> None:
 
 
 def test_user_scope_keeps_an_adapter_per_user(serve, make) -> None:
-    live = serve(make("clora", max_keys=2), admin_token=TOKEN, adapt=AdaptSettings(scope="user"))
+    live = serve(make("clora", max_keys=2), admin_token=TOKEN, adapt=AdaptConfig(scope="user"))
     for user in ("alice", "bob"):
         for prompt in PROMPTS:
             complete(live, prompt, user=user)

@@ -12,8 +12,9 @@ import pytest
 
 from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import METHODS
-from evospec.vocab.factory import VocabConfig
-from service.config import AdaptSettings, ConfigError, ServeConfig, TreeSettings, VocabSettings, load_config
+from evospec.decoding.tree_config import TreeConfig
+from evospec.vocab.config import VocabConfig
+from service.config import ConfigError, ServeConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PRESET_METHODS = {
@@ -34,8 +35,8 @@ PRESET_METHODS = {
 def test_presets_load(path: Path) -> None:
     cfg = load_config(path)
     assert cfg.method == PRESET_METHODS[path.name]
-    assert cfg.vocab.to_vocab_config() == VocabConfig()  # presets spell out the papers' defaults
-    assert cfg.adapt == AdaptSettings()
+    assert cfg.vocab == VocabConfig()  # presets spell out the papers' defaults
+    assert cfg.adapt == AdaptConfig()
 
 
 def test_every_method_has_a_preset() -> None:
@@ -59,15 +60,20 @@ def test_every_method_has_a_preset() -> None:
 def test_cpu_presets_use_a_small_tree(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert cfg.draft is None and cfg.device == "cpu"  # the model's shipped head
-    assert cfg.tree == TreeSettings(top_k=4, depth=4, total_tokens=16)
+    assert cfg.tree == TreeConfig(top_k=4, depth=4, total_tokens=16)
     assert cfg.vocab.indices is None  # $EVOSPEC_HOME/indices/<model>
 
 
-def test_vocab_settings_mirror_the_engine_config() -> None:
-    engine_only = {"synchronous"}  # a test/ablation switch, not a serving option
-    mirrored = {f.name for f in fields(VocabConfig)} - engine_only
-    assert {f.name for f in fields(VocabSettings)} == mirrored | {"indices"}
-    assert VocabSettings().to_vocab_config() == VocabConfig()
+def test_sections_are_the_engine_configs() -> None:
+    """One schema: the YAML sections are the engine's dataclasses; program-set fields are no keys."""
+    from evospec.settings import user_fields
+
+    assert ServeConfig().tree == TreeConfig() and ServeConfig().vocab == VocabConfig()
+    assert ServeConfig().adapt == AdaptConfig()
+    internal = {f.name for c in (TreeConfig, VocabConfig, AdaptConfig) for f in fields(c)} - {
+        f.name for c in (TreeConfig, VocabConfig, AdaptConfig) for f in user_fields(c)
+    }
+    assert internal == {"synchronous", "mode", "asynchronous"}  # a test switch; the method's mode
 
 
 def test_vocab_section(tmp_path: Path) -> None:
@@ -78,7 +84,7 @@ def test_vocab_section(tmp_path: Path) -> None:
     )
     cfg = load_config(_write(tmp_path, text))
     assert cfg.vocab.indices == "~/idx"
-    vc = cfg.vocab.to_vocab_config()
+    vc = cfg.vocab
     got = (vc.frspec_k, vc.core_k, vc.arc_capacity, vc.arc_p_init, vc.n_sem, vc.persist)
     assert got == (16, 12, 8, 4, 0, False)
     assert vc.synchronous is False and vc.w_max == VocabConfig.w_max  # unset keys keep the defaults
@@ -154,13 +160,9 @@ def test_overrides_win_and_are_checked(tmp_path: Path) -> None:
         base.with_overrides(port="80")
 
 
-def test_adapt_settings_mirror_the_engine_config() -> None:
-    engine_only = {"mode", "asynchronous"}  # the mode follows the method; inline updates are for tests
-    assert {f.name for f in fields(AdaptSettings)} == {f.name for f in fields(AdaptConfig)} - engine_only | {
-        "scope"
-    }
-    assert AdaptSettings().to_adapt_config("clora") == AdaptConfig()
-    assert AdaptSettings().to_adapt_config("osd").mode == "osd"
+def test_adapt_mode_follows_the_method_not_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape("unknown adapt key(s) ['mode']")):
+        load_config(_write(tmp_path, "method: osd\nadapt: {mode: clora}\n"))
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,8 @@ from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import SpeculativeDecoder, make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
-from service.config import ServeConfig, TreeSettings, VocabSettings
+from evospec.vocab.config import VocabConfig
+from service.config import ServeConfig
 from service.engine import Done, Engine, GenerationRequest
 from tests.service.helpers import (
     MODEL_NAME,
@@ -315,9 +316,9 @@ def test_build_loads_the_indices_the_method_needs(tmp_path: Path, tiny, codec, h
         hnsw_threads=1,
         progress=False,
     )
-    settings = VocabSettings(frspec_k=16, arc_capacity=8, arc_p_init=4, indices=str(tmp_path / "indices"))
+    settings = VocabConfig(frspec_k=16, arc_capacity=8, arc_p_init=4, indices=str(tmp_path / "indices"))
     cfg = ServeConfig(
-        model=str(folder), method="evospec", draft=str(draft), tree=TreeSettings(4, 3, 8), vocab=settings
+        model=str(folder), method="evospec", draft=str(draft), tree=TreeConfig(4, 3, 8), vocab=settings
     )
     out = StringIO()
     built = build(cfg, progress=False, log=out)

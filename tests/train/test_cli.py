@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def test_teacher_forced_conversations_train_a_head_from_another(model: Path, tmp
     texts = [line for line in CORPUS.replace(". ", ".\n").splitlines() if line.strip()]
     recs = [
         {"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]}
-        for a, b in zip(texts, texts[1:], strict=False)
+        for a, b in itertools.pairwise(texts)
     ]
     convs.write_text("\n".join(json.dumps(r) for r in recs))
     first = tmp_path / "first"

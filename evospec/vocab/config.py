@@ -1,0 +1,93 @@
+"""Active-vocabulary settings: one typed record (:class:`VocabConfig`; defaults = the papers'
+settings, ``papers/nanospec.txt`` §4 and ``papers/evospec.txt`` Table 7), read by the policies,
+the serve config's ``vocab:`` section and the vocabulary flags (see ``evospec/settings.py``).
+No torch: the command line reads it to build its flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SHARED_BUDGET = frozenset({"nanospec+evospec"})  # policies whose window and ARC buffer share w_max
+
+
+def _opt(default, help_text: str, **extra):
+    return field(default=default, metadata={"help": help_text, **extra})
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    """Active-vocabulary settings (the ``vocab:`` section of a serve config; the vocabulary flags)."""
+
+    frspec_k: int | None = _opt(None, "static frequency table size (frspec; evospec's core); None: 32768 for "
+                                "vocabularies >= 128k, else V/4 rounded up to 256")  # fmt: skip
+    core_k: int | None = _opt(None, "evospec's static core alone (e.g. smaller than a frspec table it is "
+                              "compared with); None: frspec_k")  # fmt: skip
+    k_pre: int = _opt(3, "NanoSpec: top ids per prompt position at prefill")
+    k_ver: int = _opt(3, "NanoSpec: top ids per verified-path node per round")
+    w_max: int = _opt(3072, "NanoSpec window; also the nanospec+evospec budget (window + ARC)")
+    arc_capacity: int = _opt(256, "EvoSpec dynamic buffer: resident ids |T1| + |T2|")
+    arc_ghost: int = _opt(256, "each ARC ghost list |B1|, |B2| holds at most this")
+    arc_p_init: int = _opt(128, "ARC's initial target size of T1 (clamped to arc_capacity)")
+    arc_max_insert: int = _opt(32, "ids inserted per OOV event at most")
+    arc_min_residency: int = _opt(8, "rounds an id stays before it may be evicted")
+    arc_warmup: int = _opt(50, "OOV events during which ARC's p stays at arc_p_init")
+    n_top: int = _opt(10, "retrieval seeds: the target's top ids at the OOV position")
+    n_sem: int = _opt(10, "retrieval seeds: HNSW neighbours of the target hidden state (0: off)")
+    per_seed: int = _opt(8, "bigram-graph successors added per seed (0: off)")
+    max_pending: int = _opt(4, "retrievals in flight before new OOV events are dropped",
+                            flag="--retrieval-max-pending")  # fmt: skip
+    persist: bool = _opt(
+        True, "keep the ARC buffer across requests (no: empty it per request)", flag="--arc-persist"
+    )
+    indices: str | None = _opt(None, "index folder from evospec-index build; None: $EVOSPEC_HOME/indices/"
+                               "<model>, built on first use from the training-side data")  # fmt: skip
+    # run retrieval inline (deterministic; for tests and ablations) -- not a user setting
+    synchronous: bool = _opt(False, "inline retrieval", internal=True)
+
+    def budget_problem(self, policy: str) -> str | None:
+        """Why these settings cannot run ``policy`` (None: they can): the policies in
+        :data:`SHARED_BUDGET` split ``w_max`` between the window and the ARC buffer."""
+        if policy in SHARED_BUDGET and self.w_max <= self.arc_capacity:
+            return (
+                f"{policy} shares vocab.w_max ({self.w_max}) between the window and the ARC buffer: "
+                f"it must exceed vocab.arc_capacity ({self.arc_capacity})"
+            )
+        return None
+
+    def __post_init__(self) -> None:
+        for name in ("k_pre", "k_ver", "w_max", "arc_capacity", "n_top", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"vocab.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("arc_ghost", "arc_p_init", "arc_max_insert", "arc_min_residency", "arc_warmup"):
+            if getattr(self, name) < 0:  # arc_p_init above arc_capacity is clamped to it, as ARC does
+                raise ValueError(f"vocab.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("n_sem", "per_seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"vocab.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("frspec_k", "core_k"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"vocab.{name} must be >= 1, got {getattr(self, name)}")
+        if self.indices == "":
+            raise ValueError("vocab.indices must not be empty (null: the default folder)")
+
+    @property
+    def arc(self):
+        """The ARC buffer's settings (``vocab/arc.py: ARCConfig``)."""
+        from evospec.vocab.arc import ARCConfig
+
+        return ARCConfig(
+            capacity=self.arc_capacity,
+            ghost_capacity=self.arc_ghost,
+            p_init=self.arc_p_init,
+            max_insert=self.arc_max_insert,
+            min_residency=self.arc_min_residency,
+            warmup_events=self.arc_warmup,
+        )
+
+    @property
+    def nano(self):
+        """The NanoSpec window's settings (``vocab/policy.py: NanoSpecConfig``)."""
+        from evospec.vocab.policy import NanoSpecConfig
+
+        return NanoSpecConfig(k_pre=self.k_pre, k_ver=self.k_ver, w_max=self.w_max)
