@@ -144,19 +144,12 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
 
     resolved: dict[str, str] = {}
     auto_tree = None
-    if AUTO in settings.methods:
-        from evospec.decoding.tune import AUTO_CANDIDATES, tuned_method
+    from evospec.decoding.tune import AUTO_CANDIDATES, Tuner
 
+    tuner = Tuner(build, loaded, str(settings.draft or "shipped"), eos, settings.verify_logits, progress)
+    if AUTO in settings.methods:
         candidates = [n for n in AUTO_CANDIDATES if indices is not None or not method_spec(n).needs_indices]
-        resolved[AUTO], auto_tree, speedups = tuned_method(
-            candidates,
-            build,
-            loaded,
-            draft_id=str(settings.draft or "shipped"),
-            eos=eos,
-            progress=progress,
-            verify_logits=settings.verify_logits,
-        )
+        resolved[AUTO], auto_tree, speedups = tuner.method(candidates)
         table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
         facts.append(f"method auto: {resolved[AUTO]} (measured speedup over ar: {table})")
     wanted = [resolved.get(n, n) for n in settings.methods]
@@ -166,17 +159,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         if spec.name == resolved.get(AUTO) and auto_tree is not None:
             tree = auto_tree  # the shape the choice was measured with
         elif settings.tune_tree and spec.speculative:
-            from evospec.decoding.tune import tuned_tree
-
-            tree = tuned_tree(
-                spec.drafts_like,  # an adaptive method drafts like its vocabulary policy: tune that
-                build,
-                loaded,
-                draft_id=str(settings.draft or "shipped"),
-                eos=eos,
-                progress=progress,
-                verify_logits=settings.verify_logits,
-            )
+            tree = tuner.tree(spec.drafts_like)  # an adaptive method drafts like its vocabulary policy
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved)

@@ -95,7 +95,7 @@ def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, 
 
     seen = []
 
-    def fake_tuning(method, build, loaded, **kw):
+    def fake_tuning(self, method):
         seen.append(method)
         return {
             "tree": {"top_k": 2, "depth": 2, "total_tokens": 3},
@@ -106,7 +106,7 @@ def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, 
     def no_indices(*a, **kw):
         raise FileNotFoundError("no shared data folder")
 
-    monkeypatch.setattr(tune, "tuning", fake_tuning)
+    monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
     monkeypatch.setattr(indices.default, "ensure_indices", no_indices)
     model, head = folder
     stack = assemble(StackSettings(model=str(model), methods=(AUTO,), draft=str(head)), progress=False)

@@ -2,7 +2,7 @@
 fastest on this machine.
 
 Owns: the candidate shapes, the calibration prompts, the calibration run and its cache, and
-the method choice (:func:`tuned_method`: the candidate with the best measured speedup over
+the method choice (:meth:`Tuner.method`: the candidate with the best measured speedup over
 AR, or ``ar`` itself when none beats it). Verifying many tree tokens is
 not free on a CPU (PERF_NOTES: a 60-token verify costs several AR steps), while on a GPU it
 nearly is, so the best (top_k, depth, total_tokens) depends on the machine, the model, the
@@ -23,8 +23,9 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,105 +118,78 @@ def _cache_file() -> Path:
     return evospec_home() / "tuning" / "trees.json"
 
 
-def tuning(
-    method: str,
-    build: Callable[[str, TreeConfig], Decoder],
-    loaded,
-    *,
-    draft_id: str,
-    eos: Sequence[int],
-    progress: bool = True,
-    verify_logits: str = "auto",
-) -> dict:
-    """The cached (or freshly measured) calibration of ``method`` on ``loaded`` (a LoadedModel):
-    ``calibrate``'s result. ``verify_logits`` must be what ``build`` verifies with (it changes
-    what a big tree costs)."""
-    from evospec.models.packing import PackedLinear
+@dataclass(frozen=True)
+class Tuner:
+    """What every tuning run of one stack shares: how to build a decoder for (method, tree),
+    the loaded model, the head's id, EOS ids, how verification projects (``verify_logits``
+    changes what a big tree costs, so it is part of the cache key) and whether to print."""
 
-    packed = isinstance(getattr(loaded.model, "lm_head", None), PackedLinear)
-    kernels = "onednn-packed" if packed else "dense"  # packing changes what a verify costs
-    key = "|".join(
-        [
-            loaded.name,
-            draft_id,
-            method,
-            machine_key(),
-            torch.__version__,
-            kernels,
-            f"verify-{verify_logits}",
-            "prompts-v2",  # CALIBRATION_TEXTS (v1 read training-side data)
-        ]
-    )
-    path = _cache_file()
-    cache = json.loads(path.read_text()) if path.exists() else {}
-    if key not in cache:
-        if loaded.codec is None:
-            raise ValueError("auto tuning needs a model with a tokenizer for its calibration prompts")
-        ids = [loaded.codec.encode_chat([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
-        result = calibrate(lambda t: build(method, t), ARDecoder(loaded.model, eos), ids, progress=progress)
+    build: Callable[[str, TreeConfig], Decoder]
+    loaded: Any  # evospec.models.loading.LoadedModel
+    draft_id: str
+    eos: Sequence[int] = ()
+    verify_logits: str = "auto"
+    progress: bool = True
+
+    def _key(self, method: str) -> str:
+        from evospec.models.packing import PackedLinear
+
+        packed = isinstance(getattr(self.loaded.model, "lm_head", None), PackedLinear)
+        kernels = "onednn-packed" if packed else "dense"  # packing changes what a verify costs
+        parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
+        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v2"])  # v1 read training data
+
+    def tuning(self, method: str) -> dict:
+        """The cached (or freshly measured) calibration of ``method``: ``calibrate``'s result."""
+        key = self._key(method)
+        path = _cache_file()
         cache = json.loads(path.read_text()) if path.exists() else {}
-        cache[key] = result
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=2))
-        tmp.replace(path)
-    return cache[key]
+        if key not in cache:
+            codec = self.loaded.codec
+            if codec is None:
+                raise ValueError("auto tuning needs a model with a tokenizer for its calibration prompts")
+            ids = [codec.encode_chat([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
+            ar = ARDecoder(self.loaded.model, self.eos)
+            result = calibrate(lambda t: self.build(method, t), ar, ids, progress=self.progress)
+            cache = json.loads(path.read_text()) if path.exists() else {}
+            cache[key] = result
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=2))
+            tmp.replace(path)
+        return cache[key]
 
+    def tree(self, method: str) -> TreeConfig:
+        """The fastest measured shape for ``method`` (``--tree auto``); prints it."""
+        result = self.tuning(method)
+        tree = TreeConfig(**result["tree"])
+        if self.progress:
+            verdict = "beats" if result["beats_ar"] else "does NOT beat"
+            print(
+                f"[evospec] --tree auto for {method}: top_k={tree.top_k} depth={tree.depth} "
+                f"total_tokens={tree.total_tokens} ({result['tok_per_s']:.2f} tok/s; {verdict} AR at "
+                f"{result['ar_tok_per_s']:.2f} tok/s on this machine)",
+                file=sys.stderr,
+            )
+        return tree
 
-def tuned_tree(
-    method: str,
-    build: Callable[[str, TreeConfig], Decoder],
-    loaded,
-    *,
-    draft_id: str,
-    eos: Sequence[int],
-    progress: bool = True,
-    verify_logits: str = "auto",
-) -> TreeConfig:
-    """The fastest measured shape for ``method`` (see :func:`tuning`); prints it."""
-    result = tuning(
-        method, build, loaded, draft_id=draft_id, eos=eos, progress=progress, verify_logits=verify_logits
-    )
-    tree = TreeConfig(**result["tree"])
-    if progress:
-        verdict = "beats" if result["beats_ar"] else "does NOT beat"
-        print(
-            f"[evospec] --tree auto for {method}: top_k={tree.top_k} depth={tree.depth} "
-            f"total_tokens={tree.total_tokens} ({result['tok_per_s']:.2f} tok/s; {verdict} AR at "
-            f"{result['ar_tok_per_s']:.2f} tok/s on this machine)",
-            file=sys.stderr,
-        )
-    return tree
-
-
-def tuned_method(
-    candidates: Sequence[str],
-    build: Callable[[str, TreeConfig], Decoder],
-    loaded,
-    *,
-    draft_id: str,
-    eos: Sequence[int],
-    progress: bool = True,
-    verify_logits: str = "auto",
-) -> tuple[str, TreeConfig | None, dict[str, float]]:
-    """The fastest lossless method here: (name, its tuned tree, speedup over AR per candidate).
-
-    Each candidate is calibrated at its best tree shape (cached like ``--tree auto``); the
-    one with the highest tok/s relative to the AR run measured beside it wins, and ``ar``
-    (tree None) when no candidate's speedup exceeds 1."""
-    speedups: dict[str, float] = {}
-    trees: dict[str, TreeConfig] = {}
-    for name in candidates:
-        res = tuning(
-            name, build, loaded, draft_id=draft_id, eos=eos, progress=progress, verify_logits=verify_logits
-        )
-        speedups[name] = res["tok_per_s"] / max(res["ar_tok_per_s"], 1e-9)
-        trees[name] = TreeConfig(**res["tree"])
-    best = max(speedups, key=speedups.__getitem__, default=None)
-    chosen = best if best is not None and speedups[best] > 1.0 else "ar"
-    if progress:
-        table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
-        print(
-            f"[evospec] --method auto: {chosen} (speedup over AR on this machine: {table})", file=sys.stderr
-        )
-    return chosen, trees.get(chosen), speedups
+    def method(self, candidates: Sequence[str]) -> tuple[str, TreeConfig | None, dict[str, float]]:
+        """The fastest lossless method here (``--method auto``): (name, its tuned tree, speedup
+        over AR per candidate). Each candidate is calibrated at its best tree shape; the one with
+        the highest tok/s relative to the AR run measured beside it wins, and ``ar`` (tree None)
+        when no candidate's speedup exceeds 1."""
+        speedups: dict[str, float] = {}
+        trees: dict[str, TreeConfig] = {}
+        for name in candidates:
+            res = self.tuning(name)
+            speedups[name] = res["tok_per_s"] / max(res["ar_tok_per_s"], 1e-9)
+            trees[name] = TreeConfig(**res["tree"])
+        best = max(speedups, key=speedups.__getitem__, default=None)
+        chosen = best if best is not None and speedups[best] > 1.0 else "ar"
+        if self.progress:
+            table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
+            print(
+                f"[evospec] --method auto: {chosen} (speedup over AR on this machine: {table})",
+                file=sys.stderr,
+            )
+        return chosen, trees.get(chosen), speedups

@@ -18,13 +18,12 @@ as in ``prompts.py``. Knows text only; the chat template is applied by the calle
 
 from __future__ import annotations
 
-import random
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from evospec.train.prompts import EVAL_ONLY, read_jsonl
+from evospec.train.prompts import EVAL_ONLY, interleave, read_jsonl
 
 Message = dict[str, str]  # {"role": "user" | "assistant", "content": ...}
 
@@ -132,15 +131,10 @@ def training_conversations(
             per_source.setdefault(path.stem, []).extend(_file_conversations(path))
         else:
             raise FileNotFoundError(f"{path}: no such training data folder or prompt file")
-    rng = random.Random(seed)
-    queues = []
-    for source, pairs in sorted(per_source.items()):
-        items = [TrainConversation(f"tf:{source}:{i}", source, h, a) for i, (h, a) in enumerate(pairs)]
-        rng.shuffle(items)
-        queues.append(items)
-    mixed: list[TrainConversation] = []
-    while any(queues):
-        for q in queues:
-            if q:
-                mixed.append(q.pop())
-    return mixed
+    return interleave(
+        {
+            source: [TrainConversation(f"tf:{source}:{i}", source, h, a) for i, (h, a) in enumerate(pairs)]
+            for source, pairs in per_source.items()
+        },
+        seed,
+    )

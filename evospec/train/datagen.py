@@ -104,6 +104,19 @@ class _ShardWriter:
         self.count = 0
 
 
+def _resume(work: Path, shard_tokens: int, items: Sequence, target_tokens: int, desc: str, progress: bool):
+    """A resumable stage under ``work``: (shard writer, answer tokens already there, the items not
+    done yet, a progress bar over ``target_tokens``)."""
+    work.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(work, shard_tokens)
+    seen, have = _done(writer.jsonl)
+    todo = [x for x in items if x.uid not in seen]
+    bar = tqdm(
+        total=target_tokens, initial=min(have, target_tokens), unit="tok", desc=desc, disable=not progress
+    )
+    return writer, have, todo, bar
+
+
 def generate_responses(
     model: Transformer,
     encode: Callable[[TrainPrompt], list[int]],
@@ -124,17 +137,7 @@ def generate_responses(
 
     ``support_k`` > 0 also stores the target's top-k next-token support per answer row (what
     the ``topk+neg`` training loss reads), taken from the generation's own logits."""
-    work.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(work, shard_tokens)
-    seen, have = _done(writer.jsonl)
-    todo = [p for p in prompts if p.uid not in seen]
-    bar = tqdm(
-        total=target_tokens,
-        initial=min(have, target_tokens),
-        unit="tok",
-        desc="generating",
-        disable=not progress,
-    )
+    writer, have, todo, bar = _resume(work, shard_tokens, prompts, target_tokens, "generating", progress)
     try:
         for lo in range(0, len(todo), 256):
             if have >= target_tokens:
@@ -214,18 +217,8 @@ def teacher_force(
     ``max_len`` keep the answer and the end of the prompt; answers longer than that are cut.
     Sequences are length-sorted within each chunk of 512 and run ~``batch_tokens`` per forward.
     """
-    work = work / "teacher"
-    work.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(work, shard_tokens)
-    seen, have = _done(writer.jsonl)
-    todo = [c for c in conversations if c.uid not in seen]
-    bar = tqdm(
-        total=target_tokens,
-        initial=min(have, target_tokens),
-        unit="tok",
-        desc="teacher-forcing",
-        disable=not progress,
-    )
+    stage = _resume(work / "teacher", shard_tokens, conversations, target_tokens, "teacher-forcing", progress)
+    writer, have, todo, bar = stage
     try:
         for lo in range(0, len(todo), 512):
             if have >= target_tokens:

@@ -108,13 +108,25 @@ def training_prompts(data: str | Path | Sequence[str | Path], *, seed: int = 0) 
             per_source.setdefault(path.stem, []).extend(_file_prompts(path))
         else:
             raise FileNotFoundError(f"{path}: no such training data folder or prompt file")
+    return interleave(
+        {
+            source: [TrainPrompt(f"{source}:{i}", source, t) for i, t in enumerate(texts) if t.strip()]
+            for source, texts in per_source.items()
+        },
+        seed,
+    )
+
+
+def interleave(per_source: dict[str, list], seed: int) -> list:
+    """Each source's items shuffled (seeded), then taken round-robin in source-name order, so
+    any prefix of the result is balanced across sources."""
     rng = random.Random(seed)
     queues = []
-    for source, texts in sorted(per_source.items()):
-        items = [TrainPrompt(f"{source}:{i}", source, t) for i, t in enumerate(texts) if t.strip()]
+    for _, items in sorted(per_source.items()):
+        items = list(items)
         rng.shuffle(items)
         queues.append(items)
-    mixed: list[TrainPrompt] = []
+    mixed: list = []
     while any(queues):
         for q in queues:
             if q:

@@ -64,25 +64,19 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
         }
 
     monkeypatch.setattr(tune, "calibrate", fake_calibrate)
-    import evospec.train.prompts as train_prompts
-
-    fake = [SimpleNamespace(text=f"prompt {i}") for i in range(5)]
-    monkeypatch.setattr(train_prompts, "training_prompts", lambda data: fake)  # no shared data needed
     codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
     loaded = SimpleNamespace(name="tiny", model=None, codec=codec)
     for _ in range(2):
-        tree = tune.tuned_tree("nanospec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
+        tree = tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
         assert tree == TreeConfig(top_k=3, depth=4, total_tokens=10)
     assert calls == [tune.CALIBRATION_PROMPTS]  # the second call read the cache
     assert (tmp_path / "tuning" / "trees.json").exists()
-    tune.tuned_tree("frspec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
+    tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("frspec")
     assert len(calls) == 2  # another method, another key
     loaded.model = SimpleNamespace(lm_head=PackedLinear(torch.nn.Linear(2, 2)))
-    tune.tuned_tree("nanospec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False)
+    tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
     assert len(calls) == 3  # packed weights verify at other costs: tuned again
-    tune.tuned_tree(
-        "nanospec", lambda m, t: None, loaded, draft_id="h", eos=(), progress=False, verify_logits="all"
-    )
+    tune.Tuner(lambda m, t: None, loaded, "h", verify_logits="all", progress=False).tree("nanospec")
     assert len(calls) == 4  # projecting every node changes what a big tree costs: tuned again
 
 
