@@ -146,7 +146,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     auto_tree = None
     from evospec.decoding.tune import AUTO_CANDIDATES, Tuner
 
-    tuner = Tuner(build, loaded, str(settings.draft or "shipped"), eos, settings.verify_logits, progress)
+    tuner = Tuner(build, loaded, head_id(draft_path), eos, settings.verify_logits, progress)
     if AUTO in settings.methods:
         candidates = [n for n in AUTO_CANDIDATES if indices is not None or not method_spec(n).needs_indices]
         resolved[AUTO], auto_tree, speedups = tuner.method(candidates)
@@ -163,6 +163,20 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved)
+
+
+def head_id(path: Path | None) -> str:
+    """A draft head's identity for tuning caches: its folder name and a hash of its weights (a
+    retrained head, shipped under the same name, is tuned afresh)."""
+    import hashlib
+
+    if path is None:
+        return "none"
+    weights = sorted(Path(path).glob("*.safetensors")) or sorted(Path(path).glob("*.bin"))
+    digest = hashlib.sha1()
+    for w in weights:
+        digest.update(w.read_bytes())
+    return f"{Path(path).name}@{digest.hexdigest()[:12]}"
 
 
 def _decoder_facts(spec: MethodSpec, decoder: Decoder, adapt: AdaptConfig) -> list[str]:

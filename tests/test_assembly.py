@@ -86,7 +86,11 @@ def test_speculative_methods_need_a_head(folder) -> None:
 
 @pytest.mark.parametrize(
     ("speedups", "chosen"),
-    [({"nanospec": 1.4, "eagle2": 1.1}, "nanospec"), ({"nanospec": 0.9, "eagle2": 0.97}, "ar")],
+    [
+        ({"nanospec": 1.4, "eagle2": 1.1}, "nanospec"),
+        ({"nanospec": 0.9, "eagle2": 0.97}, "ar"),
+        ({"nanospec": 1.03, "eagle2": 0.97}, "ar"),  # within the calibration's noise margin
+    ],
 )
 def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, speedups, chosen) -> None:
     """A fake timer: each candidate's calibration reports the given speedup over AR."""
@@ -118,3 +122,16 @@ def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, 
     assert any(f.startswith(f"method auto: {chosen} ") for f in stack.facts)
     assert any(f.startswith("indices unavailable") for f in stack.facts)
     stack.decoder(AUTO).close()
+
+
+def test_a_retrained_head_is_tuned_afresh(folder, tmp_path) -> None:
+    import shutil
+
+    from evospec.assembly import head_id
+
+    copy = tmp_path / "head"
+    shutil.copytree(folder[1], copy)
+    assert head_id(copy) == head_id(folder[1]) and head_id(None) == "none"
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")
+    assert head_id(copy) != head_id(folder[1])
