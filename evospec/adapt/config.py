@@ -79,4 +79,4 @@ class AdaptConfig:
     @property
     def lora_alpha(self) -> float:
         """LoRA alpha: ``alpha``, or the rank when unset (scaling 1)."""
-        return float(self.rank) if self.alpha is None else float(self.alpha)
+        return self.rank if self.alpha is None else self.alpha
