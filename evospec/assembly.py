@@ -98,36 +98,10 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         raise ValueError(f"{loaded.source} has no tokenizer.json; EvoSpec needs one to handle text")
     facts = [f"model: {loaded.name} from {loaded.source} ({settings.dtype} on {device})"]
     eos = tuple(loaded.codec.eos_ids or loaded.model.cfg.eos_token_ids)
-    specs = settings.specs
-    draft = draft_path = None
-    if any(s.speculative for s in specs):
-        from evospec.models.eagle import load_eagle
-        from evospec.models.registry import default_head
-
-        draft_path = Path(settings.draft).expanduser() if settings.draft else default_head(loaded.name)
-        if draft_path is None:
-            raise ValueError(
-                f"speculative methods need a draft head (--draft PATH): none ships for {loaded.name}"
-            )
-        draft = load_eagle(draft_path, dtype=dtype, device=device)
-        facts.append(f"draft head: {draft_path}")
-    indices = None
     named = [method_spec(n) for n in settings.methods if n != AUTO]
-    if any(s.needs_indices for s in specs):
-        from indices.default import ensure_indices
-
-        try:
-            indices = ensure_indices(
-                loaded,
-                directory=Path(settings.vocab.indices).expanduser() if settings.vocab.indices else None,
-                need_hnsw=any(s.needs_hnsw for s in specs),
-                progress=progress,
-            )
-            facts.append(f"indices: {describe_indices(indices)}")
-        except (FileNotFoundError, ValueError) as exc:
-            if any(s.needs_indices for s in named):
-                raise
-            facts.append(f"indices unavailable ({exc}): auto leaves out the methods that read them")
+    draft, draft_path = _load_draft(settings, loaded, named, dtype, device, facts)
+    needed = draft is not None or any(s.needs_indices for s in named)  # auto without a head: ar only
+    indices = _load_indices(settings, loaded, named, facts, progress) if needed else None
 
     def build(name: str, tree: TreeConfig) -> Decoder:
         return make_decoder(
@@ -148,7 +122,11 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
 
     tuner = Tuner(build, loaded, head_id(draft_path), eos, settings.verify_logits, progress)
     if AUTO in settings.methods:
-        candidates = [n for n in AUTO_CANDIDATES if indices is not None or not method_spec(n).needs_indices]
+        candidates = [
+            n
+            for n in AUTO_CANDIDATES
+            if draft is not None and (indices is not None or not method_spec(n).needs_indices)
+        ]
         resolved[AUTO], auto_tree, speedups = tuner.method(candidates)
         table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
         facts.append(f"method auto: {resolved[AUTO]} (measured speedup over ar: {table})")
@@ -163,6 +141,50 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved)
+
+
+def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype, device, facts: list[str]):
+    """(head, its folder) when a method drafts; (None, None) otherwise, and for ``auto`` without
+    a head (it then serves ar)."""
+    from evospec.models.eagle import load_eagle
+    from evospec.models.registry import default_head
+
+    if not any(s.speculative for s in settings.specs):
+        return None, None
+    path = Path(settings.draft).expanduser() if settings.draft else default_head(loaded.name)
+    if path is None:
+        if any(s.speculative for s in named):
+            raise ValueError(
+                f"speculative methods need a draft head (--draft PATH): none ships for {loaded.name}"
+            )
+        facts.append(f"no draft head ships for {loaded.name}: auto can only serve ar")
+        return None, None
+    facts.append(f"draft head: {path}")
+    return load_eagle(path, dtype=dtype, device=device), path
+
+
+def _load_indices(settings: StackSettings, loaded, named: list[MethodSpec], facts: list[str], progress: bool):
+    """The index bundle when a method's policy reads it (built on first use); for methods only
+    ``auto`` considers, None when it cannot be had (auto then leaves them out)."""
+    if not any(s.needs_indices for s in settings.specs):
+        return None
+    from indices.default import ensure_indices
+
+    folder = settings.vocab.indices
+    try:
+        indices = ensure_indices(
+            loaded,
+            directory=Path(folder).expanduser() if folder else None,
+            need_hnsw=any(s.needs_hnsw for s in settings.specs),
+            progress=progress,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        if any(s.needs_indices for s in named):
+            raise
+        facts.append(f"indices unavailable ({exc}): auto leaves out the methods that read them")
+        return None
+    facts.append(f"indices: {describe_indices(indices)}")
+    return indices
 
 
 def head_id(path: Path | None) -> str:

@@ -135,3 +135,10 @@ def test_a_retrained_head_is_tuned_afresh(folder, tmp_path) -> None:
     weights = copy / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")
     assert head_id(copy) != head_id(folder[1])
+
+
+def test_auto_without_a_head_serves_ar(folder, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))  # the indices auto may build land here
+    stack = assemble(StackSettings(model=str(folder[0]), methods=(AUTO,)), progress=False)
+    assert stack.resolved == {AUTO: "ar"} and stack.decoder(AUTO).name == "ar"
+    assert any("auto can only serve ar" in f for f in stack.facts)
