@@ -24,6 +24,15 @@ from typing import Any
 _NAMES = {int: "int", float: "float", str: "str", bool: "bool", type(None): "null"}
 
 
+def setting(default: Any, help_text: str, *, flag: str | None = None, internal: bool = False) -> Any:
+    """A settings dataclass field: its default, the help its flag shows, an optional flag name
+    (default ``--<prefix><field>``), and ``internal`` for fields only the program sets."""
+    meta: dict[str, Any] = {"help": help_text, "internal": internal}
+    if flag:
+        meta["flag"] = flag
+    return dataclasses.field(default=default, metadata=meta)
+
+
 class SettingsError(ValueError):
     """A settings section (file or flags) is invalid; the message names the key."""
 

@@ -4,19 +4,18 @@ the serve config's ``tree:`` section and the tree flags (see ``evospec/settings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from evospec.settings import setting
 
 
 @dataclass(frozen=True)
 class TreeConfig:
     """The draft tree's shape (the ``tree:`` section of a serve config; the tree flags)."""
 
-    top_k: int = field(
-        default=10,
-        metadata={"help": "tree: children per expanded node and frontier width", "flag": "--top-k-tree"},
-    )
-    depth: int = field(default=5, metadata={"help": "tree: draft levels per round (most accepted tokens)"})
-    total_tokens: int = field(default=60, metadata={"help": "tree: draft tokens verified per round"})
+    top_k: int = setting(10, "tree: children per expanded node and frontier width", flag="--top-k-tree")
+    depth: int = setting(5, "tree: draft levels per round (most accepted tokens)")
+    total_tokens: int = setting(60, "tree: draft tokens verified per round")
 
     def __post_init__(self) -> None:
         for name in ("top_k", "depth", "total_tokens"):

@@ -164,6 +164,16 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     t0 = time.perf_counter()
     device = resolve_device(args.device)
+    cfg = TrainConfig(  # checked before anything loads
+        epochs=args.epochs,
+        lr=args.lr,
+        loss_vocab=args.loss_support,
+        support_k=args.support_k,
+        negatives=args.negatives,
+        steps=args.steps,
+        step_decay=args.step_decay,
+        w_reg=args.reg_weight,
+    )
     loaded = load_model(args.target, device=device, progress=progress)
     if loaded.codec is None:
         raise ValueError(f"{loaded.source}: the target needs a tokenizer to render training prompts")
@@ -202,16 +212,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         print(f"{have} generated and {taught} teacher-forced answer tokens in {work}", file=sys.stderr)
         return 0
     shards = feature_shards(work, generated=args.source != "dataset", teacher=args.source != "generated")
-    cfg = TrainConfig(
-        epochs=args.epochs,
-        lr=args.lr,
-        loss_vocab=args.loss_support,
-        support_k=args.support_k,
-        negatives=args.negatives,
-        steps=args.steps,
-        step_decay=args.step_decay,
-        w_reg=args.reg_weight,
-    )
     seqs = load_sequences(shards, cfg.max_seq_len)
     init = args.init
     if init == "shipped":

@@ -73,6 +73,14 @@ class TrainConfig:
     step_decay: float = 0.8  # loss weight of step s: step_decay ** (s - 1)
     eval_steps: int = 3  # held-out agreement is reported for steps 1..max(steps, eval_steps)
 
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.eval_steps < 1:
+            raise ValueError(f"train-draft steps must be >= 1, got {self.steps}")
+        if not self.step_decay > 0:
+            raise ValueError(f"train-draft step decay must be > 0, got {self.step_decay}")
+        if self.w_reg < 0 or self.w_cls < 0:
+            raise ValueError(f"train-draft loss weights must be >= 0, got reg {self.w_reg}, cls {self.w_cls}")
+
 
 @dataclass
 class Sequence:

@@ -6,44 +6,51 @@ No torch: the command line reads it to build its flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from evospec.settings import setting
 
 SHARED_BUDGET = frozenset({"nanospec+evospec"})  # policies whose window and ARC buffer share w_max
-
-
-def _opt(default, help_text: str, **extra):
-    return field(default=default, metadata={"help": help_text, **extra})
 
 
 @dataclass(frozen=True)
 class VocabConfig:
     """Active-vocabulary settings (the ``vocab:`` section of a serve config; the vocabulary flags)."""
 
-    frspec_k: int | None = _opt(None, "static frequency table size (frspec; evospec's core); None: 32768 for "
-                                "vocabularies >= 128k, else V/4 rounded up to 256")  # fmt: skip
-    core_k: int | None = _opt(None, "evospec's static core alone (e.g. smaller than a frspec table it is "
-                              "compared with); None: frspec_k")  # fmt: skip
-    k_pre: int = _opt(3, "NanoSpec: top ids per prompt position at prefill")
-    k_ver: int = _opt(3, "NanoSpec: top ids per verified-path node per round")
-    w_max: int = _opt(3072, "NanoSpec window; also the nanospec+evospec budget (window + ARC)")
-    arc_capacity: int = _opt(256, "EvoSpec dynamic buffer: resident ids |T1| + |T2|")
-    arc_ghost: int = _opt(256, "each ARC ghost list |B1|, |B2| holds at most this")
-    arc_p_init: int = _opt(128, "ARC's initial target size of T1 (clamped to arc_capacity)")
-    arc_max_insert: int = _opt(32, "ids inserted per OOV event at most")
-    arc_min_residency: int = _opt(8, "rounds an id stays before it may be evicted")
-    arc_warmup: int = _opt(50, "OOV events during which ARC's p stays at arc_p_init")
-    n_top: int = _opt(10, "retrieval seeds: the target's top ids at the OOV position")
-    n_sem: int = _opt(10, "retrieval seeds: HNSW neighbours of the target hidden state (0: off)")
-    per_seed: int = _opt(8, "bigram-graph successors added per seed (0: off)")
-    max_pending: int = _opt(4, "retrievals in flight before new OOV events are dropped",
-                            flag="--retrieval-max-pending")  # fmt: skip
-    persist: bool = _opt(
+    frspec_k: int | None = setting(
+        None,
+        "static frequency table size (frspec; evospec's core); None: 32768 for vocabularies >= 128k, "
+        "else V/4 rounded up to 256",
+    )
+    core_k: int | None = setting(
+        None,
+        "evospec's static core alone (e.g. smaller than a frspec table it is compared with); None: frspec_k",
+    )
+    k_pre: int = setting(3, "NanoSpec: top ids per prompt position at prefill")
+    k_ver: int = setting(3, "NanoSpec: top ids per verified-path node per round")
+    w_max: int = setting(3072, "NanoSpec window; also the nanospec+evospec budget (window + ARC)")
+    arc_capacity: int = setting(256, "EvoSpec dynamic buffer: resident ids |T1| + |T2|")
+    arc_ghost: int = setting(256, "each ARC ghost list |B1|, |B2| holds at most this")
+    arc_p_init: int = setting(128, "ARC's initial target size of T1 (clamped to arc_capacity)")
+    arc_max_insert: int = setting(32, "ids inserted per OOV event at most")
+    arc_min_residency: int = setting(8, "rounds an id stays before it may be evicted")
+    arc_warmup: int = setting(50, "OOV events during which ARC's p stays at arc_p_init")
+    n_top: int = setting(10, "retrieval seeds: the target's top ids at the OOV position")
+    n_sem: int = setting(10, "retrieval seeds: HNSW neighbours of the target hidden state (0: off)")
+    per_seed: int = setting(8, "bigram-graph successors added per seed (0: off)")
+    max_pending: int = setting(
+        4, "retrievals in flight before new OOV events are dropped", flag="--retrieval-max-pending"
+    )
+    persist: bool = setting(
         True, "keep the ARC buffer across requests (no: empty it per request)", flag="--arc-persist"
     )
-    indices: str | None = _opt(None, "index folder from evospec-index build; None: $EVOSPEC_HOME/indices/"
-                               "<model>, built on first use from the training-side data")  # fmt: skip
+    indices: str | None = setting(
+        None,
+        "index folder from evospec-index build; None: $EVOSPEC_HOME/indices/<model>, built on first use "
+        "from the training-side data",
+    )
     # run retrieval inline (deterministic; for tests and ablations) -- not a user setting
-    synchronous: bool = _opt(False, "inline retrieval", internal=True)
+    synchronous: bool = setting(False, "inline retrieval", internal=True)
 
     def budget_problem(self, policy: str) -> str | None:
         """Why these settings cannot run ``policy`` (None: they can): the policies in

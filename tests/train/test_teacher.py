@@ -131,3 +131,24 @@ def test_training_conversations_come_from_training_sets_only():
     assert not any(c.history[0]["content"] in test_q for c in convs)
     with pytest.raises(ValueError, match="evaluation"):
         training_conversations(DEFAULT_DATA / "spec_bench")
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"steps": 0}, "steps must be >= 1"),
+        ({"step_decay": 0.0}, "step decay must be > 0"),
+        ({"w_reg": -1.0}, "loss weights"),
+    ],
+)
+def test_bad_training_settings_are_refused(kw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kw)
+
+
+def test_bad_step_flags_are_a_clear_cli_error(capsys) -> None:
+    from evospec.cli import main
+
+    argv = ["train-draft", "--steps", "2", "--step-decay", "-1", "--out", "x", "--no-progress"]
+    assert main([*argv, "--target", "/nonexistent-model"]) == 2  # refused before the model is looked for
+    assert "step decay must be > 0, got -1.0" in capsys.readouterr().err
