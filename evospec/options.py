@@ -26,6 +26,7 @@ METHOD_HELP = (
     "decoding method: ar | eagle2 | frspec | nanospec | evospec | nanospec+evospec | clora | osd | "
     "evospec-full | auto (the fastest lossless method measured on this machine, ar if none beats it)"
 )
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")  # models/quant.py WEIGHT_FORMATS + auto (tested)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -40,10 +41,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
-        help="weights dtype (default float32; the fastest on a CPU)",
+        help="model dtype: activations, KV cache and unquantised weights (default float32)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_weights_arg(p)
     add_pack_arg(p)
+
+
+def add_weights_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_CHOICES,
+        default=default,
+        help="format of the target's linear weights on a CPU: int4 (a GGUF's own 4-bit codes, "
+        "group 32), int8 (per row), bf16, fp32; auto = int4 on a CPU with float32 activations, "
+        "else fp32 (default: auto)",
+    )
 
 
 def add_pack_arg(p: argparse.ArgumentParser) -> None:
@@ -153,5 +166,6 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         verify_logits=args.verify_logits,
         device=args.device,
         dtype=args.dtype,
+        weights=args.weights,
         pack_weights=not args.no_pack,
     )

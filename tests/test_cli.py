@@ -36,7 +36,8 @@ def test_generate_contract(
     mode: str, default_model: LoadedModel, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     codec = default_model.codec
-    argv = ["generate", PROMPT, "--max-new-tokens", "8", "--no-progress"]
+    # --weights fp32: the reference decodes the session's fp32 model (the CLI's default is int4)
+    argv = ["generate", PROMPT, "--max-new-tokens", "8", "--no-progress", "--weights", "fp32"]
     if mode == "chat":
         argv.append("--chat")
         ids = codec.encode_chat([{"role": "user", "content": PROMPT}])
@@ -62,7 +63,8 @@ def test_no_pack_gives_the_same_text(default_model: LoadedModel, capsys: pytest.
     """Packed (default) and plain dense weights: different GEMM kernels, same greedy text."""
     outs = []
     for extra in ([], ["--no-pack"]):
-        assert main(["generate", PROMPT, "--max-new-tokens", "12", "--no-progress", *extra]) == 0
+        argv = ["generate", PROMPT, "--max-new-tokens", "12", "--no-progress", "--weights", "fp32"]
+        assert main([*argv, *extra]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] == _expected(default_model, default_model.codec.encode(PROMPT), 12) + "\n"
 

@@ -68,3 +68,22 @@ def test_method_help_names_every_method(command, capsys) -> None:
         build_parser().parse_args([*command, "--help"])
     out = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens
     assert all(m in out for m in (*METHODS, "auto"))
+
+
+def test_weight_choices_are_the_formats_plus_auto():
+    from evospec.models.quant import WEIGHT_FORMATS
+    from evospec.options import WEIGHT_CHOICES
+
+    assert ("auto", *WEIGHT_FORMATS) == WEIGHT_CHOICES
+
+
+def test_weights_flag_reaches_the_stack_and_the_serve_config():
+    from evospec.cli import build_parser
+    from service.command import serve_config
+
+    parser = build_parser()
+    assert stack_settings(parser.parse_args(["generate", "x"]), ["ar"]).weights == "auto"
+    assert stack_settings(parser.parse_args(["generate", "x", "--weights", "int8"]), ["ar"]).weights == "int8"
+    assert serve_config(parser.parse_args(["serve"])).weights == "auto"
+    cfg = serve_config(parser.parse_args(["serve", "--weights", "fp32"]))
+    assert cfg.weights == "fp32" and cfg.stack_settings().weights == "fp32"

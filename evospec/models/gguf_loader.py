@@ -1,8 +1,9 @@
 """Read a GGUF checkpoint into a :class:`ModelConfig` and a float state dict.
 
 Owns: GGUF metadata -> config, GGUF tensor names -> our parameter names, dequantisation
-(via the ``gguf`` package) and the two layout changes llama.cpp's converter applies (Llama
-q/k rows permuted for its RoPE kernel; Gemma norm weights stored as ``1 + w``). Knows
+(via the ``gguf`` package), the 4-bit codes of Q4_0 / Q4_1 blocks as they are (for the int4
+weight format), and the two layout changes llama.cpp's converter applies (Llama q/k rows
+permuted for its RoPE kernel; Gemma norm weights stored as ``1 + w``). Knows
 nothing about tokenizers; see ``loading.py`` for that.
 """
 
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 
 from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.errors import CheckpointError
+from evospec.models.quant import GROUP, GroupCodes
 
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
@@ -170,3 +172,48 @@ def read_gguf(path: str | Path, *, progress: bool = True) -> tuple[ModelConfig, 
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return cfg, state
+
+
+# Bytes per 32-weight block and the offset of its packed nibbles: Q4_0 = fp16 d + 16 bytes;
+# Q4_1 = fp16 d, fp16 m + 16 bytes. Byte j of a block holds weight j (low nibble) and j + 16.
+_Q4_BLOCKS = {"Q4_0": (18, 2), "Q4_1": (20, 4)}
+
+
+def _block_codes(raw: np.ndarray, kind: str, rows: int, cols: int) -> GroupCodes:
+    """GGUF Q4_0 / Q4_1 rows ([rows, bytes] uint8) -> group codes with the same 4-bit values."""
+    size, offset = _Q4_BLOCKS[kind]
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // GROUP, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
+    nibbles = blocks[..., offset:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d  # d * q + m = (q - 8) * d + (m + 8 d)
+    else:
+        zero = np.zeros_like(d)  # d * (q - 8)
+    return GroupCodes(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def read_gguf_codes(path: str | Path) -> dict[str, GroupCodes]:
+    """The 4-bit codes of every Q4_0 / Q4_1 weight in a GGUF file, named like our Transformer.
+
+    Used by the int4 weight format so those weights run on exactly the GGUF's codes (no
+    re-quantisation); other tensors are not returned. Llama q/k rows are un-permuted as in
+    :func:`read_gguf`.
+    """
+    path = Path(path)
+    reader = _open(path)
+    cfg = gguf_config(reader, path)
+    out: dict[str, GroupCodes] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in _Q4_BLOCKS or len(t.shape) != 2:
+            continue
+        cols, rows = (int(x) for x in t.shape)
+        codes = _block_codes(np.asarray(t.data), kind, rows, cols)
+        name = _our_name(t.name, cfg.family)
+        if cfg.family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            codes = codes.rows(_unpermute(torch.arange(rows), heads))
+        out[name] = codes
+    return out

@@ -20,6 +20,7 @@ from torch import nn
 from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.errors import CheckpointError
 from evospec.models.packing import pack_linears
+from evospec.models.quant import QuantReport, quantize_linears, resolve_weights
 from evospec.models.transformer import Transformer
 from evospec.tokenizer import TextCodec
 
@@ -32,6 +33,9 @@ class LoadedModel:
     codec: TextCodec | None  # None when the source carries no tokenizer
     source: Path  # the folder or file the weights came from
     name: str  # registered name, or the source's file/folder name
+    gguf: Path | None = None  # the GGUF file behind the weights, when there is one (its 4-bit codes)
+    weights: str = "fp32"  # format of the linear weights (see quant.py)
+    quant: QuantReport | None = None  # what quantisation did, for formats other than fp32
 
 
 def build_model(
@@ -140,26 +144,48 @@ def load_model(
     device: str = "cpu",
     progress: bool = True,
     pack: bool = True,
+    weights: str = "fp32",
 ) -> LoadedModel:
     """Load a registered name, a Hugging Face folder or a GGUF file.
 
+    ``weights``: format of the linear weights (``fp32`` | ``bf16`` | ``int8`` | ``int4`` |
+    ``auto``, see ``quant.py``; the quantised ones on the CPU only). int4 takes a GGUF's Q4_0 /
+    Q4_1 codes as they are.
     ``pack``: reorder the fp32 CPU linear weights once for oneDNN (see ``packing.py``; faster
     decoding and verification, one extra copy of the weights); a no-op on other devices/dtypes.
     """
+    weights = resolve_weights(weights, device, dtype)  # ValueError before any loading
     loaded = _load(ref, dtype=dtype, device=device, progress=progress)
+    if weights != "fp32":
+        codes = {}
+        if weights == "int4" and loaded.gguf is not None:
+            from evospec.models.gguf_loader import read_gguf_codes
+
+            codes = read_gguf_codes(loaded.gguf)
+        loaded.quant = quantize_linears(loaded.model, weights, codes)
+        loaded.weights = weights
     if pack:
-        pack_linears(loaded.model)
+        pack_linears(loaded.model)  # what is still an fp32 nn.Linear
+    # Row-exact verification: the CPU kernels of every weight format are row-exact, so with
+    # attention row by row a verified token's logits are bitwise plain decoding's.
+    loaded.model.exact_rows = device == "cpu"
     return loaded
 
 
 def _load(ref: str | Path, *, dtype: torch.dtype, device: str, progress: bool) -> LoadedModel:
-    from evospec.models.registry import REGISTRY, ensure_converted
+    from evospec.models.registry import REGISTRY, ensure_converted, package_files
 
     ref_s = str(ref)
     if ref_s in REGISTRY:
-        folder = ensure_converted(REGISTRY[ref_s], progress=progress)
+        entry = REGISTRY[ref_s]
+        folder = ensure_converted(entry, progress=progress)
         loaded = _load(folder, dtype=dtype, device=device, progress=progress)
         loaded.name = ref_s
+        try:  # the GGUF behind the cache, for its 4-bit codes (hashed when it was converted)
+            parts = package_files(entry)
+        except CheckpointError:  # package removed since: int4 re-quantises the cached floats
+            parts = []
+        loaded.gguf = parts[0] if len(parts) == 1 else None  # chunked files: no joined copy is kept
         return loaded
     path = Path(ref_s).expanduser()
     if path.is_dir():
@@ -171,7 +197,7 @@ def _load(ref: str | Path, *, dtype: torch.dtype, device: str, progress: bool) -
 
         cfg, state = read_gguf(path, progress=progress)
         codec = TextCodec.from_gguf(path)
-        return LoadedModel(build_model(cfg, state, path, dtype, device), codec, path, path.stem)
+        return LoadedModel(build_model(cfg, state, path, dtype, device), codec, path, path.stem, gguf=path)
     if not path.exists():
         raise CheckpointError(
             path, f"no such file or folder, and not a registered model name ({sorted(REGISTRY)})"

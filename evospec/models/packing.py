@@ -169,13 +169,15 @@ def unpack_linears(model: nn.Module) -> int:
 
 
 def projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> x @ linear.weight.T`` through ``linear``'s packed copy when it has one.
+    """``x -> x @ linear.weight.T`` through ``linear``'s packed or quantised copy when it has one.
 
     For code that projects onto a model's LM head outside the model (draft heads, prefill
-    top-k): it shares the target's packed weight instead of making another copy.
+    top-k): it shares the target's packed (or int8/int4, see ``quant.py``) weight instead of
+    making another copy.
     """
-    if isinstance(linear, PackedLinear):
-        return linear.matmul
+    matmul = getattr(linear, "matmul", None)  # PackedLinear / QuantLinear: the whole output
+    if matmul is not None:
+        return matmul
     weight = linear.weight
     return lambda x: x @ weight.T
 

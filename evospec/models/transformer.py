@@ -22,6 +22,7 @@ from torch import nn
 from evospec.models.config import ModelConfig
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import PackedMatmul
+from evospec.models.quant import QuantMatmul
 from evospec.models.rope import RotaryTable
 
 
@@ -44,6 +45,8 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.offset and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
@@ -62,7 +65,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
-        self.gate_up: PackedMatmul | None = None  # one packed call for gate and up
+        self.gate_up: PackedMatmul | QuantMatmul | None = None  # one packed call for gate and up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -97,7 +100,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv: PackedMatmul | None = None  # one packed call for q, k and v
+        self.qkv: PackedMatmul | QuantMatmul | None = None  # one packed call for q, k and v
 
     def forward(
         self,
@@ -105,12 +108,63 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [n, Dh]
         cache: KVCache,
         mask: torch.Tensor | None,  # [n, P+n] bool, True = attend; None = causal/no mask
+        rows: list[RowAttention] | None = None,  # set: attend row by row, as one-token steps do
     ) -> torch.Tensor:
         b, n, _ = x.shape
-        if self.qkv is not None:
-            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+        if self.qkv is not None and self.q_norm is None:
+            q, k, v = self._fused_qkv_rope(self.qkv(x), cos_sin)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if self.qkv is not None:
+                q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self._rope_qkv(q, k, v, cos_sin)
+        keys, values = cache.write(self.layer, k, v)  # [B, H_kv, P+n, Dh]
+        if rows is None:
+            out = self._attend(q, keys, values, mask)  # [B, H, n, Dh]
+        else:
+            parts = [
+                self._attend(q[:, :, j : j + 1], *row.keys(keys, values), row.masks[self.sliding])
+                for j, row in enumerate(rows)
+            ]
+            out = torch.cat(parts, dim=2)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def _attend(self, q, keys, values, mask) -> torch.Tensor:  # q [B, H, n, Dh] -> [B, H, n, Dh]
+        return F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None and q.shape[2] > 1,  # only valid when the prefix is empty
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+
+    def _fused_qkv_rope(
+        self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output [B, n, (H + 2 H_kv) Dh] -> rotated q, k and v, each
+        [B, heads, n, Dh]. q and k are rotated in one pass over their shared slice (same
+        result as rotating each: RoPE is per head)."""
+        b, n, _ = qkv.shape
+        hq, hk, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        qk = qkv[..., : (hq + hk) * dh].view(b, n, hq + hk, dh)
+        cos, sin = cos_sin  # [n, Dh] or [B, 1, n, Dh] (per-row positions)
+        if cos.dim() == 2:
+            qk = _apply_rope(qk, cos[:, None], sin[:, None])  # heads on dim 2
+        else:
+            qk = _apply_rope(qk.transpose(1, 2), cos, sin).transpose(1, 2)
+        q = qk[:, :, :hq].transpose(1, 2)
+        k = qk[:, :, hq:].transpose(1, 2)
+        v = qkv[..., (hq + hk) * dh :].view(b, n, hk, dh).transpose(1, 2)
+        return q, k, v
+
+    def _rope_qkv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Separate q [B, n, H Dh], k, v [B, n, H_kv Dh] -> (q/k-normed) rotated [B, heads, n, Dh]."""
+        b, n, _ = q.shape
         q = q.view(b, n, self.num_heads, self.head_dim)
         k = k.view(b, n, self.num_kv_heads, self.head_dim)
         v = v.view(b, n, self.num_kv_heads, self.head_dim)
@@ -118,18 +172,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, n, Dh]
         cos, sin = cos_sin
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        keys, values = cache.write(self.layer, k, v)  # [B, H_kv, P+n, Dh]
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None and n > 1,  # only valid when the prefix is empty
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, H, n, Dh]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
 
 class Block(nn.Module):
@@ -145,13 +188,13 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off)
 
-    def forward(self, x, cos_sin, cache, mask) -> torch.Tensor:
+    def forward(self, x, cos_sin, cache, mask, rows=None) -> torch.Tensor:
         if self.sandwich:
-            h = self.self_attn(self.input_layernorm(x), cos_sin, cache, mask)
+            h = self.self_attn(self.input_layernorm(x), cos_sin, cache, mask, rows)
             x = x + self.post_attention_layernorm(h)
             h = self.mlp(self.pre_feedforward_layernorm(x))
             return x + self.post_feedforward_layernorm(h)
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, mask, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -167,6 +210,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # True: a forward of n > 1 new tokens after a prefix (tree verification) attends row by
+        # row with the call a one-token step makes at that position, so every row's logits are
+        # bitwise those of plain decoding (the linear kernels and norms already are row-exact).
+        # Costs n attention calls per layer instead of one; set by load_model on the CPU.
+        self.exact_rows = False
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
@@ -225,10 +273,13 @@ class Transformer(nn.Module):
             rope_pos = (positions[None] - left_pad[:, None]).clamp(min=0)  # [B, n]
         rope_g = self.rope_global(rope_pos, x.dtype)
         rope_l = self.rope_local(rope_pos, x.dtype) if cfg.is_gemma else rope_g
+        rows = None
+        if self.exact_rows and n > 1 and prefix > 0 and attn_mask is None and left_pad is None:
+            rows = row_attention(cfg, prefix, positions, tree_mask, x.device)
         aux: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
-            x = block(x, rope_l if sliding else rope_g, cache, masks[sliding])
+            x = block(x, rope_l if sliding else rope_g, cache, masks[sliding], rows)
             if i in aux_layers:
                 aux.append(x)
         cache.advance(n)
@@ -247,6 +298,46 @@ class Transformer(nn.Module):
         out = self.lm_head(hidden)
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(out / cap) * cap if cap else out
+
+
+@dataclass(frozen=True)
+class RowAttention:
+    """How one new token attends in a row-exact forward: the cache slots it sees, laid out as
+    plain decoding lays them out at its position (slots 0..pos), and the masks a one-token
+    step at that position uses (by layer kind: sliding or not)."""
+
+    end: int  # its keys are slots [0, end) of the cache (causal rows), or
+    index: torch.Tensor | None  # [pos + 1] slots gathered in position order (other tree rows)
+    masks: dict[bool, torch.Tensor | None]
+
+    def keys(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index is None:
+            return keys[:, :, : self.end], values[:, :, : self.end]
+        return keys.index_select(2, self.index), values.index_select(2, self.index)
+
+
+def row_attention(
+    cfg: ModelConfig,
+    prefix: int,
+    positions: torch.Tensor,  # [n]
+    tree_mask: torch.Tensor | None,  # [n, n] bool; None = causal
+    device: torch.device,
+) -> list[RowAttention] | None:
+    """Per-row plans for a row-exact forward, or None when a row's position does not match
+    its visible tokens (not a tree verification: attend in one call)."""
+    n = positions.shape[0]
+    out = []
+    for j, pos in enumerate(positions.tolist()):
+        seen = torch.arange(j + 1) if tree_mask is None else tree_mask[j].nonzero()[:, 0].cpu()
+        if pos != prefix + seen.numel() - 1 or (seen >= n).any():
+            return None
+        masks = _build_masks(cfg, pos, positions[j : j + 1], None, device)  # a one-token step's
+        if torch.equal(seen, torch.arange(j + 1)):
+            out.append(RowAttention(prefix + j + 1, None, masks))
+        else:
+            index = torch.cat([torch.arange(prefix), prefix + seen]).to(device)
+            out.append(RowAttention(prefix + j + 1, index, masks))
+    return out
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,31 @@ def test_greedy_equals_ar(target, drafters, name, tree, seed):
     assert spec_tokens(target, drafters[name], prompt, params, tree) == ar_tokens(target, prompt, params)
 
 
+def _quantised_target(seed: int, fmt: str, **kw):
+    """A tiny target with ``fmt`` weights and row-exact verification, as CPU models load."""
+    from evospec.models.quant import kernels_available, quantize_linears
+
+    if not kernels_available(fmt):
+        pytest.skip(f"torch without CPU {fmt} kernels")
+    target = tiny_target(seed, **kw)
+    quantize_linears(target, fmt)
+    target.exact_rows = True
+    return target
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("tree", TREES, ids=["k4d4t12", "k3d2t5"])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_equals_ar_on_a_quantised_target(fmt, tree, seed):
+    """Quantised weights (bf16 activations at every matmul) amplify any rounding difference
+    between verifying n tokens and decoding one; row-exact verification leaves none."""
+    target = _quantised_target(6, fmt)
+    drafter = perturbed_drafter(target, noise=0.6, seed=seed)
+    prompt = prompt_of(seed, 4 + 3 * seed)
+    params = SamplingParams(max_new_tokens=24)
+    assert spec_tokens(target, drafter, prompt, params, tree) == ar_tokens(target, prompt, params)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_equals_ar_on_a_packed_target(seed):
     """oneDNN-packed linears (the default for loaded CPU models): verification of many tree
@@ -179,9 +204,10 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, len(obs) - 1))
 
 
-def test_sampled_tokens_follow_the_target_end_to_end():
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_sampled_tokens_follow_the_target_end_to_end(fmt):
     """The second generated token (drafted, accepted or resampled) has the target's marginal."""
-    target = tiny_target(4, sharp=3.0)
+    target = tiny_target(4, sharp=3.0) if fmt == "fp32" else _quantised_target(4, fmt, sharp=3.0)
     drafter = perturbed_drafter(target, noise=0.3)
     tree = TreeConfig(top_k=3, depth=3, total_tokens=8)
     prompt = prompt_of(8, 5)

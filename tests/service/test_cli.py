@@ -71,6 +71,8 @@ def test_serve_subprocess_and_printed_curl(tmp_path: Path, tiny, codec, referenc
         "--port",
         str(port),
         "--no-progress",
+        "--weights",
+        "fp32",  # the reference decodes the fp32 weights (serve's default on a CPU is int4)
     ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
