@@ -4,7 +4,8 @@ Owns: counting adjacent pairs (u, v) *within* each sequence (never across two se
 streamed in chunks of int64 pair keys ``u * V + v`` reduced to sparse CSR counts, so memory
 grows with the number of distinct pairs, never with V^2; pruning to the graph of the paper's
 Appendix C (count >= min_count, p(v|u) = count(u, v) / count(u, .) >= min_prob, at most
-max_degree successors per u); successor look-ups; saving and loading (.npz).
+max_degree successors per u); successor look-ups; saving (compressed, byte-for-byte
+reproducible) and loading (.npz).
 
 Rows are stored sorted by descending p(v|u); equal p goes to the lower id. The denominator
 count(u, .) counts every pair that starts with u, pruned or not.
@@ -14,6 +15,7 @@ Does not know about text, tokenizers or models.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ import scipy.sparse as sp
 from indices.frequency import check_ids
 
 CHUNK_PAIRS = 1 << 22  # pair keys buffered before they are reduced into the sparse counts
+_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # member timestamp of a saved graph (the zip format's earliest)
 
 
 @dataclass(frozen=True)
@@ -156,17 +159,23 @@ class BigramGraph:
         return self.indices[offsets + np.arange(total)].astype(np.int64)
 
     def save(self, path: Path) -> None:
+        """A compressed .npz (what ``np.load`` reads) with fixed member timestamps, so one graph
+        always gives the same bytes (and checksum)."""
         p = self.params
-        with open(path, "wb") as f:
-            np.savez(
-                f,
-                indptr=self.indptr,
-                indices=self.indices,
-                data=self.data,
-                min_count=np.int64(p.min_count),
-                min_prob=np.float64(p.min_prob),
-                max_degree=np.int64(p.max_degree),
-            )
+        arrays = {
+            "indptr": self.indptr,
+            "indices": self.indices,
+            "data": self.data,
+            "min_count": np.int64(p.min_count),
+            "min_prob": np.float64(p.min_prob),
+            "max_degree": np.int64(p.max_degree),
+        }
+        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+            for name, value in arrays.items():
+                info = zipfile.ZipInfo(f"{name}.npy", date_time=_ZIP_EPOCH)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                with z.open(info, "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, np.asanyarray(value), allow_pickle=False)
 
     @classmethod
     def load(cls, path: Path) -> BigramGraph:

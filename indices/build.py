@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from indices.manifest import (
     CorpusInfo,
     HnswInfo,
     Manifest,
+    SourceInfo,
     check_model,
     file_entry,
     model_fingerprint,
@@ -52,6 +53,7 @@ def tokenize_texts(
     batch_size: int = TOKENIZE_BATCH,
     max_tokens: int | None = None,
     progress: bool = True,
+    desc: str = "tokenizing",
 ) -> Iterator[np.ndarray]:
     """Token ids ([n] int64) of each document, as ``codec.encode`` gives them, batch-encoded.
 
@@ -59,7 +61,7 @@ def tokenize_texts(
     """
     encode_batch = getattr(codec.tok, "encode_batch", None)
     total = 0
-    with tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress) as bar:
+    with tqdm(desc=desc, unit="tok", unit_scale=True, disable=not progress) as bar:
         for batch in _batches(texts, batch_size):
             if encode_batch is not None:
                 encoded = [e.ids for e in encode_batch(batch, add_special_tokens=True)]
@@ -74,6 +76,39 @@ def tokenize_texts(
                 yield seq
                 if max_tokens is not None and total >= max_tokens:
                     return
+
+
+@dataclass
+class CorpusPart:
+    """A named part of a corpus (a training-side set, a user's files), counted on its own so
+    the manifest can say what each part contributed and under which license."""
+
+    name: str
+    texts: Iterable[str]
+    license: str = ""  # "" when not known
+    origin: str = ""  # where the texts came from
+    num_documents: int = 0  # filled in while the part is tokenized
+    num_tokens: int = 0
+
+    def info(self) -> SourceInfo:
+        return SourceInfo(self.name, self.license, self.origin, self.num_documents, self.num_tokens)
+
+
+def tokenize_parts(
+    parts: Sequence[CorpusPart], codec: TextCodec, *, max_tokens: int | None = None, progress: bool = True
+) -> Iterator[np.ndarray]:
+    """``tokenize_texts`` over each part in turn (``max_tokens`` in all), tallying each part."""
+    total = 0
+    for part in parts:
+        left = None if max_tokens is None else max_tokens - total
+        if left is not None and left <= 0:
+            return
+        desc = f"tokenizing {part.name}" if part.name else "tokenizing"
+        for seq in tokenize_texts(part.texts, codec, max_tokens=left, progress=progress, desc=desc):
+            part.num_documents += int(seq.size > 0)
+            part.num_tokens += seq.size
+            total += seq.size
+            yield seq
 
 
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -100,6 +135,9 @@ def build_indices(
     model_name: str,
     model_source: str | None = None,
     corpus_description: str = "",
+    parts: Sequence[CorpusPart] = (),  # recorded per part once token_seqs is consumed
+    left_out: dict[str, str] | None = None,  # training sources deliberately not counted -> why
+    command: str = "",  # the command that rebuilds this directory
     bigram_params: BigramParams | None = None,  # default: BigramParams()
     hnsw_params: HnswParams | None = None,  # default: HnswParams()
     hnsw: bool = True,
@@ -110,7 +148,7 @@ def build_indices(
     out_dir = Path(out_dir)
     bigram_params = bigram_params or BigramParams()
     hnsw_params = hnsw_params or HnswParams()
-    _check_replaceable(out_dir)
+    check_replaceable(out_dir)
     vocab, hidden = lm_head_weight.shape
     seconds: dict[str, float] = {}
     t_start = time.perf_counter()
@@ -144,7 +182,14 @@ def build_indices(
             model_fingerprint=model_fingerprint(lm_head_weight),
             vocab_size=vocab,
             hidden_size=hidden,
-            corpus=CorpusInfo(corpus_description, tokens.num_sequences, tokens.num_tokens),
+            corpus=CorpusInfo(
+                corpus_description,
+                tokens.num_sequences,
+                tokens.num_tokens,
+                sources=tuple(p.info() for p in parts),
+                left_out=dict(left_out or {}),
+                command=command,
+            ),
             bigram=bigram_params,
             num_edges=graph.num_edges,
             hnsw=hnsw_info,
@@ -154,7 +199,7 @@ def build_indices(
         )
         write_manifest(work, manifest)
         work.chmod(0o755)  # mkdtemp made it private; an index directory is ordinary data
-        _replace_dir(work, out_dir)
+        replace_dir(work, out_dir)
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
@@ -205,23 +250,32 @@ def add_hnsw(
 def build_from_texts(
     lm_head_weight: torch.Tensor,
     codec: TextCodec,
-    texts: Iterable[str],
+    texts: Iterable[str] | Sequence[CorpusPart],
     out_dir: Path,
     *,
     max_tokens: int | None = None,
     progress: bool = True,
     **build_kwargs: Any,
 ) -> Manifest:
-    """``build_indices`` over ``texts`` tokenized by ``codec`` (see ``build_indices`` for the rest)."""
+    """``build_indices`` over ``texts`` tokenized by ``codec`` (see ``build_indices`` for the rest).
+
+    ``texts`` is one stream of documents, or a sequence of ``CorpusPart`` (each recorded in
+    the manifest with its license and counts).
+    """
     if codec.vocab_size > lm_head_weight.shape[0]:
         raise ValueError(
             f"tokenizer has {codec.vocab_size} ids but the LM head only {lm_head_weight.shape[0]} rows"
         )
-    seqs = tokenize_texts(texts, codec, max_tokens=max_tokens, progress=progress)
+    if isinstance(texts, Sequence) and texts and all(isinstance(p, CorpusPart) for p in texts):
+        parts: Sequence[CorpusPart] = texts
+        seqs = tokenize_parts(parts, codec, max_tokens=max_tokens, progress=progress)
+        build_kwargs["parts"] = parts
+    else:
+        seqs = tokenize_texts(texts, codec, max_tokens=max_tokens, progress=progress)  # type: ignore[arg-type]
     return build_indices(lm_head_weight, seqs, out_dir, progress=progress, **build_kwargs)
 
 
-def _check_replaceable(out_dir: Path) -> None:
+def check_replaceable(out_dir: Path) -> None:
     """Refuse to replace a folder that is not an index directory (a typo must not delete data)."""
     if out_dir.exists() and (
         not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file())
@@ -232,7 +286,7 @@ def _check_replaceable(out_dir: Path) -> None:
         )
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def replace_dir(new: Path, target: Path) -> None:
     if not target.exists():
         new.rename(target)
         return

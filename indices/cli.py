@@ -1,22 +1,30 @@
-"""The ``evospec-index`` command line (also ``python -m indices``): build, info, check.
+"""The ``evospec-index`` command line (also ``python -m indices``): build, package, info, check.
 
 Owns: argument parsing, choosing the corpus (training-side shared data and/or corpus files),
-and printing. Exit codes: 0 ok, 2 a usage, data, model or index error (one line on stderr).
+``package`` (the tables shipped inside the package, ``packaged.py``), and printing. Exit codes:
+0 ok, 2 a usage, data, model or index error (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from evospec.common import DEFAULT_DATA, positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from indices.bigram import BigramParams
+from indices.corpus import REDISTRIBUTABLE, TRAINING_SOURCES, check_sources
 from indices.hnsw import DEFAULT_EF, HnswParams
 from indices.manifest import Manifest
+
+
+def _source_list(text: str) -> list[str]:
+    """argparse type: comma-separated training source names, checked."""
+    try:
+        return check_sources(n.strip() for n in text.split(",") if n.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _model_arg(p: argparse.ArgumentParser, default: str | None) -> None:
@@ -64,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"add the training-side sets of a shared data folder (bare flag: {DEFAULT_DATA})",
     )
+    b.add_argument(
+        "--sources",
+        type=_source_list,
+        default=None,
+        metavar="NAME,...",
+        help=f"with --training-data: only these sets (default: all of {', '.join(TRAINING_SOURCES)})",
+    )
     b.add_argument("--out", type=Path, required=True, help="index directory to write")
     b.add_argument(
         "--hnsw-m",
@@ -108,6 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=-1, help="HNSW build threads (default: -1, every core)")
     b.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
+    k = sub.add_parser(
+        "package",
+        help="rebuild the index tables shipped inside the package for a model",
+        description="Count the training-side sets whose licenses allow redistribution ("
+        + ", ".join(REDISTRIBUTABLE)
+        + ") into frequency.npy and bigram.npz (no HNSW: it is built on first use), with a "
+        "manifest listing each set's license, upstream, commit and counts, the sets left out and "
+        "why, and an attribution NOTICE. Default --out: the package's indices/packaged/<model>.",
+    )
+    _model_arg(k, DEFAULT_MODEL)
+    k.add_argument(
+        "--training-data",
+        type=Path,
+        default=DEFAULT_DATA,
+        metavar="DIR",
+        help=f"the shared data folder (default: {DEFAULT_DATA})",
+    )
+    k.add_argument(
+        "--out", type=Path, default=None, help="folder to write (default: indices/packaged/<model>)"
+    )
+    k.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
     i = sub.add_parser("info", help="print the manifest of an index directory")
     i.add_argument("directory", type=Path)
     i.add_argument("--json", action="store_true", help="print manifest.json as is")
@@ -127,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _describe(args: argparse.Namespace) -> str:
     parts = []
     if args.training_data is not None:
-        parts.append(f"training-side sets of {args.training_data}")
+        chosen = f" ({', '.join(args.sources)})" if args.sources else ""
+        parts.append(f"training-side sets of {args.training_data}{chosen}")
     parts += [str(p) for p in args.corpus]
     text = "; ".join(parts)
     return text + (f" (first {args.max_tokens} tokens)" if args.max_tokens else "")
@@ -135,12 +173,14 @@ def _describe(args: argparse.Namespace) -> str:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from evospec.models.loading import load_model
-    from indices.build import build_from_texts
+    from indices.build import CorpusPart, build_from_texts
     from indices.corpus import corpus_files, read_corpus_files, training_texts
     from indices.default import model_source
 
     if args.training_data is None and not args.corpus:
         raise ValueError("nothing to count: give --training-data [DIR] and/or --corpus PATH...")
+    if args.sources and args.training_data is None:
+        raise ValueError("--sources picks training-side sets: give --training-data [DIR] too")
     files = corpus_files(args.corpus)  # checked before the model loads
     if args.training_data is not None and not Path(args.training_data).is_dir():
         raise FileNotFoundError(f"{args.training_data}: shared data folder not found")
@@ -148,15 +188,22 @@ def cmd_build(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, progress=progress)
     if loaded.codec is None:
         raise ValueError(f"{args.model}: the model carries no tokenizer, cannot tokenize a corpus")
-    sources: list[Iterator[str]] = []
+    parts: list[CorpusPart] = []
     if args.training_data is not None:
-        sources.append(training_texts(args.training_data))
+        data = Path(args.training_data)
+        for name in args.sources or TRAINING_SOURCES:
+            s = TRAINING_SOURCES[name]
+            parts.append(
+                CorpusPart(name, training_texts(data, [name]), s.license, f"{s.upstream}; {data / s.folder}")
+            )
     if files:
-        sources.append(read_corpus_files(files))
+        parts.append(
+            CorpusPart("corpus files", read_corpus_files(files), origin=", ".join(map(str, args.corpus)))
+        )
     manifest = build_from_texts(
         loaded.model.lm_head.weight,
         loaded.codec,
-        itertools.chain(*sources),
+        parts,
         args.out,
         max_tokens=args.max_tokens,
         progress=progress,
@@ -185,6 +232,12 @@ def summary(m: Manifest) -> str:
         f"          fingerprint {m.model_fingerprint}",
         f"corpus:   {m.corpus.description}",
         f"          {m.corpus.num_documents} documents, {m.corpus.num_tokens} tokens",
+        *(
+            f"          - {x.name}: {x.num_documents} documents, {x.num_tokens} tokens"
+            + (f" ({x.license})" if x.license else "")
+            for x in m.corpus.sources
+        ),
+        *(f"          left out {name}: {why}" for name, why in m.corpus.left_out.items()),
         f"bigram:   {m.num_edges} edges (min_count={m.bigram.min_count} min_prob={m.bigram.min_prob:g} "
         f"max_degree={m.bigram.max_degree})",
         f"hnsw:     {hnsw}",
@@ -192,7 +245,41 @@ def summary(m: Manifest) -> str:
         "seconds:  " + ", ".join(f"{k} {v:.1f}" for k, v in m.build_seconds.items()),
         f"created:  {m.created} (format {m.format_version})",
     ]
+    if m.corpus.command:
+        lines.append(f"rebuild:  {m.corpus.command}")
     return "\n".join(lines)
+
+
+def cmd_package(args: argparse.Namespace) -> int:
+    from evospec.models.loading import load_model
+    from indices.default import model_source
+    from indices.packaged import PACKAGED_ROOT, build_packaged
+
+    if not Path(args.training_data).is_dir():
+        raise FileNotFoundError(f"{args.training_data}: shared data folder not found")
+    progress = not args.no_progress
+    loaded = load_model(args.model, progress=progress)
+    if loaded.codec is None:
+        raise ValueError(f"{args.model}: the model carries no tokenizer, cannot tokenize a corpus")
+    out = args.out if args.out is not None else PACKAGED_ROOT / loaded.name
+    manifest = build_packaged(
+        loaded.model.lm_head.weight,
+        loaded.codec,
+        args.training_data,
+        out,
+        model_name=loaded.name,
+        model_source=model_source(loaded),
+        command=_package_command(args),
+        progress=progress,
+    )
+    print(f"wrote {out}")
+    print(summary(manifest))
+    return 0
+
+
+def _package_command(args: argparse.Namespace) -> str:
+    out = f" --out {args.out}" if args.out is not None else ""
+    return f"evospec-index package --model {args.model} --training-data {args.training_data}{out}"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -225,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     from evospec.models.config import UnsupportedModelError
     from evospec.models.errors import CheckpointError
 
-    commands = {"build": cmd_build, "info": cmd_info, "check": cmd_check}
+    commands = {"build": cmd_build, "package": cmd_package, "info": cmd_info, "check": cmd_check}
     try:
         return commands[args.command](args)
     except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:

@@ -1,9 +1,10 @@
 """Text corpora the offline indices are counted from.
 
 Owns: reading the *training-side* sets of ``shared/data`` as whole documents (prompts together
-with their answers or contexts where a set has them), and reading user-supplied corpus files
-(.txt, .jsonl, .json, folders of them). A document is the unit bigrams never cross.
-Evaluation sets (``EVAL_ONLY`` of ``evospec.train.prompts``) are refused, by folder.
+with their answers or contexts where a set has them), each set's license and whether counts
+derived from it may ship inside the package (``TRAINING_SOURCES``, ``REDISTRIBUTABLE``), and
+reading user-supplied corpus files (.txt, .jsonl, .json, folders of them). A document is the
+unit bigrams never cross. Evaluation sets (``EVAL_ONLY`` of ``evospec.train.prompts``) are refused, by folder.
 
 Does not know about tokenizers or token ids: it yields ``str`` only.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,29 +116,104 @@ def _github_site_policy(data: Path) -> Iterator[str]:
         yield r["text"]
 
 
-def _translation(data: Path) -> Iterator[str]:
-    """German and English sides of the parallel sets, one sentence per document."""
-    for name in (
-        "flores200_deen/deu_Latn.devtest",
-        "flores200_deen/eng_Latn.devtest",
-        "tatoeba_deen/tatoeba-test-v2021-08-07.deu",
-        "tatoeba_deen/tatoeba-test-v2021-08-07.eng",
-        "ntrex128_deen/newstest2019-ref.deu.txt",
-        "ntrex128_deen/newstest2019-src.eng.txt",
-    ):
-        yield from _lines(data / name)
+def _parallel(*names: str) -> Callable[[Path], Iterator[str]]:
+    """Both sides of a German-English parallel set, one sentence per document."""
+
+    def read(data: Path) -> Iterator[str]:
+        for name in names:
+            yield from _lines(data / name)
+
+    return read
 
 
-TRAINING_SOURCES: dict[str, Callable[[Path], Iterator[str]]] = {
-    "oasst": _oasst,
-    "arena_hard": _arena_hard,
-    "self_instruct": _self_instruct,
-    "t0_sample": _t0_sample,
-    "gsm8k_train": _gsm8k_train,
-    "legalbench": _legalbench,
-    "github_site_policy": _github_site_policy,
-    "translation_deen": _translation,
+@dataclass(frozen=True)
+class TrainingSource:
+    """One training-side set of ``shared/data``: how to read it and under which terms."""
+
+    read: Callable[[Path], Iterator[str]]
+    folder: str  # its folder in shared/data (LICENSE or LICENSE_NOTE.txt, SOURCE_COMMIT)
+    upstream: str  # who made it (the attribution its license asks for)
+    license: str
+    # Counts derived from it may ship inside the package: a permissive or attribution-only
+    # license (CC0, MIT, Apache-2.0, CC BY); never share-alike, non-commercial or unclear terms.
+    redistributable: bool
+    why: str  # why it may or may not ship (recorded in the packaged manifest)
+
+
+_PERMISSIVE = "permissive license; counts shipped with attribution"
+TRAINING_SOURCES: dict[str, TrainingSource] = {
+    "oasst": TrainingSource(
+        _oasst, "oasst", "OpenAssistant (LAION-AI/Open-Assistant)", "Apache-2.0", True, _PERMISSIVE
+    ),
+    "arena_hard": TrainingSource(
+        _arena_hard, "arena_hard", "lmarena/arena-hard-auto", "Apache-2.0", True, _PERMISSIVE
+    ),
+    "self_instruct": TrainingSource(
+        _self_instruct, "self_instruct", "yizhongw/self-instruct", "Apache-2.0", True, _PERMISSIVE
+    ),
+    "t0_sample": TrainingSource(
+        _t0_sample,
+        "t0_sample",
+        "T0 / P3 prompts (bigscience), sampled in yizhongw/self-instruct",
+        "Apache-2.0 (repository), mixed upstream",
+        False,
+        "unclear: P3 prompts wrap many upstream data sets, some share-alike (e.g. CC BY-SA)",
+    ),
+    "gsm8k_train": TrainingSource(
+        _gsm8k_train, "gsm8k", "openai/grade-school-math", "MIT", True, _PERMISSIVE
+    ),
+    "legalbench": TrainingSource(
+        _legalbench,
+        "legalbench",
+        "HazyResearch/legalbench",
+        "CC BY 4.0 / MIT (per task)",
+        True,
+        "attribution-only licenses",
+    ),
+    "github_site_policy": TrainingSource(
+        _github_site_policy, "github_site_policy", "github/site-policy", "CC0-1.0", True, _PERMISSIVE
+    ),
+    "flores200_deen": TrainingSource(
+        _parallel("flores200_deen/deu_Latn.devtest", "flores200_deen/eng_Latn.devtest"),
+        "flores200_deen",
+        "FLORES-200 (Meta AI), via Helsinki-NLP/OPUS-MT-testsets",
+        "CC BY-SA 4.0",
+        False,
+        "share-alike",
+    ),
+    "tatoeba_deen": TrainingSource(
+        _parallel("tatoeba_deen/tatoeba-test-v2021-08-07.deu", "tatoeba_deen/tatoeba-test-v2021-08-07.eng"),
+        "tatoeba_deen",
+        "Tatoeba (tatoeba.org) contributors, via Helsinki-NLP/OPUS-MT-testsets",
+        "CC BY 2.0 FR",
+        True,
+        "attribution-only license",
+    ),
+    "ntrex128_deen": TrainingSource(
+        _parallel("ntrex128_deen/newstest2019-ref.deu.txt", "ntrex128_deen/newstest2019-src.eng.txt"),
+        "ntrex128_deen",
+        "NTREX-128 (Microsoft), via Helsinki-NLP/OPUS-MT-testsets",
+        "CC BY-SA 4.0",
+        False,
+        "share-alike",
+    ),
 }
+REDISTRIBUTABLE = tuple(n for n, s in TRAINING_SOURCES.items() if s.redistributable)
+
+
+def source_commit(data_dir: Path, name: str) -> str:
+    """The upstream commit a training source was taken from ("" when not recorded)."""
+    path = Path(data_dir) / TRAINING_SOURCES[name].folder / "SOURCE_COMMIT"
+    return path.read_text().strip() if path.is_file() else ""
+
+
+def check_sources(names: Iterable[str]) -> list[str]:
+    """``names`` as a list, or ValueError naming the unknown ones."""
+    names = list(names)
+    unknown = sorted(set(names) - set(TRAINING_SOURCES))
+    if unknown:
+        raise ValueError(f"unknown training sources {unknown}; known: {list(TRAINING_SOURCES)}")
+    return names
 
 
 def training_texts(data_dir: Path, sources: Iterable[str] | None = None) -> Iterator[str]:
@@ -148,12 +225,8 @@ def training_texts(data_dir: Path, sources: Iterable[str] | None = None) -> Iter
     _refuse_eval(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: shared data folder not found")
-    names = list(TRAINING_SOURCES) if sources is None else list(sources)
-    unknown = sorted(set(names) - set(TRAINING_SOURCES))
-    if unknown:
-        raise ValueError(f"unknown training sources {unknown}; known: {list(TRAINING_SOURCES)}")
-    for name in names:
-        for text in TRAINING_SOURCES[name](data_dir):
+    for name in check_sources(TRAINING_SOURCES if sources is None else sources):
+        for text in TRAINING_SOURCES[name].read(data_dir):
             if text.strip():
                 yield text
 

@@ -53,10 +53,29 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class SourceInfo:
+    """One part of a corpus counted source by source (a training-side set, or corpus files)."""
+
+    name: str  # a key of indices.corpus.TRAINING_SOURCES, or "corpus files"
+    license: str  # "" when not known (a user's files)
+    origin: str  # shared-data folder and upstream commit, or the paths
+    num_documents: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class CorpusInfo:
     description: str  # e.g. "training-side sets of /work/shared/data" or the corpus paths
     num_documents: int
     num_tokens: int
+    sources: tuple[SourceInfo, ...] = ()  # per part, when counted part by part
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # training source -> why not used
+    command: str = ""  # the command that rebuilds the counts, when recorded
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CorpusInfo:
+        sources = tuple(SourceInfo(**s) for s in d.get("sources", ()))
+        return cls(**{**d, "sources": sources, "left_out": dict(d.get("left_out", {}))})
 
 
 @dataclass(frozen=True)
@@ -93,7 +112,7 @@ class Manifest:
             model_fingerprint=d["model_fingerprint"],
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
-            corpus=CorpusInfo(**d["corpus"]),
+            corpus=CorpusInfo.from_dict(d["corpus"]),
             bigram=BigramParams(**d["bigram"]),
             num_edges=int(d["num_edges"]),
             hnsw=None if hnsw is None else HnswInfo(HnswParams(**hnsw["params"]), float(hnsw["max_norm"])),
@@ -150,8 +169,8 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 def rebuild_hint(directory: Path, model_source: str | None = None) -> str:
     model = model_source or "MODEL"
     return (
-        f"Rebuild it with: evospec-index build --model {model} --training-data --out {directory} "
-        "(or --corpus FILES...; see evospec-index build --help)"
+        f"Rebuild it with: evospec-index build --model {model} --corpus FILES... --out {directory} "
+        "(or --training-data [DIR] from a checkout's shared data; see evospec-index build --help)"
     )
 
 

@@ -46,8 +46,13 @@ class VocabConfig:
     )
     indices: str | None = setting(
         None,
-        "index folder from evospec-index build; None: $EVOSPEC_HOME/indices/<model>, built on first use "
-        "from the training-side data",
+        "index folder from evospec-index build; None: $EVOSPEC_HOME/indices/<model>, made on first use "
+        "from the tables shipped for the model (else a checkout's shared data) plus an HNSW index built here",
+    )
+    corpus: str | None = setting(
+        None,
+        "comma-separated .txt/.jsonl/.json files or folders to count the indices from instead (built once "
+        "into --indices, or $EVOSPEC_HOME/indices/<model>+corpus-<digest>; rebuilt when the files change)",
     )
     # run retrieval inline (deterministic; for tests and ablations) -- not a user setting
     synchronous: bool = setting(False, "inline retrieval", internal=True)
@@ -77,6 +82,13 @@ class VocabConfig:
                 raise ValueError(f"vocab.{name} must be >= 1, got {getattr(self, name)}")
         if self.indices == "":
             raise ValueError("vocab.indices must not be empty (null: the default folder)")
+        if self.corpus is not None and not self.corpus_paths:
+            raise ValueError("vocab.corpus must name at least one file or folder (null: the shipped tables)")
+
+    @property
+    def corpus_paths(self) -> tuple[str, ...]:
+        """The files and folders of ``corpus`` (empty when None)."""
+        return tuple(p.strip() for p in (self.corpus or "").split(",") if p.strip())
 
     @property
     def arc(self):

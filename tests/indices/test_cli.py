@@ -100,3 +100,49 @@ def test_module_help_subprocess() -> None:
     for flag in ("--corpus", "--training-data", "--hnsw-m", "--ef-construction", "--min-prob", "--no-hnsw"):
         assert flag in proc.stdout
     assert "(default: 32)" in proc.stdout and "(default: 0.0001)" in proc.stdout and "None" not in proc.stdout
+
+
+def test_sources_pick_training_sets(setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, _, corpus = setup
+    base = ["build", "--model", str(model), "--out", str(tmp_path / "idx"), "--no-progress"]
+    assert main([*base, "--corpus", str(corpus), "--sources", "oasst"]) == 2
+    assert "--sources picks training-side sets" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--training-data", str(tmp_path), "--sources", "oasst,humaneval"])
+    assert "unknown training sources ['humaneval']" in capsys.readouterr().err
+
+
+def test_package_counts_redistributable_sets_only(
+    setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import indices.packaged as packaged
+    from indices.corpus import REDISTRIBUTABLE, TRAINING_SOURCES
+
+    read: list[str] = []
+    monkeypatch.setattr(
+        packaged, "training_texts", lambda d, names: read.extend(names) or iter(CORPUS.split("\n\n"))
+    )
+    model, _, _ = setup
+    data, out = tmp_path / "data", tmp_path / "packaged"
+    (data / "oasst").mkdir(parents=True)
+    (data / "oasst" / "SOURCE_COMMIT").write_text("abc123\n")
+    assert main(["package", "--model", str(model), "--training-data", str(tmp_path / "nope")]) == 2
+    argv = [
+        "package",
+        "--model",
+        str(model),
+        "--training-data",
+        str(data),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    assert read == list(REDISTRIBUTABLE)
+    manifest = packaged.read_packaged(out).manifest
+    assert manifest.hnsw is None and [s.name for s in manifest.corpus.sources] == list(REDISTRIBUTABLE)
+    assert manifest.corpus.sources[0].origin.endswith("shared/data/oasst @ abc123")
+    assert set(manifest.corpus.left_out) == {n for n, s in TRAINING_SOURCES.items() if not s.redistributable}
+    assert manifest.corpus.command == " ".join(["evospec-index", *argv[:-1]])
+    assert "rebuild:  evospec-index package" in capsys.readouterr().out
+    assert "license: Apache-2.0" in (out / packaged.NOTICE_FILE).read_text()

@@ -23,7 +23,7 @@ def test_training_texts_have_answers_and_no_eval_text() -> None:
     assert not any(t.startswith(test_q) for t in gsm)
     si = list(training_texts(DEFAULT_DATA, sources=["self_instruct"]))
     assert any("oatmeal banana protein shake" in t for t in si)  # an instance output
-    tr = list(training_texts(DEFAULT_DATA, sources=["translation_deen"]))
+    tr = list(training_texts(DEFAULT_DATA, sources=["flores200_deen", "tatoeba_deen", "ntrex128_deen"]))
     assert len(tr) == 2 * (1012 + 17565 + 1997)  # both sides, one sentence per document
 
 
@@ -94,3 +94,14 @@ def test_read_corpus_files_errors(tmp_path: Path) -> None:
     (tmp_path / "ok.txt").write_text("fine")
     with pytest.raises(EvalDataError, match="mt_bench"):  # refused before anything is yielded
         next(read_corpus_files([tmp_path / "ok.txt", tmp_path]))
+
+
+@needs_data
+def test_every_training_source_has_its_license_beside_it() -> None:
+    from indices.corpus import TRAINING_SOURCES, source_commit
+
+    for name, s in TRAINING_SOURCES.items():
+        folder = DEFAULT_DATA / s.folder
+        assert any((folder / f).is_file() for f in ("LICENSE", "LICENSE_NOTE.txt")), name
+        assert len(source_commit(DEFAULT_DATA, name)) == 40, name
+        assert next(training_texts(DEFAULT_DATA, sources=[name])).strip(), name
