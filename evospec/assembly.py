@@ -40,6 +40,7 @@ class StackSettings:
     verify_logits: str = "auto"  # see decoding/methods.py: VERIFY_LOGITS
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", "auto"
     dtype: str = "float32"  # one of DTYPES
+    weights: str = "fp32"  # linear weight format: models/quant.py WEIGHT_FORMATS or "auto"
     pack_weights: bool = True  # CPU fp32: oneDNN-packed linears
 
     def __post_init__(self) -> None:
@@ -92,11 +93,17 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     dtype = getattr(torch, settings.dtype)
     device = resolve_device(settings.device)
     loaded = load_model(
-        settings.model, dtype=dtype, device=device, progress=progress, pack=settings.pack_weights
+        settings.model,
+        dtype=dtype,
+        device=device,
+        progress=progress,
+        pack=settings.pack_weights,
+        weights=settings.weights,
     )
     if loaded.codec is None:
         raise ValueError(f"{loaded.source} has no tokenizer.json; EvoSpec needs one to handle text")
-    facts = [f"model: {loaded.name} from {loaded.source} ({settings.dtype} on {device})"]
+    weights = describe_weights(loaded)
+    facts = [f"model: {loaded.name} from {loaded.source} ({settings.dtype} on {device}, {weights})"]
     eos = tuple(loaded.codec.eos_ids or loaded.model.cfg.eos_token_ids)
     named = [method_spec(n) for n in settings.methods if n != AUTO]
     draft, draft_path = _load_draft(settings, loaded, named, dtype, device, facts)
@@ -175,6 +182,7 @@ def _load_indices(settings: StackSettings, loaded, named: list[MethodSpec], fact
         indices = ensure_indices(
             loaded,
             directory=Path(folder).expanduser() if folder else None,
+            corpus=[Path(c).expanduser() for c in settings.vocab.corpus_paths] or None,
             need_hnsw=any(s.needs_hnsw for s in settings.specs),
             progress=progress,
         )
@@ -228,3 +236,12 @@ def describe_vocab(state: dict) -> str:
     if "arc" in state:
         sizes += f" arc_capacity={state['arc']['config']['capacity']}"
     return f"policy={state['policy']} {sizes}"
+
+
+def describe_weights(loaded) -> str:
+    """``weights int4 (210 from the GGUF's codes, 95 MB)`` or ``weights fp32``."""
+    q = loaded.quant
+    if q is None:
+        return f"weights {loaded.weights}"
+    codes = f"{q.from_codes} from the checkpoint's 4-bit codes, " if loaded.weights == "int4" else ""
+    return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB)"

@@ -3,18 +3,30 @@
 Owns: bearer-token auth for ``/admin/*`` (token from ``EVOSPEC_ADMIN_TOKEN``, compared with
 ``hmac.compare_digest``; no token configured -> every admin route answers 404 "disabled";
 missing or wrong token -> 401) and the routes:
-- ``GET /admin/state`` -- method, model, engine counters, and the vocabulary / ARC / OOV
-  and adaptation sections (measured; null where the method has no such state).
+- ``GET /admin/state`` -- method, model, engine counters, and the vocabulary / ARC / OOV,
+  adaptation and persistence (restart snapshots) sections (measured; null where the method has
+  no such state).
 - ``GET /admin/vocab`` (``?ids=true`` adds the ARC lists) -- the decoder's active vocabulary
   now; ``POST /admin/vocab/reset`` -- empties the ARC buffer (evospec, nanospec+evospec) and
   drops in-flight retrievals. Both 409 for a method without such state.
 - ``GET /admin/adapter`` -- the online adapter (clora, osd, evospec-full): mode, versions per
   key, counters, auxiliary memory; ``POST /admin/adapter/reset {"key"?, "all"?}`` -- back to
-  the base head; ``POST /admin/adapter/save {"path"?, "key"?}`` -- safetensors + metadata
-  (default ``$EVOSPEC_HOME/adapters/<model>/<method>[.<key>].safetensors``);
-  ``POST /admin/adapter/load {"path", "key"?}`` -- install and publish (404 missing file, 400
-  a file for another mode / rank / head); ``POST /admin/adaptation {"enabled": bool}`` --
-  pause or resume learning (the current adapter keeps serving). All 409 for other methods.
+  the base head; ``POST /admin/adapter/save {"name"?, "key"?}`` -- safetensors + metadata as
+  ``<name>.safetensors`` in the adapter folder (default name ``<model>.<method>[.<key>]``);
+  ``POST /admin/adapter/load {"name", "key"?}`` -- install and publish (404 no such file in the
+  folder, 400 a file for another mode / rank / head); ``POST /admin/adaptation {"enabled":
+  bool}`` -- pause or resume learning (the current adapter keeps serving). All 409 for other
+  methods.
+
+Adapter files: clients give names, never paths. The folder is ``adapter_dir`` of the serve
+config, else ``$EVOSPEC_HOME/adapters``; a name must pass :func:`evospec.files.check_name` (a
+``.safetensors`` suffix is allowed and dropped), else 400 ``invalid_path`` before the file
+system is touched (``path`` is still accepted, as a bare name only). Files are opened relative
+to the folder's descriptor with ``O_NOFOLLOW`` (``evospec/files.py``): a symlinked folder is
+refused (500 ``adapter_folder_unsafe``), a symlink or folder under a name is never replaced,
+and every load of a name that is not a regular file in the folder answers the same 404.
+Writes are atomic. The bytes are made on the engine thread (a consistent copy) and written,
+read and parsed on a worker thread, so the engine never waits for the disk.
 
 Vocabulary and adapter state belong to the engine thread: it is read and reset through
 :meth:`~service.engine.Engine.call`, at the engine's next safe point (between two rounds of
@@ -33,7 +45,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.methods import METHOD_SPECS, method_spec
+from evospec.files import (
+    NAME_RULE,
+    UnsafeFolder,
+    UnsafeName,
+    check_name,
+    open_folder,
+    plain_name,
+    read_file,
+    write_atomic,
+)
 from evospec.vocab.active import ActiveVocab
+from service import persistence
 from service.context import ServiceContext
 from service.engine import EngineSnapshot
 from service.errors import SERVER_ERROR, APIError
@@ -61,13 +84,18 @@ class AdapterResetBody(_AdminBody):
 
 
 class AdapterSaveBody(_AdminBody):
-    path: str | None = Field(default=None, min_length=1)  # None: the default adapter location
+    name: str | None = None  # a file in the adapter folder; None: <model>.<method>[.<key>]
+    path: str | None = None  # the old spelling of ``name``: a bare name only
     key: str | None = _KEY
 
 
 class AdapterLoadBody(_AdminBody):
-    path: str = Field(..., min_length=1)
+    name: str | None = None  # required (or ``path``)
+    path: str | None = None
     key: str | None = _KEY
+
+
+ADAPTER_SUFFIX = ".safetensors"
 
 
 class AdaptationBody(_AdminBody):
@@ -117,7 +145,8 @@ def router(ctx: ServiceContext) -> APIRouter:
         authorize(request)
         vocab = ctx.engine.vocab
         summary = None if vocab is None else await on_engine(lambda: vocab_summary(vocab), "state")
-        return admin_state(ctx, summary)
+        keeper = persistence.attached(request.app)
+        return {**admin_state(ctx, summary), "persistence": persistence_section(keeper)}
 
     @r.get("/vocab")
     async def vocab_state(request: Request) -> dict[str, Any]:
@@ -145,27 +174,59 @@ def router(ctx: ServiceContext) -> APIRouter:
     async def adapter_save(request: Request) -> dict[str, Any]:
         authorize(request)
         body = await parse_body(request, AdapterSaveBody, allow_empty=True) or AdapterSaveBody()
+        name = _adapter_name(body) or default_adapter_name(ctx.model.name, ctx.engine.method, body.key)
         adapter = _require_adapter(ctx)
-        path = Path(body.path).expanduser() if body.path else _default_adapter_path(ctx, body.key)
+        data = await on_engine(lambda: adapter.export(body.key), "adapter save")
+        folder = adapter_folder(ctx)
         try:
-            saved = await on_engine(lambda: adapter.save(path, body.key), "adapter save")
+            await asyncio.to_thread(_write_adapter_file, folder, name + ADAPTER_SUFFIX, data)
+        except UnsafeName as exc:  # something other than a regular file sits under that name
+            raise APIError(400, str(exc), param="name", code="invalid_path") from None
+        except UnsafeFolder as exc:
+            raise _folder_error(exc) from None
         except OSError as exc:
-            raise APIError(400, f"cannot write the adapter to {path}: {exc}", code="invalid_path") from None
-        return {"method": ctx.engine.method, "path": str(saved), "key": body.key or "default"}
+            raise APIError(
+                500,
+                f"cannot write adapter {name!r} to the adapter folder: {exc.strerror or exc}",
+                type=SERVER_ERROR,
+                code="adapter_write_failed",
+            ) from None
+        return {
+            "method": ctx.engine.method,
+            "name": name,
+            "path": str(folder / (name + ADAPTER_SUFFIX)),
+            "key": body.key or "default",
+        }
 
     @r.post("/adapter/load")
     async def adapter_load(request: Request) -> dict[str, Any]:
         authorize(request)
         body = await parse_body(request, AdapterLoadBody)
+        name = _adapter_name(body)
+        if name is None:
+            raise APIError.bad_request("give the adapter's name", param="name", code="missing")
         adapter = _require_adapter(ctx)
-        path = Path(body.path).expanduser()
         try:
-            info = await on_engine(lambda: adapter.load(path, body.key), "adapter load")
-        except FileNotFoundError as exc:
-            raise APIError(404, str(exc), code="adapter_not_found") from None
-        except (ValueError, OSError) as exc:  # wrong mode / rank / head, or not a safetensors file
-            raise APIError(400, f"cannot load {path}: {exc}", code="invalid_adapter") from None
-        return {"method": ctx.engine.method, **info}
+            data = await asyncio.to_thread(_read_adapter_file, adapter_folder(ctx), name + ADAPTER_SUFFIX)
+        except UnsafeFolder as exc:
+            raise _folder_error(exc) from None
+        except FileNotFoundError:  # missing, a symlink, a folder, a FIFO: one answer for all
+            raise APIError(
+                404, f"no adapter named {name!r} in the adapter folder", code="adapter_not_found"
+            ) from None
+        except OSError as exc:
+            raise APIError(
+                500,
+                f"cannot read adapter {name!r}: {exc.strerror or exc}",
+                type=SERVER_ERROR,
+                code="adapter_read_failed",
+            ) from None
+        try:
+            tensors = await asyncio.to_thread(adapter.parse, data, name)
+            info = await on_engine(lambda: adapter.install(tensors, body.key), "adapter load")
+        except ValueError as exc:  # wrong mode / rank / head / tensors, or not a safetensors file
+            raise APIError(400, f"cannot load adapter {name!r}: {exc}", code="invalid_adapter") from None
+        return {"method": ctx.engine.method, "name": name, **info}
 
     @r.post("/vocab/reset")
     async def vocab_reset(request: Request) -> dict[str, Any]:
@@ -207,12 +268,54 @@ def _require_adapter(ctx: ServiceContext) -> OnlineAdapter:
     return ctx.engine.adapter
 
 
-def _default_adapter_path(ctx: ServiceContext, key: str | None) -> Path:
+def adapter_folder(ctx: ServiceContext) -> Path:
+    """Where admin adapter files live: ``adapter_dir`` of the serve config, else
+    ``$EVOSPEC_HOME/adapters``."""
     from evospec.common import evospec_home
 
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key) if key else ""
-    name = f"{ctx.engine.method}.{safe}" if safe else ctx.engine.method
-    return evospec_home() / "adapters" / ctx.model.name / f"{name}.safetensors"
+    configured = ctx.config.adapter_dir
+    return Path(configured).expanduser() if configured else evospec_home() / "adapters"
+
+
+def _adapter_name(body: AdapterSaveBody | AdapterLoadBody) -> str | None:
+    """The file stem a body names (``name``, or a bare-name ``path``); None when it names none.
+    400 ``invalid_path`` for anything that is not a plain name."""
+    if body.name is not None and body.path is not None:
+        raise APIError(
+            400, "give the adapter's name, not both name and path", param="name", code="invalid_path"
+        )
+    param, given = ("path", body.path) if body.path is not None else ("name", body.name)
+    if given is None:
+        return None
+    try:
+        return check_name(given.removesuffix(ADAPTER_SUFFIX))
+    except UnsafeName:
+        where = " (paths are not accepted: adapter files live in the server's adapter folder)"
+        raise APIError(
+            400,
+            f"{param} {given!r} is not a plain name: {NAME_RULE}{where if param == 'path' else ''}",
+            param=param,
+            code="invalid_path",
+        ) from None
+
+
+def default_adapter_name(model: str, method: str, key: str | None) -> str:
+    """``<model>.<method>[.<key>]``, made a plain name (``evospec/files.py: plain_name``)."""
+    return plain_name(".".join(p for p in (model, method, key) if p))
+
+
+def _write_adapter_file(folder: Path, file: str, data: bytes) -> None:
+    with open_folder(folder, create=True) as fd:
+        write_atomic(fd, file, data)
+
+
+def _read_adapter_file(folder: Path, file: str) -> bytes:
+    with open_folder(folder) as fd:
+        return read_file(fd, file)
+
+
+def _folder_error(exc: UnsafeFolder) -> APIError:
+    return APIError(500, f"adapter folder refused: {exc}", type=SERVER_ERROR, code="adapter_folder_unsafe")
 
 
 def _flag(request: Request, name: str) -> bool:
@@ -303,6 +406,17 @@ def admin_state(ctx: ServiceContext, vocab: dict[str, Any] | None) -> dict[str, 
         **_vocab_sections(ctx, s, vocab),
         "adaptation": adaptation_section(ctx),
     }
+
+
+def persistence_section(keeper: persistence.StateKeeper | None) -> dict[str, Any]:
+    """Restart snapshots: what the start-up restore found, the last snapshot and its errors."""
+    if keeper is None:
+        return {
+            "enabled": False,
+            "note": "no restart snapshots (persist_state off, nothing this method learns, or not served "
+            "by evospec serve)",
+        }
+    return {"note": None, **keeper.status()}
 
 
 def adaptation_section(ctx: ServiceContext) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 Owns: :func:`create_app` -- wires an already-built :class:`~service.engine.Engine` and
 :class:`~service.context.ServedModel` into routes (OpenAI API, admin API, ``/health``,
-``/metrics``), OpenAI-style error handlers, and a lifespan that starts the engine thread with
-the server and stops it on shutdown. Loading models is not its business (see ``server.py``),
+``/metrics``), OpenAI-style error handlers, the middleware stack (response counter, catch-all
+500, body limits), the OpenAPI schema of the JSON bodies (routes parse them themselves, so
+FastAPI cannot see them), and a lifespan that starts the engine thread with the server and
+stops it on shutdown. Loading models is not its business (see ``server.py``),
 so tests hand it tiny models and instrumented decoders.
 """
 
@@ -15,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -22,7 +25,8 @@ from service import admin, openai_api
 from service.config import ServeConfig
 from service.context import ServedModel, ServiceContext
 from service.engine import Engine
-from service.errors import install_handlers
+from service.errors import CatchAll, install_handlers
+from service.limits import BodyLimits
 from service.metrics import ServiceMetrics
 
 
@@ -66,8 +70,31 @@ def create_app(engine: Engine, model: ServedModel, config: ServeConfig) -> FastA
     async def metrics() -> Response:
         return Response(ctx.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    # outermost last: counter -> catch-all 500 -> body limits -> FastAPI's handlers -> routes
+    app.add_middleware(
+        BodyLimits, max_body_bytes=config.max_body_bytes, read_timeout_s=config.body_read_timeout
+    )
+    app.add_middleware(CatchAll)
     app.add_middleware(_ResponseCounter, metrics=ctx.metrics)
+    app.openapi = lambda: _openapi_with_bodies(app, model.name)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_with_bodies(app: FastAPI, served_name: str) -> dict[str, Any]:
+    """FastAPI's schema plus the request body of each route that parses its own JSON."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in openai_api.REQUEST_BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            body["properties"]["model"]["enum"] = [served_name]  # anything else is 404 model_not_found
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": body}},
+            }
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class _ResponseCounter:

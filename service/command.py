@@ -29,12 +29,39 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="listen port (default: 8000)")
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted; larger ones get 413 (default: 4194304 = 4 MiB)",
+    )
+    s.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=None,
+        help="seconds a request body may take to arrive; slower ones get 408 (default: 30)",
+    )
     s.add_argument("--device", default=None, help="torch device: cpu, cuda, cuda:1, auto (default: cpu)")
     s.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default=None,
-        help="weights dtype (default float32)",
+        help="model dtype: activations, KV cache and unquantised weights (default float32)",
+    )
+    options.add_weights_arg(s, default=None)
+    s.add_argument("--adapter-dir", default=None, help="adapter folder (default: $EVOSPEC_HOME/adapters)")
+    s.add_argument(
+        "--persist-state",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the ARC buffer and online adapters across restarts (default: yes)",
+    )
+    s.add_argument("--state-dir", default=None, help="restart snapshots (default: $EVOSPEC_HOME/state)")
+    s.add_argument(
+        "--snapshot-minutes",
+        type=float,
+        default=None,
+        help="minutes between restart snapshots; 0: only at shutdown (default: 10)",
     )
     options.add_draft_args(s, overrides=True)
     options.add_adapt_args(s, debug=False)
@@ -48,7 +75,9 @@ def serve_config(args: argparse.Namespace):
     from service.config import ServeConfig, load_config
 
     base = load_config(args.config) if args.config else ServeConfig()
-    names = ("model", "draft", "method", "host", "port", "device", "dtype", "verify_logits")
+    names = ("model", "draft", "method", "host", "port", "device", "dtype", "weights", "verify_logits")
+    names += ("max_body_bytes", "body_read_timeout")
+    names += ("adapter_dir", "persist_state", "state_dir", "snapshot_minutes")
     flags = {k: getattr(args, k) for k in names} | options.section_overrides(args)
     if args.tree is not None:
         flags["tune_tree"] = args.tree == "auto"

@@ -1,14 +1,14 @@
 """Serve options: one typed, validated dataclass, loaded from a ``configs/*.yaml`` preset.
 
 Owns: :class:`ServeConfig` (what ``evospec serve`` runs: model, method, draft head, listen
-address, queue and timeout limits; its ``tree``, ``vocab`` and ``adapt`` sections *are* the
-engine's ``TreeConfig``, ``VocabConfig`` and ``AdaptConfig``, read and checked by
-``evospec/settings.py``, so the YAML keys, the command-line flags of every command and the
-engine share one schema), :func:`load_config` (YAML via ``yaml.safe_load``; unknown keys, wrong
-types and bad values are refused with a message naming the file and the key) and
-:meth:`ServeConfig.with_overrides` (command-line flags win over the file). Secrets never live
-here: the admin token is read from the environment by ``app.py``. Knows nothing about models,
-HTTP or threads.
+address, queue and timeout limits, the adapter folder and restart snapshots; its ``tree``,
+``vocab`` and ``adapt`` sections *are* the engine's ``TreeConfig``, ``VocabConfig`` and
+``AdaptConfig``, read and checked by ``evospec/settings.py``, so the YAML keys, the
+command-line flags of every command and the engine share one schema), :func:`load_config`
+(YAML via ``yaml.safe_load``; unknown keys, wrong types and bad values are refused with a
+message naming the file and the key) and :meth:`ServeConfig.with_overrides` (command-line
+flags win over the file). Secrets never live here: the admin token is read from the
+environment by ``app.py``. Knows nothing about models, HTTP or threads.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import METHOD_SPECS, METHODS, VERIFY_LOGITS
 from evospec.decoding.tree import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL
+from evospec.options import WEIGHT_CHOICES
 from evospec.settings import SettingsError, check_type, section_from_mapping
 from evospec.vocab.factory import VocabConfig
 
@@ -45,6 +46,7 @@ class ServeConfig:
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # clora, osd, evospec-full; mode: the method's
     device: str = "cpu"  # torch device: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
+    weights: str = "auto"  # linear weight format: auto (int4 on a CPU) | int4 | int8 | bf16 | fp32
     pack_weights: bool = True  # CPU fp32: reorder linear weights once for oneDNN (faster, +1 weight copy)
     verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
@@ -52,7 +54,13 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
     request_timeout: float = 300.0  # seconds from arrival to the last token (queue wait included)
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (checked before reading them)
+    body_read_timeout: float = 30.0  # seconds a request body may take to arrive; then 408
     served_model_name: str | None = None  # the "model" clients send; default: the loaded model's name
+    adapter_dir: str | None = None  # admin adapter files (names only); None: $EVOSPEC_HOME/adapters
+    persist_state: bool = True  # keep the ARC buffer (with vocab.persist) and adapters across restarts
+    state_dir: str | None = None  # restart snapshots; None: $EVOSPEC_HOME/state
+    snapshot_minutes: float = 10.0  # minutes between restart snapshots (0: only at shutdown)
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -95,6 +103,7 @@ class ServeConfig:
             verify_logits=self.verify_logits,
             device=self.device,
             dtype=self.dtype,
+            weights=self.weights,
             pack_weights=self.pack_weights,
         )
 
@@ -124,6 +133,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "draft": (str, type(None)),
     "device": (str,),
     "dtype": (str,),
+    "weights": (str,),
     "pack_weights": (bool,),
     "tune_tree": (bool,),
     "verify_logits": (str,),
@@ -132,7 +142,13 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "max_queue": (int,),
     "request_timeout": (int, float),
     "max_tokens_limit": (int,),
+    "max_body_bytes": (int,),
+    "body_read_timeout": (int, float),
     "served_model_name": (str, type(None)),
+    "adapter_dir": (str, type(None)),
+    "persist_state": (bool,),
+    "state_dir": (str, type(None)),
+    "snapshot_minutes": (int, float),
 }
 
 
@@ -142,6 +158,8 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"method {c.method!r} is not one of {[*METHODS, 'auto']}")
     if c.dtype not in DTYPES:
         out.append(f"dtype {c.dtype!r} is not one of {list(DTYPES)}")
+    if c.weights not in WEIGHT_CHOICES:
+        out.append(f"weights {c.weights!r} is not one of {list(WEIGHT_CHOICES)}")
     if not c.model:
         out.append("model must not be empty")
     if not 0 <= c.port <= 65535:
@@ -152,6 +170,15 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"request_timeout must be > 0 seconds, got {c.request_timeout}")
     if c.max_tokens_limit < 1:
         out.append(f"max_tokens_limit must be >= 1, got {c.max_tokens_limit}")
+    if c.max_body_bytes < 1:
+        out.append(f"max_body_bytes must be >= 1, got {c.max_body_bytes}")
+    if not c.body_read_timeout > 0:
+        out.append(f"body_read_timeout must be > 0 seconds, got {c.body_read_timeout}")
+    if not (0 <= c.snapshot_minutes < float("inf")):
+        out.append(f"snapshot_minutes must be >= 0 (0: only at shutdown), got {c.snapshot_minutes}")
+    for name in ("adapter_dir", "state_dir"):
+        if getattr(c, name) == "":
+            out.append(f"{name} must not be empty (null: the default folder)")
     if c.verify_logits not in VERIFY_LOGITS:
         out.append(f"verify_logits {c.verify_logits!r} is not one of {list(VERIFY_LOGITS)}")
     spec = METHOD_SPECS.get(c.method)

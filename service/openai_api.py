@@ -1,8 +1,9 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
 Owns: turning a validated request into a :class:`~service.engine.GenerationRequest` (prompt
-encoding, the context-window and ``max_tokens`` checks, sampling defaults as OpenAI's:
-temperature 1, top_p 1, ``max_tokens`` 16 for completions and "up to the context" for chat),
+encoding through ``prompting.py``, off the event loop; the context-window and ``max_tokens``
+checks, sampling defaults as OpenAI's: temperature 1, top_p 1, ``max_tokens`` 16 for
+completions and "up to the context" for chat),
 submitting it, and shaping what comes back -- one JSON body, or Server-Sent Events ending in
 ``data: [DONE]``. Every response carries ``usage`` (streams: with
 ``stream_options.include_usage``) and an ``evospec`` object with the request's speculative
@@ -23,7 +24,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from jinja2 import TemplateError
+from pydantic import BaseModel
 
 from evospec.decoding.events import StepEvent
 from evospec.decoding.sampling import SamplingParams
@@ -31,12 +32,17 @@ from evospec.decoding.stats import RequestStats
 from service.context import ServiceContext
 from service.engine import AsyncSink, Done, EngineBusy, EngineStopped, GenerationRequest, Outcome
 from service.errors import SERVER_ERROR, APIError
+from service.prompting import PromptEncoder
 from service.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_body
 from service.textstream import TextAssembler
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _GRACE_S = 2.0  # the handler waits this much past the deadline for the engine's own timeout
 _POLL_S = 0.5  # non-streaming handlers check for a client disconnect this often
+REQUEST_BODIES: dict[str, type[BaseModel]] = {  # for the OpenAPI schema (app.py)
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+}
 
 
 @dataclass
@@ -52,6 +58,7 @@ class _Job:
 
 def router(ctx: ServiceContext) -> APIRouter:
     r = APIRouter()
+    encoder = PromptEncoder.for_model(ctx.model)
 
     @r.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -68,7 +75,7 @@ def router(ctx: ServiceContext) -> APIRouter:
         body.check_supported()
         _check_model(ctx, body.model)
         if isinstance(body.prompt, str):
-            ids = ctx.model.codec.encode(body.prompt)
+            ids = await encoder.prompt(body.prompt)
         else:
             ids = body.prompt
             bad = [t for t in ids if not 0 <= t < ctx.model.vocab_size]
@@ -92,12 +99,7 @@ def router(ctx: ServiceContext) -> APIRouter:
                 param="messages",
                 code="no_chat_template",
             )
-        try:
-            ids = codec.encode_chat(body.template_messages())
-        except TemplateError as exc:
-            raise APIError.bad_request(
-                f"the chat template refused these messages: {exc}", param="messages"
-            ) from None
+        ids = await encoder.chat(body.template_messages())
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         job = _submit(ctx, body, ids, body.requested_max_tokens, param, None, "messages")
         return await _respond(ctx, job, body, request, chat=True)

@@ -1,26 +1,43 @@
 """Request bodies: strict pydantic schemas and the one parser every JSON route uses.
 
 Owns: :func:`parse_body` (bytes -> UTF-8 -> JSON object -> schema, every failure an
-:class:`~service.errors.APIError` 400 naming the offending ``param``), the OpenAI request
-schemas (:class:`CompletionRequest`, :class:`ChatRequest`) and their checks for fields this
-server does not support (``n > 1``, ``logprobs``, penalties, ...). Types are strict: ``"10"``
-is not an integer and ``true`` is not a number. Unknown fields are ignored, as OpenAI-compatible
-servers do. Range checks that need the server's limits (``max_tokens``, context window) live in
-``openai_api.py``.
+:class:`~service.errors.APIError` 400 naming the offending ``param`` where there is one: an
+integer literal past Python's digit limit and JSON nested past the parser's recursion limit
+are refused as invalid JSON), the OpenAI request schemas (:class:`CompletionRequest`,
+:class:`ChatRequest`) and their checks for fields this server does not support (``n > 1``,
+``logprobs``, penalties, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
+a number; text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is refused: the
+tokenizer cannot take it). Unknown fields are ignored, as OpenAI-compatible servers (vLLM)
+do, with one warning per request naming them. Range checks that need the server's limits
+(``max_tokens``, context window) live in ``openai_api.py``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+import logging
+import sys
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
 from service.errors import APIError
 
+log = logging.getLogger("evospec.service")
+
 M = TypeVar("M", bound=BaseModel)
 MAX_STOPS = 4
+MAX_LOGGED_FIELDS = 20  # an ignored-fields warning names at most this many
+INT64 = (-(2**63), 2**63 - 1)  # the seed range (torch generators take 64 bits)
 
 
 async def parse_body(request: Request, schema: type[M], *, allow_empty: bool = False) -> M:
@@ -41,11 +58,25 @@ async def parse_body(request: Request, schema: type[M], *, allow_empty: bool = F
             f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
             code="invalid_json",
         ) from None
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError:  # int(): a literal past sys.get_int_max_str_digits()
+        raise APIError.bad_request(
+            "request body is not valid JSON: an integer literal has more than "
+            f"{sys.get_int_max_str_digits()} digits",
+            code="invalid_json",
+        ) from None
     if not isinstance(obj, dict):
         raise APIError.bad_request(
             f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
         )
-    return validate(schema, obj)
+    body = validate(schema, obj)
+    ignored = ignored_fields(body, obj)
+    if ignored:
+        names = ", ".join(repr(n[:100]) for n in ignored[:MAX_LOGGED_FIELDS])
+        more = f" and {len(ignored) - MAX_LOGGED_FIELDS} more" if len(ignored) > MAX_LOGGED_FIELDS else ""
+        log.warning("%s %s: ignored unknown field(s) %s%s", request.method, request.url.path, names, more)
+    return body
 
 
 def validate(schema: type[M], obj: dict[str, Any]) -> M:
@@ -53,6 +84,60 @@ def validate(schema: type[M], obj: dict[str, Any]) -> M:
         return schema.model_validate(obj)
     except ValidationError as exc:
         raise _as_api_error(exc) from None
+    except RecursionError:
+        raise _too_deep() from None
+
+
+def ignored_fields(model: BaseModel, raw: Any, prefix: str = "") -> list[str]:
+    """Keys of ``raw`` that ``model`` (validated from it) ignored, as dotted paths into nested
+    models (``messages.0.mood``)."""
+    if not isinstance(raw, dict):
+        return []
+    fields = type(model).model_fields
+    out = [prefix + str(key) for key in raw if key not in fields]
+    for name in fields:
+        value, sub = getattr(model, name), raw.get(name)
+        if isinstance(value, BaseModel):
+            out += ignored_fields(value, sub, f"{prefix}{name}.")
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel) and isinstance(sub, list):
+            for i, (item, item_raw) in enumerate(zip(value, sub, strict=False)):
+                out += ignored_fields(item, item_raw, f"{prefix}{name}.{i}.")
+    return out
+
+
+def _too_deep() -> APIError:
+    return APIError.bad_request("request body is not valid JSON: nested too deeply", code="invalid_json")
+
+
+def _unicode(text: str) -> str:
+    """``text`` unchanged when it is valid Unicode (encodable as UTF-8, so no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone surrogate ({text[exc.start]!r} at index {exc.start}); text must be "
+            "valid Unicode"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+# What the "before" validators below accept, for the OpenAPI schema (app.py).
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        _TOKEN_IDS,
+        {"type": "array", "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}, "minItems": 1, "maxItems": 1},
+    ]
+}
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
 
 
 def _as_api_error(exc: ValidationError) -> APIError:
@@ -76,12 +161,12 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): -1 or 0 = off
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -90,18 +175,20 @@ class SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, v: Any) -> Any:
-        if v is None or isinstance(v, str):
+        if v is None:
             return v
+        if isinstance(v, str):
+            return _unicode(v)
         if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
             raise ValueError("must be a string or a list of strings")
         if len(v) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(v)}")
-        return v
+        return [_unicode(s) for s in v]
 
     @property
     def stops(self) -> list[str]:
@@ -125,7 +212,7 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Any = Field(...)  # a string, a list of token ids, or a list with exactly one of these
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(...)  # see _prompt
     echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -137,7 +224,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
             v = v[0]  # a batch of one
         if isinstance(v, str):
-            return v
+            return _unicode(v)
         if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return v
         if isinstance(v, list) and len(v) > 1 and all(isinstance(p, str | list) for p in v):
@@ -158,14 +245,17 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None  # a list of {"type": "text", "text": ...} parts is joined into one string
-    name: str | None = None
+    # a list of {"type": "text", "text": ...} parts is joined into one string
+    content: Annotated[str | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
+    name: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, v: Any) -> Any:
-        if v is None or isinstance(v, str):
+        if v is None:
             return v
+        if isinstance(v, str):
+            return _unicode(v)
         if not isinstance(v, list):
             raise ValueError("must be a string or a list of content parts")
         texts = []
@@ -180,7 +270,7 @@ class ChatMessage(_Strict):
                     f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {kind!r}"
                 )
             texts.append(part["text"])
-        return "".join(texts)
+        return _unicode("".join(texts))
 
 
 class ChatRequest(SamplingFields):

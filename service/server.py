@@ -2,7 +2,9 @@
 
 Owns: turning a config into a running server -- the decoder stack (``evospec/assembly.py``:
 model, tokenizer, draft head, indices, decoder), the :class:`Engine`, the app -- a line per
-loaded part and the ready-to-paste curl line, printed to stderr just before uvicorn starts.
+loaded part and the ready-to-paste curl line, printed to stderr just before uvicorn starts --
+and the restart state around uvicorn's run (``persistence.py``: restored before the engine
+serves, snapshotted periodically and once more after it stopped).
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ from typing import TextIO
 
 from fastapi import FastAPI
 
+from service import persistence
 from service.config import ServeConfig
 from service.context import ServedModel
 from service.engine import Engine
+
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this many seconds
+MAX_HEADER_BYTES = 16 * 1024  # request line + headers; larger ones get uvicorn's 400 (h11)
 
 
 @dataclass
@@ -25,6 +31,7 @@ class Built:
     app: FastAPI
     engine: Engine
     model: ServedModel
+    keeper: persistence.StateKeeper | None = None  # restart snapshots; None: nothing kept
 
 
 def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stderr) -> Built:
@@ -44,7 +51,10 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         vocab_size=stack.loaded.model.cfg.vocab_size,
     )
     engine = Engine(stack.decoder(config.method), max_queue=config.max_queue)
-    return Built(create_app(engine, served, config), engine, served)
+    app = create_app(engine, served, config)
+    keeper = persistence.keeper_for(config, engine, served.name, stack.loaded.model, stack.draft)
+    persistence.attach(app, keeper)
+    return Built(app, engine, served, keeper)
 
 
 def curl_example(host: str, port: int, model: ServedModel) -> str:
@@ -64,9 +74,28 @@ def curl_example(host: str, port: int, model: ServedModel) -> str:
 
 
 def serve(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stderr) -> None:
+    """Build, print the curl line, run uvicorn until interrupted. Uvicorn bounds idle keep-alive
+    connections and header size; it has no timeout for a body that stops arriving, which the
+    app's ``BodyLimits`` middleware adds (``body_read_timeout``)."""
     import uvicorn
 
     built = build(config, progress=progress, log=log)
+    if built.keeper is not None:
+        print(f"[evospec] {built.keeper.restore()}", file=log)
+        built.keeper.start()
     print(f"[evospec] serving {built.model.name} with method={built.engine.method}; try:", file=log)
     print(curl_example(config.host, config.port, built.model), file=log, flush=True)
-    uvicorn.run(built.app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(
+            built.app,
+            host=config.host,
+            port=config.port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
+    finally:
+        if built.keeper is not None:  # the lifespan has stopped the engine: the final state
+            saved = "saved to" if built.keeper.close() else "NOT saved (see the log) to"
+            print(f"[evospec] restart state {saved} {built.keeper.path}", file=log)

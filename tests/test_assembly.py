@@ -142,3 +142,35 @@ def test_auto_without_a_head_serves_ar(folder, tmp_path, monkeypatch) -> None:
     stack = assemble(StackSettings(model=str(folder[0]), methods=(AUTO,)), progress=False)
     assert stack.resolved == {AUTO: "ar"} and stack.decoder(AUTO).name == "ar"
     assert any("auto can only serve ar" in f for f in stack.facts)
+
+
+def test_a_fresh_install_counts_the_users_corpus(folder, tmp_path, monkeypatch) -> None:
+    """No shared data and no tables shipped for this model: frspec names the way out (a corpus of
+    one's own); with ``vocab.corpus`` the indices are counted from those files on first use."""
+    import dataclasses
+
+    import indices.default
+    from indices.manifest import IndexLoadError
+
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(indices.default, "DEFAULT_DATA", tmp_path / "no-shared-data")
+    model, head = folder
+    with pytest.raises(IndexLoadError, match="--corpus FILES"):
+        assemble(
+            StackSettings(model=str(model), methods=("frspec",), draft=str(head), vocab=SMALL), progress=False
+        )
+    corpus = tmp_path / "mine.txt"
+    corpus.write_text("The cat sat on the mat.\n\nThe dog sat on the log.")
+    with pytest.raises(ValueError, match=r"vocab\.corpus must name"):
+        dataclasses.replace(SMALL, corpus=" , ")
+    vocab = dataclasses.replace(SMALL, corpus=f"{corpus}, {corpus}")
+    assert vocab.corpus_paths == (str(corpus), str(corpus))
+    stack = assemble(
+        StackSettings(model=str(model), methods=("frspec",), draft=str(head), vocab=vocab), progress=False
+    )
+    try:
+        m = stack.indices.manifest
+        assert m.corpus.description.startswith(f"corpus files {corpus}") and m.corpus.num_tokens > 10
+        assert any(f.startswith("indices: ") and "corpus files" in f for f in stack.facts)
+    finally:
+        stack.decoder("frspec").close()

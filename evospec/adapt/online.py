@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from evospec.adapt.adapter_file import read_adapter, write_adapter
+from evospec.adapt.adapter_file import adapter_bytes, parse_adapter, read_adapter, write_adapter
 from evospec.adapt.config import AdaptConfig
 from evospec.adapt.trainers import QV, OnlineTrainer, make_trainer, tensor_bytes
 from evospec.adapt.trajectory import Recorder, Trajectory, stores_nbytes
@@ -380,16 +380,37 @@ class OnlineAdapter:
         self._publish()
         return {"reset_keys": dropped}
 
+    def export(self, key: str | None = None) -> bytes:
+        """One key's adapter as the bytes of an adapter file (:mod:`~evospec.adapt.adapter_file`),
+        once the worker has finished what it holds (a consistent copy: write it anywhere later)."""
+        self.wait_idle()
+        st = self._state(key or DEFAULT_KEY)
+        return adapter_bytes(st.trainer.adapter_tensors(), self.cfg, self.head, st.version)
+
     def save(self, path: str | Path, key: str | None = None) -> Path:
-        """Write one key's adapter (the format: :mod:`evospec.adapt.adapter_file`)."""
+        """Write one key's adapter to ``path`` (a trusted path; the admin API writes :meth:`export`
+        into its own folder)."""
         self.wait_idle()
         st = self._state(key or DEFAULT_KEY)
         return write_adapter(path, st.trainer.adapter_tensors(), self.cfg, self.head, st.version)
 
+    def parse(self, data: bytes, source: str) -> dict[str, torch.Tensor]:
+        """The tensors of adapter-file bytes, validated for this adapter's mode, LoRA settings and
+        head (ValueError naming ``source``); touches no state, so any thread may call it."""
+        return parse_adapter(data, self.cfg, self.head, source)
+
     def load(self, path: str | Path, key: str | None = None) -> dict:
-        """Install a saved adapter for ``key`` and publish it (next round boundary); the file is
-        validated (:func:`~evospec.adapt.adapter_file.read_adapter`) before the worker is waited on."""
-        tensors = read_adapter(path, self.cfg, self.head)
+        """Install the adapter file at ``path`` for ``key`` and publish it (next round boundary);
+        the file is validated (:func:`~evospec.adapt.adapter_file.read_adapter`) before the worker
+        is waited on."""
+        return self.install(read_adapter(path, self.cfg, self.head), key)
+
+    def install(
+        self, tensors: dict[str, torch.Tensor], key: str | None = None, version: int | None = None
+    ) -> dict:
+        """Install validated adapter tensors for ``key`` as its next version (``version``: as that
+        version, for a restart's snapshot) and publish them at the next round boundary; the key's
+        replay buffer is emptied."""
         self.wait_idle()
         k = key or DEFAULT_KEY
         st = self._state(k)
@@ -399,10 +420,24 @@ class OnlineAdapter:
         with self._lock:
             st.buffer, st.buffered = [], 0
             st.front, st.event, st.front_round = weights, None, -1
-            st.version += 1
+            st.version = st.version + 1 if version is None else version
+            if k == self._key:
+                self._serving = ("\0stale", -1)  # reload even if the version number repeats
         if k == self._key:
             self._publish()
         return {"key": k or "default", "version": st.version, "tensors": len(tensors)}
+
+    def learnt(self) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """``(key, version, adapter tensors on the CPU)`` of every key that published at least one
+        version, least recently used first, once the worker has finished what it holds (what a
+        restart snapshot keeps; replay buffers and optimizer state are not kept)."""
+        self.wait_idle()
+        with self._lock:
+            states = [(k, st) for k, st in self._states.items() if st.version > 0]
+        return [
+            (k, st.version, {n: t.detach().cpu() for n, t in st.trainer.adapter_tensors().items()})
+            for k, st in states
+        ]
 
     def close(self) -> None:
         if self._thread is not None and self._thread.is_alive():

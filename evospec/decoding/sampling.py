@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` means greedy (argmax)."""
+    """How to pick tokens. ``temperature < SAMPLING_EPS`` (0 included) means greedy (argmax)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -37,7 +39,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax: at a temperature this small, sampling is argmax anyway, and 1/T would overflow."""
+        return self.temperature < SAMPLING_EPS
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         gen = torch.Generator(device=device)
@@ -65,7 +68,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
-        sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
+        drop = mass_before >= params.top_p
+        drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range is 0.0)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

@@ -242,6 +242,16 @@ class ActiveVocab:
         """Forget the policy's served-traffic state (ARC buffer); None if it keeps none."""
         return None if self.policy is None else self.policy.reset_dynamic()
 
+    def dynamic_state(self) -> dict | None:
+        """The policy's served-traffic state (ARC buffer), JSON-able; None if it keeps none."""
+        return None if self.policy is None else self.policy.dynamic_state()
+
+    def load_dynamic_state(self, state: dict) -> None:
+        """Restore :meth:`dynamic_state` (ValueError, state untouched, if it does not fit)."""
+        if self.policy is None:
+            raise ValueError("the full vocabulary keeps no dynamic state")
+        self.policy.load_dynamic_state(state)
+
     def close(self) -> None:
         if self.policy is not None:
             self.policy.close()

@@ -87,6 +87,15 @@ class VocabPolicy(Protocol):
         """Forget what was learnt while serving (the ARC buffer); None if the policy keeps nothing."""
         ...
 
+    def dynamic_state(self) -> dict | None:
+        """What was learnt while serving, JSON-able (the ARC buffer's ``state_dict``), for a
+        restart snapshot; None if the policy keeps nothing."""
+        ...
+
+    def load_dynamic_state(self, state: dict) -> None:
+        """Restore :meth:`dynamic_state`; ValueError (state untouched) if it does not fit."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -132,6 +141,12 @@ class StaticVocab:
 
     def reset_dynamic(self) -> dict | None:
         return None
+
+    def dynamic_state(self) -> dict | None:
+        return None
+
+    def load_dynamic_state(self, state: dict) -> None:
+        raise ValueError(f"policy {self.name} keeps no dynamic state")
 
     def close(self) -> None:
         pass
@@ -186,6 +201,12 @@ class NanoSpecVocab:
     def reset_dynamic(self) -> dict | None:
         return None  # the window restarts with every request anyway
 
+    def dynamic_state(self) -> dict | None:
+        return None
+
+    def load_dynamic_state(self, state: dict) -> None:
+        raise ValueError(f"policy {self.name} keeps no dynamic state")
+
     def close(self) -> None:
         pass
 
@@ -227,6 +248,18 @@ class _RetrievalFed:
         if self.pool is not None:
             self.pool.reset()
         return cleared
+
+    def dynamic_state(self) -> dict:
+        return self.arc.state_dict()
+
+    def load_dynamic_state(self, state: dict) -> None:
+        """Restore an ARC snapshot (ValueError, buffer untouched, if it was taken under another
+        ARC config or breaks an invariant); the ids must lie inside this vocabulary."""
+        ids = [int(tok) for lst in ("t1", "t2") for tok, _ in state.get(lst, ())]
+        if any(tok >= self.vocab_size for tok in ids):
+            raise ValueError(f"ARC state holds ids outside the vocabulary of {self.vocab_size}")
+        self.arc.load_state_dict(state)
+        self._dyn = _mask_of(self.arc.ids(), self.vocab_size, self.device)
 
     def merge(self, round_index: int, exclude: torch.Tensor) -> torch.Tensor:
         """Admit every finished retrieval (minus ids already active via ``exclude`` [V]); [V] mask."""
@@ -318,6 +351,12 @@ class EvoSpecVocab:
     def reset_dynamic(self) -> dict | None:
         return self.dyn.reset_dynamic()
 
+    def dynamic_state(self) -> dict | None:
+        return self.dyn.dynamic_state()
+
+    def load_dynamic_state(self, state: dict) -> None:
+        self.dyn.load_dynamic_state(state)
+
     def close(self) -> None:
         self.dyn.close()
 
@@ -372,6 +411,12 @@ class NanoSpecEvoVocab:
 
     def reset_dynamic(self) -> dict | None:
         return self.dyn.reset_dynamic()
+
+    def dynamic_state(self) -> dict | None:
+        return self.dyn.dynamic_state()
+
+    def load_dynamic_state(self, state: dict) -> None:
+        self.dyn.load_dynamic_state(state)
 
     def close(self) -> None:
         self.dyn.close()

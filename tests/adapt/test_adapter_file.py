@@ -1,4 +1,5 @@
-"""The adapter file format: what a saved adapter holds, and every file the reader refuses.
+"""The adapter file format: what a saved adapter holds, and every file the reader refuses; the
+bytes-level reader names the source it was given; a failed write keeps the previous file.
 
 The round trip through a live adapter (save, reset, load into a fresh decoder) is in
 ``test_online.py``; these tests write and read files directly.
@@ -12,13 +13,21 @@ from dataclasses import replace
 import pytest
 import torch
 
-from evospec.adapt.adapter_file import FORMAT, head_signature, read_adapter, write_adapter
+from evospec.adapt.adapter_file import (
+    FORMAT,
+    adapter_bytes,
+    head_signature,
+    parse_adapter,
+    read_adapter,
+    write_adapter,
+)
 from evospec.adapt.config import AdaptConfig
 from evospec.models.eagle import new_eagle_for
 from tests.decoding.spec_helpers import tiny_target
 
 CLORA = AdaptConfig(mode="clora", rank=4, alpha=4)
 TENSORS = {"layers.0.self_attn.q_proj.lora_A.weight": torch.arange(12.0).reshape(4, 3).T}  # not contiguous
+TENSORS_CONTIGUOUS = {n: t.contiguous() for n, t in TENSORS.items()}
 
 
 def _metadata(path) -> dict[str, str]:
@@ -98,3 +107,37 @@ def test_a_file_for_another_head_is_refused(head, tmp_path):
     other = new_eagle_for(tiny_target(0, vocab=32))
     with pytest.raises(ValueError, match="saved for a different draft head"):
         read_adapter(path, CLORA, other)
+
+
+def test_bytes_round_trip_and_name_the_source(head):
+    data = adapter_bytes(TENSORS, CLORA, head, version=2)
+    got = parse_adapter(data, CLORA, head, "mine")
+    assert all(torch.equal(got[n], t) for n, t in TENSORS.items())
+    with pytest.raises(ValueError, match=r"^mine: not a readable safetensors file"):
+        parse_adapter(data[: len(data) // 2], CLORA, head, "mine")
+    with pytest.raises(ValueError, match=r"^mine: LoRA rank/alpha 4/4 != configured 2/4"):
+        parse_adapter(data, replace(CLORA, rank=2), head, "mine")
+
+
+def test_unreadable_metadata_is_refused_not_raised_as_another_error(head, tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "a.safetensors"
+    save_file(TENSORS_CONTIGUOUS, str(path), metadata={"format": FORMAT, "mode": "clora", "rank": "four"})
+    with pytest.raises(ValueError, match="unreadable adapter metadata"):
+        read_adapter(path, CLORA, head)
+
+
+def test_a_write_that_fails_keeps_the_previous_file(head, tmp_path, monkeypatch):
+    import evospec.files
+
+    path = write_adapter(tmp_path / "a.safetensors", TENSORS, CLORA, head, version=1)
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(evospec.files.os, "replace", crash)
+    with pytest.raises(OSError):
+        write_adapter(path, TENSORS, CLORA, head, version=2)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from evospec.decoding.sampling import SamplingParams, pick_token, target_probs
+from evospec.decoding.sampling import SAMPLING_EPS, SamplingParams, pick_token, target_probs
 
 # probabilities 0.5, 0.3, 0.15, 0.05 (in a shuffled order) as logits
 PROBS = torch.tensor([0.15, 0.5, 0.05, 0.3])
@@ -110,3 +110,28 @@ def test_sampling_frequencies_follow_the_distribution() -> None:
     freq = torch.bincount(draws, minlength=4).float() / n
     # 5 standard deviations of a binomial proportion
     assert ((freq - PROBS).abs() <= 5 * (PROBS * (1 - PROBS) / n).sqrt()).all(), freq
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 5e-324, SAMPLING_EPS / 2])
+def test_temperature_below_epsilon_is_greedy(temperature: float) -> None:
+    # logits / 1e-39 overflow to inf and the softmax to NaN: below the epsilon the sampler is argmax
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 50
+    assert _sampled(params, logits, n=20) == [int(logits.argmax())] * 20
+
+
+def test_temperature_at_epsilon_samples_a_finite_distribution() -> None:
+    params = SamplingParams(temperature=SAMPLING_EPS)
+    assert not params.greedy
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 50
+    probs = target_probs(logits, params)
+    assert torch.isfinite(probs).all() and math.isclose(probs.sum().item(), 1.0, rel_tol=1e-5)
+    assert int(probs.argmax()) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-9])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    # 5e-324 becomes 0.0 in float32: a plain "mass before >= top_p" mask would drop every token
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]

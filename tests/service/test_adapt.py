@@ -64,29 +64,24 @@ def test_adaptive_methods_equal_greedy_while_learning(name, serve, make, codec, 
 
 
 def test_save_reset_load_through_admin(serve, make, codec, reference, tmp_path: Path) -> None:
-    live = serve(make("clora"), admin_token=TOKEN)
+    live = serve(make("clora"), admin_token=TOKEN, adapter_dir=str(tmp_path))
     for prompt in PROMPTS:
         complete(live, prompt)
     assert live.engine.adapter.wait_idle()
     served = live.engine.decoder.drafter.head
     with live.http(headers=AUTH) as http:
-        saved = http.post("/admin/adapter/save", json={"path": str(tmp_path / "a.safetensors")}).json()
-        assert Path(saved["path"]).is_file()
+        saved = http.post("/admin/adapter/save", json={"name": "a"}).json()
+        assert Path(saved["path"]) == tmp_path / "a.safetensors" and Path(saved["path"]).is_file()
         version = http.get("/admin/adapter").json()["keys"]["default"]["version"]
         assert version >= 1
         reset = http.post("/admin/adapter/reset").json()
         assert reset["reset_keys"] == 1
         assert http.get("/admin/adapter").json()["keys"] == {}
-        loaded = http.post("/admin/adapter/load", json={"path": saved["path"]}).json()
-        assert loaded["version"] == 1 and loaded["key"] == "default"
-        api_error(
-            http.post("/admin/adapter/load", json={"path": str(tmp_path / "nope.safetensors")}),
-            404,
-            "adapter_not_found",
-        )
-        junk = tmp_path / "junk.safetensors"
-        junk.write_bytes(b"not a safetensors file")
-        api_error(http.post("/admin/adapter/load", json={"path": str(junk)}), 400, "invalid_adapter")
+        loaded = http.post("/admin/adapter/load", json={"name": "a"}).json()
+        assert loaded["version"] == 1 and loaded["key"] == "default" and loaded["name"] == "a"
+        api_error(http.post("/admin/adapter/load", json={"name": "nope"}), 404, "adapter_not_found")
+        (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+        api_error(http.post("/admin/adapter/load", json={"name": "junk"}), 400, "invalid_adapter")
         api_error(http.post("/admin/adapter/reset", json={"all": "yes"}), 400, "invalid_type")
     assert served is live.engine.decoder.drafter.head
     # still lossless after all that

@@ -14,8 +14,8 @@ TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ADAPTER_POSTS = [
     ("/admin/adapter/reset", None),
-    ("/admin/adapter/save", {"path": "/tmp/adapter"}),
-    ("/admin/adapter/load", {"path": "/tmp/adapter"}),
+    ("/admin/adapter/save", {"name": "adapter"}),
+    ("/admin/adapter/load", {"name": "adapter"}),
     ("/admin/adaptation", {"enabled": True}),
 ]
 POSTS = [*ADAPTER_POSTS, ("/admin/vocab/reset", {})]

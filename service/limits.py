@@ -1,0 +1,88 @@
+"""Limits on reading a request: body size and the time the body may take to arrive.
+
+Owns: :class:`BodyLimits`, a pure ASGI middleware. A ``Content-Length`` above
+``max_body_bytes`` is answered with 413 at once, before any of the body is read; a chunked body
+is counted as it arrives and refused with 413 as soon as it passes the limit. A body that has
+not fully arrived ``read_timeout_s`` seconds after the request's headers (a client that sends
+less than its ``Content-Length`` and waits, or trickles) ends with 408 -- uvicorn has no such
+timeout: its keep-alive timer only runs between requests. Both answers close the connection,
+since the rest of the body may still be on its way. Knows nothing about routes or models: the
+limits apply to every request, and only bodies a route actually reads are timed and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import APIError
+
+CLOSE = {"Connection": "close"}
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"request body is larger than this server's limit of {limit} bytes",
+        code="request_too_large",
+        headers=CLOSE,
+    )
+
+
+def too_slow(timeout_s: float) -> APIError:
+    return APIError(
+        408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout", headers=CLOSE
+    )
+
+
+class BodyLimits:
+    """413 for bodies over ``max_body_bytes``, 408 for bodies slower than ``read_timeout_s``."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, read_timeout_s: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await too_large(self.max_body_bytes).response()(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout_s
+        seen, complete = 0, False
+
+        async def limited_receive() -> Message:
+            """The body as uvicorn delivers it, counted and timed until its last chunk; after
+            that (disconnect polling) ``receive`` unchanged."""
+            nonlocal seen, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                raise too_slow(self.read_timeout_s) from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise too_large(self.max_body_bytes)
+                complete = not message.get("more_body", False)
+            else:
+                complete = True  # http.disconnect
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # h11 refuses malformed lengths before the app sees the request
+    return None
