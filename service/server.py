@@ -41,7 +41,15 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     from evospec.assembly import assemble
     from service.app import create_app
 
-    stack = assemble(config.stack_settings(), progress=progress)
+    stacks = []
+
+    def prepare():  # on the engine thread: it loads, tunes and then runs the model
+        stacks.append(assemble(config.stack_settings(), progress=progress))
+        return stacks[0].decoder(config.method)
+
+    engine = Engine(max_queue=config.max_queue)
+    engine.start(prepare)
+    stack = stacks[0]
     for line in stack.facts:
         print(f"[evospec] {line}", file=log)
     served = ServedModel(
@@ -50,7 +58,6 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         context_window=stack.loaded.model.cfg.max_position_embeddings,
         vocab_size=stack.loaded.model.cfg.vocab_size,
     )
-    engine = Engine(stack.decoder(config.method), max_queue=config.max_queue)
     app = create_app(engine, served, config)
     keeper = persistence.keeper_for(config, engine, served.name, stack.loaded.model, stack.draft)
     persistence.attach(app, keeper)

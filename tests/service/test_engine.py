@@ -102,3 +102,35 @@ def test_broken_listener_and_sink_do_not_kill_the_thread(tiny, codec) -> None:
         assert snap.alive and snap.outcomes["disconnected"] == 1 and snap.outcomes["finished"] == 1
     finally:
         engine.stop()
+
+
+def test_start_with_prepare_builds_the_decoder_on_the_engine_thread(tiny, codec) -> None:
+    """Serving builds (loads, tunes) on the thread that then runs the model."""
+    built_on = []
+
+    def prepare():
+        built_on.append(threading.current_thread())
+        return make_decoder("ar", tiny, eos_ids=codec.eos_ids)
+
+    engine = Engine(max_queue=2)
+    engine.start(prepare)
+    try:
+        assert engine.method == "ar" and built_on == [engine._thread]
+        sink = Collect()
+        engine.submit(_req(), sink)
+        assert sink.done.wait(30) and sink.outcome is Outcome.FINISHED
+        engine.start()  # already running: a no-op (the app's lifespan calls it again)
+    finally:
+        engine.stop()
+
+
+def test_start_raises_what_prepare_raised_and_serves_nothing() -> None:
+    def prepare():
+        raise ValueError("no such model")
+
+    engine = Engine()
+    with pytest.raises(ValueError, match="no such model"):
+        engine.start(prepare)
+    assert not engine.alive
+    with pytest.raises(ValueError, match="needs start"):
+        Engine().start()
