@@ -6,6 +6,11 @@ M = 1..16 rows, side by side in one process, medians of 9 runs.
 
     .venv/bin/python scripts/bench_linear.py [--hidden 576 --inter 1536 --kv 192 --layers 30 --vocab 49152]
 
+``--formats`` instead times the weight formats of ``evospec.models.quant`` (the fused groups a
+loaded model runs: q/k/v, o, gate/up, down per layer, and the LM head) against oneDNN fp32:
+
+    .venv/bin/python scripts/bench_linear.py --formats
+
 ``--rows C`` instead times the reduced draft head's product over a [C, hidden] row buffer
 (``evospec.models.packing.PackedRows``) at 1 row: dense vs block-packed, and one block repack.
 
@@ -50,9 +55,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--rows", type=int, default=None, help="time a reduced head of this many rows instead")
+    p.add_argument("--formats", action="store_true", help="time the weight formats (int4/int8/bf16/fp32)")
     a = p.parse_args()
     if a.rows:
         return _rows(a.rows, a.hidden)
+    if a.formats:
+        return _formats(a)
     d, n = a.hidden, a.layers
     shapes = [(d, d, 2 * n), (d, a.kv, 2 * n), (d, a.inter, 2 * n), (a.inter, d, n), (d, a.vocab, 1)]
     torch.manual_seed(0)
@@ -78,6 +86,41 @@ def main() -> None:
             f"all layers, M={m}: F.linear {plain:.1f} ms, MKL-packed {mkl:.1f} ms ({plain / mkl:.2f}x), "
             f"oneDNN-packed {one:.1f} ms ({plain / one:.2f}x)"
         )
+
+
+def _formats(a: argparse.Namespace) -> None:
+    """ms per call of all fused layer matmuls (and the LM head) per weight format and row count."""
+    from evospec.models.quant import Bf16Matmul, GroupCodes, Int4Matmul, Int8Matmul
+
+    d, kv, inter = a.hidden, a.kv, a.inter
+    shapes = [(d, d + 2 * kv), (d, d), (d, 2 * inter), (inter, d)] * a.layers  # qkv, o, gate_up, down
+    torch.manual_seed(0)
+    weights = [torch.randn(o, i) * 0.02 for i, o in shapes]
+    head = torch.randn(a.vocab, d) * 0.02
+    makers = {
+        "fp32 (oneDNN)": lambda w: _OneDnn(w),
+        "bf16": lambda w: Bf16Matmul(w, None, [w.shape[0]]),
+        "int8": lambda w: Int8Matmul(w, None, [w.shape[0]]),
+        "int4": lambda w: Int4Matmul(GroupCodes.from_float(w), None, [w.shape[0]]),
+    }
+    print("| format | M | layers ms | LM head ms |\n|---|---|---|---|")
+    for name, make in makers.items():
+        layer_mm = [make(w) for w in weights]
+        head_mm = make(head)
+        for m in (1, 2, 4, 8, 16):
+            xs = {k: torch.randn(m, k) for k in (d, inter)}
+            t_layers = _median_ms(lambda ms=layer_mm, xs=xs: [f(xs[f.in_features]) for f in ms])
+            t_head = _median_ms(lambda xs=xs, h=head_mm: h(xs[d]))
+            print(f"| {name} | {m} | {t_layers:.2f} | {t_head:.2f} |", flush=True)
+
+
+class _OneDnn:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.in_features = w.shape[1]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 def _rows(c: int, d: int) -> None:
