@@ -85,8 +85,9 @@ def fingerprint(module: torch.nn.Module) -> str:
     with torch.no_grad():
         for name, p in module.named_parameters():
             flat = p.detach().reshape(-1)
-            idx = torch.linspace(0, max(flat.numel() - 1, 0), min(_SAMPLES, flat.numel()), device=flat.device)
-            sample = flat[idx.long()].to(torch.bfloat16).float().cpu()
+            n = min(_SAMPLES, flat.numel())  # evenly spaced, in int64 (float32 spacing overshoots > 2^24)
+            idx = torch.arange(n, device=flat.device) * max(flat.numel() - 1, 0) // max(n - 1, 1)
+            sample = flat[idx].to(torch.bfloat16).float().cpu()
             h.update(f"{name}{tuple(p.shape)}".encode())
             h.update(sample.numpy().tobytes())
     return h.hexdigest()[:32]

@@ -430,3 +430,18 @@ def test_admin_state_reports_persistence(serve, make, identity, tmp_path: Path) 
     assert st["enabled"] is True and st["note"] is None and st["file"] == str(keeper.path)
     assert st["restored"]["outcome"] == "none" and st["snapshots"] == 1 and st["failures"] == 0
     assert st["last_snapshot"]["bytes"] == keeper.path.stat().st_size and st["interval_minutes"] is None
+
+
+def test_fingerprint_of_a_parameter_larger_than_float32_counts_exactly():
+    """Evenly spaced sample indices stay in range past 2^24 elements (a float32 linspace of
+    SmolLM2's 28,311,552-entry embedding rounded its last index out of bounds)."""
+    import torch
+
+    from service.persistence import fingerprint
+
+    module = torch.nn.Module()
+    module.big = torch.nn.Parameter(torch.zeros(2**24 + 2, dtype=torch.int8), requires_grad=False)
+    first = fingerprint(module)
+    with torch.no_grad():
+        module.big[-1] = 1  # the last element is always sampled
+    assert fingerprint(module) != first
