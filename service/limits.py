@@ -6,8 +6,13 @@ is counted as it arrives and refused with 413 as soon as it passes the limit. A 
 not fully arrived ``read_timeout_s`` seconds after the request's headers (a client that sends
 less than its ``Content-Length`` and waits, or trickles) ends with 408 -- uvicorn has no such
 timeout: its keep-alive timer only runs between requests. Both answers close the connection,
-since the rest of the body may still be on its way. Knows nothing about routes or models: the
-limits apply to every request, and only bodies a route actually reads are timed and counted.
+since the rest of the body may still be on its way. Before a 413 for a declared length, what
+the client keeps sending is read and discarded (never kept: at most :data:`DRAIN_MAX_BYTES`,
+until it pauses for :data:`DRAIN_IDLE_S` or the read timeout), so a client that writes its
+whole body before reading gets the 413 instead of a connection reset (the kernel resets a
+socket closed with unread data; the soak saw 85 of 4,449 requests end so). Knows nothing about
+routes or models: the limits apply to every request, and only bodies a route actually reads
+are timed and counted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.errors import APIError
 
 CLOSE = {"Connection": "close"}
+DRAIN_MAX_BYTES = 64 * 1024 * 1024  # read and dropped before a 413; past it, answer and close
+DRAIN_IDLE_S = 0.25  # a client that stops sending is answered after this pause
 
 
 def too_large(limit: int) -> APIError:
@@ -49,11 +56,13 @@ class BodyLimits:
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await too_large(self.max_body_bytes).response()(scope, receive, send)
-            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.read_timeout_s
+        if declared is not None and declared > self.max_body_bytes:
+            if not await _drain(receive, min(declared, DRAIN_MAX_BYTES), deadline):
+                return  # the client went away: nobody to answer
+            await too_large(self.max_body_bytes).response()(scope, receive, send)
+            return
         seen, complete = 0, False
 
         async def limited_receive() -> Message:
@@ -76,6 +85,27 @@ class BodyLimits:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+async def _drain(receive: Receive, limit: int, deadline: float) -> bool:
+    """Read and drop body chunks until the body ends, ``limit`` bytes, a pause of
+    ``DRAIN_IDLE_S`` or ``deadline``; False if the client disconnected."""
+    loop = asyncio.get_running_loop()
+    drained = 0
+    while drained < limit:
+        wait = min(DRAIN_IDLE_S, deadline - loop.time())
+        if wait <= 0:
+            return True
+        try:
+            message = await asyncio.wait_for(receive(), wait)
+        except TimeoutError:
+            return True
+        if message["type"] == "http.disconnect":
+            return False
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return True
 
 
 def _content_length(scope: Scope) -> int | None:

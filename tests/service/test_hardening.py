@@ -263,6 +263,18 @@ def test_content_length_over_the_limit_is_413_before_the_body_is_sent(serve) -> 
     assert "1000 bytes" in body["error"]["message"]
 
 
+def test_a_client_that_sends_its_whole_oversized_body_first_reads_the_413(serve) -> None:
+    """No Expect: 100-continue: the body is written in full before the reply is read. The
+    server drains it instead of closing on unread data (which resets the connection)."""
+    live = serve(max_body_bytes=1000)
+    body = json.dumps({"model": MODEL_NAME, "prompt": "a" * 3_000_000}).encode()
+    head = f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    status, headers, reply = _raw_status(_raw(live, head.encode() + body))
+    assert status == 413 and headers["connection"] == "close"
+    assert reply["error"]["code"] == "request_too_large"
+
+
 def test_chunked_body_over_the_limit_is_413(serve) -> None:
     live = serve(max_body_bytes=1000)
 
