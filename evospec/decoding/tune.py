@@ -139,7 +139,7 @@ class Tuner:
 
         packed = isinstance(getattr(self.loaded.model, "lm_head", None), PackedLinear)
         kernels = "onednn-packed" if packed else "dense"  # packing changes what a verify costs
-        weights = getattr(self.loaded, "weights", "fp32")
+        weights = self.loaded.weights
         if weights != "fp32":  # quantised weights: another cost curve (int4's verify is ~flat to 4 rows)
             kernels = f"weights-{weights}"
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]

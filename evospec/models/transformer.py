@@ -326,17 +326,16 @@ def row_attention(
     """Per-row plans for a row-exact forward, or None when a row's position does not match
     its visible tokens (not a tree verification: attend in one call)."""
     n = positions.shape[0]
+    visible = torch.ones(n, n, dtype=torch.bool).tril() if tree_mask is None else tree_mask.cpu().bool()
     out = []
-    for j, pos in enumerate(positions.tolist()):
-        seen = torch.arange(j + 1) if tree_mask is None else tree_mask[j].nonzero()[:, 0].cpu()
-        if pos != prefix + seen.numel() - 1 or (seen >= n).any():
+    for j, pos in enumerate(positions.tolist()):  # one host copy above; n <= the tree size
+        seen = visible[j].nonzero()[:, 0]  # new slots row j sees, in slot (= depth) order
+        if pos != prefix + seen.numel() - 1:
             return None
         masks = _build_masks(cfg, pos, positions[j : j + 1], None, device)  # a one-token step's
-        if torch.equal(seen, torch.arange(j + 1)):
-            out.append(RowAttention(prefix + j + 1, None, masks))
-        else:
-            index = torch.cat([torch.arange(prefix), prefix + seen]).to(device)
-            out.append(RowAttention(prefix + j + 1, index, masks))
+        chain = seen.numel() == j + 1 and int(seen[-1]) == j  # slots 0..j: a view of the cache
+        index = None if chain else torch.cat([torch.arange(prefix), prefix + seen]).to(device)
+        out.append(RowAttention(prefix + j + 1, index, masks))
     return out
 
 

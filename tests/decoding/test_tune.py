@@ -65,7 +65,7 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune, "calibrate", fake_calibrate)
     codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
-    loaded = SimpleNamespace(name="tiny", model=None, codec=codec)
+    loaded = SimpleNamespace(name="tiny", model=None, codec=codec, weights="fp32")
     for _ in range(2):
         tree = tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
         assert tree == TreeConfig(top_k=3, depth=4, total_tokens=10)
@@ -78,6 +78,9 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
     assert len(calls) == 3  # packed weights verify at other costs: tuned again
     tune.Tuner(lambda m, t: None, loaded, "h", verify_logits="all", progress=False).tree("nanospec")
     assert len(calls) == 4  # projecting every node changes what a big tree costs: tuned again
+    loaded.weights = "int4"
+    tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
+    assert len(calls) == 5  # another weight format, another cost curve: tuned again
 
 
 def test_machine_key_names_the_hardware():
