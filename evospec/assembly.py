@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from evospec.adapt.config import AdaptConfig
-from evospec.decoding.methods import Decoder, MethodSpec, make_decoder, method_spec
+from evospec.decoding.methods import Decoder, MethodSpec, draft_format, make_decoder, method_spec
 from evospec.decoding.tree_config import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.vocab.config import VocabConfig
@@ -38,6 +38,7 @@ class StackSettings:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # mode: each method's own
     verify_logits: str = "auto"  # see decoding/methods.py: VERIFY_LOGITS
+    draft_weights: str = "auto"  # see decoding/methods.py: drafting_head
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", "auto"
     dtype: str = "float32"  # one of DTYPES
     weights: str = "fp32"  # linear weight format: models/quant.py WEIGHT_FORMATS or "auto"
@@ -121,13 +122,15 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
             indices=indices,
             adapt=settings.adapt,
             verify_logits=settings.verify_logits,
+            draft_weights=settings.draft_weights,
         )
 
     resolved: dict[str, str] = {}
     auto_tree = None
     from evospec.decoding.tune import AUTO_CANDIDATES, Tuner
 
-    tuner = Tuner(build, loaded, head_id(draft_path), eos, settings.verify_logits, progress)
+    drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights)}"
+    tuner = Tuner(build, loaded, drafts, eos, settings.verify_logits, progress)
     if AUTO in settings.methods:
         candidates = [
             n

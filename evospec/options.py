@@ -94,6 +94,14 @@ def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> No
         "a GPU), 'lazy' (the root, then only where the walk goes, prefetching nodes the draft "
         "expects to be accepted; best on a CPU), 'auto' = lazy on a CPU (default). Same output",
     )
+    p.add_argument(
+        "--draft-weights",
+        choices=["auto", "fp32", "int8"],
+        default=None if overrides else "auto",
+        help="format of the draft head's linears for methods that do not adapt it: 'auto' = int8 "
+        "where the target's weights are quantised (a CPU with --weights int4/int8/bf16), else the "
+        "head's own; adapting methods keep fp32. Changes acceptance, never output",
+    )
     v = p.add_argument_group("active vocabulary (frspec, nanospec, evospec, nanospec+evospec)")
     add_section_flags(v, VocabConfig, "vocab")
 
@@ -164,6 +172,7 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         vocab=vocab_config(args),
         adapt=adapt_config(args),
         verify_logits=args.verify_logits,
+        draft_weights=args.draft_weights,
         device=args.device,
         dtype=args.dtype,
         weights=args.weights,

@@ -5,6 +5,9 @@ Each format runs in its own subprocess (so peak RSS is that format's), formats a
 
     .venv/bin/python scripts/bench_weights.py [--formats fp32,bf16,int8,int4] [--max-new-tokens 64]
 
+A format ``F-eager`` (e.g. ``int4-eager``) is F with every step run eagerly (no recorded
+one-token graph, ``evospec/models/step.py``): the A/B of that graph.
+
 Per format: load seconds (``load_model``, converted cache warm), peak RSS after load and after
 decoding, bytes of the linear weights, AR tok/s (median over prompts and rounds), speedup over
 fp32, and parity with fp32: greedy tokens identical before the first divergence (mean over
@@ -36,8 +39,9 @@ def _worker(fmt: str, model: str, max_new: int, prompts: int, ref_path: str | No
     def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+    weights, _, mode = fmt.partition("-")  # "int4-eager": int4 without the recorded step graph
     t0 = time.perf_counter()
-    loaded = load_model(model, progress=False, weights=fmt)
+    loaded = load_model(model, progress=False, weights=weights, step_graph=mode != "eager")
     load_s = time.perf_counter() - t0
     rss_load = rss_mb()
     codec, m = loaded.codec, loaded.model

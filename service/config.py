@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from evospec.adapt.config import AdaptConfig
-from evospec.decoding.methods import METHOD_SPECS, METHODS, VERIFY_LOGITS
+from evospec.decoding.methods import DRAFT_WEIGHTS, METHOD_SPECS, METHODS, VERIFY_LOGITS
 from evospec.decoding.tree import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.options import WEIGHT_CHOICES
@@ -49,6 +49,7 @@ class ServeConfig:
     weights: str = "auto"  # linear weight format: auto (int4 on a CPU) | int4 | int8 | bf16 | fp32
     pack_weights: bool = True  # CPU fp32: reorder linear weights once for oneDNN (faster, +1 weight copy)
     verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
+    draft_weights: str = "auto"  # non-adapting draft linears: auto (int8 if target quantised) | fp32 | int8
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
@@ -101,6 +102,7 @@ class ServeConfig:
             vocab=self.vocab,
             adapt=self.adapt,
             verify_logits=self.verify_logits,
+            draft_weights=self.draft_weights,
             device=self.device,
             dtype=self.dtype,
             weights=self.weights,
@@ -137,6 +139,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pack_weights": (bool,),
     "tune_tree": (bool,),
     "verify_logits": (str,),
+    "draft_weights": (str,),
     "host": (str,),
     "port": (int,),
     "max_queue": (int,),
@@ -181,6 +184,8 @@ def _problems(c: ServeConfig) -> list[str]:
             out.append(f"{name} must not be empty (null: the default folder)")
     if c.verify_logits not in VERIFY_LOGITS:
         out.append(f"verify_logits {c.verify_logits!r} is not one of {list(VERIFY_LOGITS)}")
+    if c.draft_weights not in DRAFT_WEIGHTS:
+        out.append(f"draft_weights {c.draft_weights!r} is not one of {list(DRAFT_WEIGHTS)}")
     spec = METHOD_SPECS.get(c.method)
     problem = c.vocab.budget_problem(spec.policy) if spec is not None and spec.policy else None
     return out + ([problem] if problem else [])

@@ -142,6 +142,8 @@ class Tuner:
         weights = self.loaded.weights
         if weights != "fp32":  # quantised weights: another cost curve (int4's verify is ~flat to 4 rows)
             kernels = f"weights-{weights}"
+        if getattr(self.loaded.model, "step_graph", None) is not None:
+            kernels += "+step-graph"  # a cheaper AR step: the bar speculation must clear
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
         return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v2"])  # v1 read training data
 

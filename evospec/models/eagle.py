@@ -23,6 +23,7 @@ from torch import nn
 from evospec.models.config import ModelConfig
 from evospec.models.errors import CheckpointError
 from evospec.models.kv_cache import KVCache
+from evospec.models.quant import quantize_linears
 from evospec.models.rope import RotaryTable
 from evospec.models.transformer import MLP, Attention, RMSNorm, Transformer
 
@@ -76,7 +77,7 @@ class EagleHead(nn.Module):
         return emb
 
     def new_cache(self, max_len: int) -> KVCache:
-        p = self.fc.weight
+        p = self.layers[0].post_attention_layernorm.weight  # a norm stays dense in every weight format
         return KVCache(1, self.cfg.num_kv_heads, self.cfg.head_dim, max_len, dtype=p.dtype, device=p.device)
 
     def forward(
@@ -159,6 +160,15 @@ def clone_head(head: EagleHead) -> EagleHead:
     twin.load_state_dict(head.state_dict())
     twin._shared[:] = head._shared
     return twin.to(head.fc.weight.device, head.fc.weight.dtype).eval()
+
+
+def quantised_head(head: EagleHead, fmt: str = "int8") -> EagleHead:
+    """A copy of ``head`` whose linears run ``fmt`` kernels on the CPU (``models/quant.py``),
+    for drafting only: no LoRA, no training. The draft only proposes tokens, so its format
+    changes acceptance, never output. The copy shares the target embedding."""
+    twin = clone_head(head)
+    quantize_linears(twin, fmt, keep_dense=())
+    return twin
 
 
 def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -> EagleHead:

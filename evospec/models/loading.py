@@ -21,6 +21,7 @@ from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.errors import CheckpointError
 from evospec.models.packing import pack_linears
 from evospec.models.quant import QuantReport, quantize_linears, resolve_weights
+from evospec.models.step import StepGraph, supports_step_graph
 from evospec.models.transformer import Transformer
 from evospec.tokenizer import TextCodec
 
@@ -145,6 +146,7 @@ def load_model(
     progress: bool = True,
     pack: bool = True,
     weights: str = "fp32",
+    step_graph: bool = True,
 ) -> LoadedModel:
     """Load a registered name, a Hugging Face folder or a GGUF file.
 
@@ -153,6 +155,8 @@ def load_model(
     Q4_1 codes as they are.
     ``pack``: reorder the fp32 CPU linear weights once for oneDNN (see ``packing.py``; faster
     decoding and verification, one extra copy of the weights); a no-op on other devices/dtypes.
+    ``step_graph``: run one-token steps through a recorded graph on the CPU (``step.py``; same
+    kernels, bitwise the same logits, without Python's per-op cost).
     """
     weights = resolve_weights(weights, device, dtype)  # ValueError before any loading
     loaded = _load(ref, dtype=dtype, device=device, progress=progress)
@@ -169,6 +173,8 @@ def load_model(
     # Row-exact verification: the CPU kernels of every weight format are row-exact, so with
     # attention row by row a verified token's logits are bitwise plain decoding's.
     loaded.model.exact_rows = device == "cpu"
+    if step_graph and device == "cpu" and supports_step_graph(loaded.model):
+        loaded.model.step_graph = StepGraph(loaded.model)
     return loaded
 
 

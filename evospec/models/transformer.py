@@ -24,6 +24,7 @@ from evospec.models.kv_cache import KVCache
 from evospec.models.packing import PackedMatmul
 from evospec.models.quant import QuantMatmul
 from evospec.models.rope import RotaryTable
+from evospec.models.step import StepGraph
 
 
 @dataclass
@@ -136,7 +137,8 @@ class Attention(nn.Module):
             keys,
             values,
             attn_mask=mask,
-            is_causal=mask is None and q.shape[2] > 1,  # only valid when the prefix is empty
+            # only valid when the prefix is empty; a recorded graph is a one-token step (step.py)
+            is_causal=mask is None and not torch.jit.is_tracing() and q.shape[2] > 1,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
@@ -215,6 +217,9 @@ class Transformer(nn.Module):
         # bitwise those of plain decoding (the linear kernels and norms already are row-exact).
         # Costs n attention calls per layer instead of one; set by load_model on the CPU.
         self.exact_rows = False
+        # Set (load_model, on the CPU): one-token steps of one sequence run through a recorded
+        # graph, the same kernels without Python's per-op cost (models/step.py).
+        self.step_graph: StepGraph | None = None
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
@@ -258,6 +263,15 @@ class Transformer(nn.Module):
         cfg = self.cfg
         n = tokens.shape[1]
         prefix = cache.length
+        rows = None
+        if self.exact_rows and n > 1 and prefix > 0 and attn_mask is None and left_pad is None:
+            rows = row_attention(cfg, prefix, positions, tree_mask, tokens.device)
+        graph = self.step_graph
+        if graph is not None and self._recordable(tokens, tree_mask, rows, attn_mask, left_pad, aux_layers):
+            stepped = graph(tokens, positions, cache, logits)  # None: no graph, run eagerly
+            if stepped is not None:
+                cache.advance(n)
+                return ForwardOutput(logits=stepped[0], hidden=stepped[1], aux_hidden=[])
         x = self.embed_tokens(tokens)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
@@ -273,9 +287,6 @@ class Transformer(nn.Module):
             rope_pos = (positions[None] - left_pad[:, None]).clamp(min=0)  # [B, n]
         rope_g = self.rope_global(rope_pos, x.dtype)
         rope_l = self.rope_local(rope_pos, x.dtype) if cfg.is_gemma else rope_g
-        rows = None
-        if self.exact_rows and n > 1 and prefix > 0 and attn_mask is None and left_pad is None:
-            rows = row_attention(cfg, prefix, positions, tree_mask, x.device)
         aux: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             sliding = cfg.is_sliding(i)
@@ -288,6 +299,16 @@ class Transformer(nn.Module):
         if logits != "none":
             out_logits = self.project_logits(hidden[:, -1:] if logits == "last" else hidden)
         return ForwardOutput(logits=out_logits, hidden=hidden, aux_hidden=aux)
+
+    @staticmethod
+    def _recordable(tokens, tree_mask, rows, attn_mask, left_pad, aux_layers) -> bool:
+        """One sequence, and either one token or a row-exact chain (every row sees the cache
+        and the rows before it): the forwards ``step_graph`` records."""
+        if tokens.shape[0] != 1 or attn_mask is not None or left_pad is not None or aux_layers:
+            return False
+        if tokens.shape[1] == 1:
+            return tree_mask is None
+        return rows is not None and all(r.index is None for r in rows)
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final features [..., D] -> logits [..., V]: the LM head, then soft-capping if any.

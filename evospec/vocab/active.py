@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from evospec.models.quant import Int8Matmul
 from evospec.vocab.head import FullHead, Projection, ReducedHead
 from evospec.vocab.policy import RoundFeedback, VocabPolicy
 
@@ -133,7 +134,8 @@ class ActiveVocab:
         if policy is None:
             self.head = FullHead(lm_head, self.project)
         else:
-            self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()))
+            int8 = project if isinstance(project, Int8Matmul) else None  # gather the int8 codes
+            self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()), int8=int8)
         self._round = 0
         self._stale = False  # the active set must be reloaded before the next head call
         self._mask = torch.ones(vocab, dtype=torch.bool, device=lm_head.device)  # [V] this round's set

@@ -10,6 +10,11 @@ id ``FREE`` (-1) and a logit bias of ``-inf``, so the projection is always ``[n,
 and a free slot can never be proposed. Tree tokens leave this module as target ids; the
 target still verifies over its full vocabulary, so the active set changes speed, never output.
 
+Row formats: the LM head's own dtype (fp32; packed in oneDNN blocks on the CPU from
+``PACK_MIN_ROWS`` slots), or, when the target's LM head is int8 (``--weights int4|int8``), its
+int8 codes and per-row scales gathered as they are: the projection reads a quarter of the
+bytes and gives exactly the target LM head's int8 logits for those ids.
+
 Two ways to load a set. :meth:`ReducedHead.set_active` plans on the host (``nonzero``) and
 copies the rows at once. :meth:`ReducedHead.stage` (the GPU path) plans with fixed-shape
 tensor ops (``evospec.kernels.slots``) and queues plan and row gather on the device's copy
@@ -32,6 +37,7 @@ from evospec.kernels.gather import gather_rows
 from evospec.kernels.slots import apply_swap, plan_swap
 from evospec.kernels.streams import copy_stream, follow_current, on_stream, record_event, wait_event
 from evospec.models.packing import PackedRows, packing_available
+from evospec.models.quant import Int8Matmul
 
 FREE = -1  # slot id placeholder of an unused slot
 # From this many slots on, a CPU fp32 buffer is projected through oneDNN-packed blocks
@@ -87,13 +93,22 @@ class ReducedHead:
         *,
         pack_min_rows: int | None = None,  # default PACK_MIN_ROWS
         pack_block: int | None = None,  # default PACK_BLOCK
+        int8: Int8Matmul | None = None,  # the target LM head's int8 codes: gather those rows instead
     ) -> None:
         vocab, dim = weight.shape
         if capacity < 1:
             raise ValueError(f"reduced head capacity must be >= 1, got {capacity}")
         self.weight = weight  # [V, D] the target's LM head (shared, never copied whole)
         self.capacity = min(capacity, vocab)
-        self.rows = torch.zeros(self.capacity, dim, dtype=weight.dtype, device=weight.device)  # [C, D]
+        self.int8 = int8
+        src = int8.codes if int8 is not None else weight  # [V, D] the rows gathered
+        self.rows = torch.zeros(self.capacity, dim, dtype=src.dtype, device=weight.device)  # [C, D]
+        # int8 rows: one bf16 scale per slot, gathered with the row
+        self.row_scale = (
+            torch.ones(self.capacity, dtype=torch.bfloat16, device=weight.device)
+            if int8 is not None
+            else None
+        )
         self.slot_ids = torch.full((self.capacity,), FREE, dtype=torch.long, device=weight.device)  # [C]
         self.slot_of = torch.full((vocab,), FREE, dtype=torch.long, device=weight.device)  # [V]
         self.bias = torch.full((self.capacity,), float("-inf"), dtype=torch.float32, device=weight.device)
@@ -101,7 +116,11 @@ class ReducedHead:
         self.timings = HeadTimings()
         self.backend: Backend = backend or pick_backend(weight.device)  # row-gather kernel
         self._ready: torch.cuda.Event | None = None  # a staged load still running on the copy stream
-        pack = self.capacity >= (pack_min_rows or PACK_MIN_ROWS) and packing_available(self.rows)
+        pack = (
+            int8 is None
+            and self.capacity >= (pack_min_rows or PACK_MIN_ROWS)
+            and packing_available(self.rows)
+        )
         self.packed = PackedRows(self.rows, pack_block or PACK_BLOCK) if pack else None  # CPU: oneDNN blocks
 
     @property
@@ -133,7 +152,11 @@ class ReducedHead:
             self.slot_of[drop] = FREE
         if add.numel():
             free = torch.nonzero(self.slot_ids == FREE).flatten()[: add.numel()]  # [a]
-            gather_rows(self.weight, self.rows, add, free, self.backend)
+            if self.int8 is not None:
+                gather_rows(self.int8.codes, self.rows, add, free, self.backend)
+                self.row_scale[free] = self.int8.scale[add]
+            else:
+                gather_rows(self.weight, self.rows, add, free, self.backend)
             if self.packed is not None:
                 self.packed.touch(free)
             self.slot_ids[free] = add
@@ -153,6 +176,8 @@ class ReducedHead:
         next :meth:`__call__` waits for them on the device. Raises ``ValueError`` if ``mask``
         holds more ids than the capacity (nothing is changed then).
         """
+        if self.int8 is not None:  # a CPU-only format: the host path does the same work
+            return self.set_active(mask)
         t0 = time.perf_counter()
         self._wait_staged()
         new_size, added = (int(x) for x in torch.stack([mask.sum(), (mask & (self.slot_of < 0)).sum()]))
@@ -188,13 +213,18 @@ class ReducedHead:
         """
         t0 = time.perf_counter()
         self._wait_staged()  # a staged load: the compute stream waits here, not earlier
-        logits = (self.packed(hidden) if self.packed is not None else hidden @ self.rows.T).float()
+        logits = self._project(hidden).float()
         logits = logits + self.bias  # [n, C]
         logp = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logp, min(k, self.size), dim=-1)
         ids = self.slot_ids[top.indices]  # [n, k'] absolute target ids
         self.timings.lm_head_s += time.perf_counter() - t0
         return top.values, ids
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C]
+        if self.int8 is not None:
+            return torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), self.rows, self.row_scale)
+        return self.packed(hidden) if self.packed is not None else hidden @ self.rows.T
 
     def take_timings(self) -> HeadTimings:
         """Return and reset the accumulated timings."""

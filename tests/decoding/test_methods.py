@@ -62,3 +62,65 @@ def test_each_decoder_has_the_parts_its_spec_names(name: str) -> None:
         assert dec.adapt is None or dec.adapt.cfg.mode == spec.adapt
     finally:
         dec.close()
+
+
+def _quantised(seed: int = 0):
+    from evospec.models.quant import kernels_available, quantize_linears
+
+    if not (kernels_available("int4") and kernels_available("int8")):
+        pytest.skip("torch without CPU int4/int8 kernels")
+    target = tiny_target(seed)
+    quantize_linears(target, "int4")
+    target.exact_rows = True
+    return target
+
+
+def _linears(head) -> set[str]:
+    from evospec.models.quant import QuantLinear
+
+    return {
+        type(m).__name__ for m in head.modules() if isinstance(m, QuantLinear) or type(m).__name__ == "Linear"
+    }
+
+
+def test_a_quantised_target_drafts_with_one_shared_int8_copy_of_the_head() -> None:
+    from evospec.adapt.config import AdaptConfig
+    from evospec.decoding.sampling import SamplingParams
+    from evospec.models.eagle import new_eagle_for
+    from tests.decoding.spec_helpers import ar_tokens, prompt_of
+
+    target = _quantised()
+    draft = new_eagle_for(target, seed=1)
+    kw = dict(draft=draft, vocab=SMALL, indices=stand_in_indices(target))
+    decs = [make_decoder(n, target, **kw) for n in ("eagle2", "frspec")]
+    clora = make_decoder("clora", target, **kw, adapt=AdaptConfig(asynchronous=False))
+    kept = make_decoder("eagle2", target, **kw, draft_weights="fp32")
+    try:
+        heads = [d.drafter.head for d in decs]
+        assert heads[0] is heads[1] and heads[0] is not draft  # one int8 copy for both
+        assert _linears(heads[0]) == {"QuantLinear"} and {
+            m.format for m in heads[0].modules() if hasattr(m, "format")
+        } == {"int8"}
+        assert _linears(draft) == {"Linear"}  # the original is untouched
+        assert _linears(clora.drafter.head) == {"Linear"}  # LoRA needs the dense weights
+        assert kept.drafter.head is draft
+        params = SamplingParams(max_new_tokens=20)
+        for seed in range(3):
+            prompt = prompt_of(seed, 5 + seed)
+            want = ar_tokens(target, prompt, params)
+            for dec in (*decs, kept):
+                assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
+    finally:
+        for d in (*decs, clora, kept):
+            d.close()
+
+
+def test_an_fp32_target_drafts_with_the_head_itself() -> None:
+    from evospec.models.eagle import new_eagle_for
+
+    target = tiny_target(0)
+    draft = new_eagle_for(target, seed=1)
+    dec = make_decoder("eagle2", target, draft=draft)
+    assert dec.drafter.head is draft
+    with pytest.raises(ValueError, match="draft_weights must be one of auto, fp32, int8"):
+        make_decoder("eagle2", target, draft=draft, draft_weights="int4")

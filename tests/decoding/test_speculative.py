@@ -9,6 +9,7 @@ from evospec.decoding.drafter import TargetDrafter
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 from evospec.models.packing import pack_linears
+from evospec.models.step import StepGraph, supports_step_graph
 from tests.decoding.spec_helpers import (
     ar_tokens,
     eagle_drafter,
@@ -20,6 +21,7 @@ from tests.decoding.spec_helpers import (
 )
 
 TREES = (TreeConfig(top_k=4, depth=4, total_tokens=12), TreeConfig(top_k=3, depth=2, total_tokens=5))
+CHAIN = TreeConfig(top_k=1, depth=3, total_tokens=3)  # what --tree auto picks on a CPU
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +57,13 @@ def _quantised_target(seed: int, fmt: str, **kw):
     target = tiny_target(seed, **kw)
     quantize_linears(target, fmt)
     target.exact_rows = True
+    if supports_step_graph(target):
+        target.step_graph = StepGraph(target)  # steps and chains run recorded graphs
     return target
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
-@pytest.mark.parametrize("tree", TREES, ids=["k4d4t12", "k3d2t5"])
+@pytest.mark.parametrize("tree", [*TREES, CHAIN], ids=["k4d4t12", "k3d2t5", "chain3"])
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_equals_ar_on_a_quantised_target(fmt, tree, seed):
     """Quantised weights (bf16 activations at every matmul) amplify any rounding difference
@@ -204,12 +208,13 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, len(obs) - 1))
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_sampled_tokens_follow_the_target_end_to_end(fmt):
-    """The second generated token (drafted, accepted or resampled) has the target's marginal."""
+@pytest.mark.parametrize("fmt,chain", [("fp32", False), ("int4", False), ("int4", True)])
+def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain):
+    """The second generated token (drafted, accepted or resampled) has the target's marginal;
+    on a chain the quantised target verifies through its recorded graph."""
     target = tiny_target(4, sharp=3.0) if fmt == "fp32" else _quantised_target(4, fmt, sharp=3.0)
     drafter = perturbed_drafter(target, noise=0.3)
-    tree = TreeConfig(top_k=3, depth=3, total_tokens=8)
+    tree = CHAIN if chain else TreeConfig(top_k=3, depth=3, total_tokens=8)
     prompt = prompt_of(8, 5)
     exact = _exact_second_token(target, prompt, temperature=1.0).float()
     n = 1500

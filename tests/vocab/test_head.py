@@ -88,3 +88,31 @@ def test_packed_buffer_matches_dense_and_repacks_only_rewritten_blocks(weight):
     # first load packs all 3 blocks; 40, 41 land in free slots 18, 19 (block 2); 45, 46 reuse
     # slot 19 and take slot 20 (block 2); the last set rewrites slots in every block
     assert repacked == [3, 1, 1, 3]
+
+
+def test_int8_rows_give_the_target_heads_int8_logits_and_gather_incrementally():
+    """With an int8 LM head the buffer holds its codes and scales: logits over the active ids
+    are exactly the full int8 head's there, and each set change copies only the new rows."""
+    from evospec.models.quant import Int8Matmul, kernels_available
+
+    if not kernels_available("int8"):
+        pytest.skip("torch without CPU int8 kernels")
+    torch.manual_seed(1)
+    weight = torch.randn(300, 64)
+    int8 = Int8Matmul(weight, None, [300])
+    head = ReducedHead(weight, capacity=40, int8=int8)
+    assert head.rows.dtype == torch.int8 and head.packed is None
+    hidden = torch.randn(3, 64)
+    full = int8(hidden).float()  # [3, 300]
+    for active in ([5, 17, 80, 81, 299], [5, 80, 120, 121, 122, 200], list(range(260, 300))):
+        before = head.timings.rows_gathered
+        added = head.set_active(_mask(active, vocab=300))
+        assert head.timings.rows_gathered - before == added
+        logp, ids = head(hidden, 3)
+        ref = torch.log_softmax(full[:, active], dim=-1)
+        top = torch.topk(ref, 3, dim=-1)
+        assert ids.tolist() == torch.tensor(active)[top.indices].tolist()
+        torch.testing.assert_close(logp, top.values, rtol=0, atol=1e-6)
+    assert head.set_active(_mask([260, 261], vocab=300)) == 0  # both already hold slots
+    assert head.stage(_mask([1, 260], vocab=300)) == 1  # the staged path: the same host work
+    assert sorted(head.active_mask().nonzero().flatten().tolist()) == [1, 260]
