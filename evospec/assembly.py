@@ -150,7 +150,22 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
             tree = tuner.tree(spec.drafts_like)  # an adaptive method drafts like its vocabulary policy
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
+    _record_steps(loaded.model, decoders.values())
     return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved)
+
+
+def _record_steps(model, decoders) -> None:
+    """Record the decode-step graphs the decoders will run (``models/step.py``: ~1 s each for
+    SmolLM2 here) now, so that no request waits for one: the one-token step, and each chain
+    tree's verification."""
+    graph = getattr(model, "step_graph", None)
+    if graph is None:
+        return
+    graph.record(1, "last")
+    for dec in decoders:
+        tree = dec.tree
+        if tree is not None and tree.top_k == 1:  # a chain: the root and its drafted tokens
+            graph.record(min(tree.depth, tree.total_tokens) + 1, "all")
 
 
 def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype, device, facts: list[str]):

@@ -147,6 +147,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "quick": args.quick,
         "torch_threads": torch.get_num_threads(),
         "packed_weights": not args.no_pack,
+        "weights": stack.loaded.weights,
+        "step_graph": stack.loaded.model.step_graph is not None,
+        "draft_weights": args.draft_weights,
         "verify_logits": args.verify_logits,
         "torch": torch.__version__,
     }

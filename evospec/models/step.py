@@ -121,6 +121,17 @@ class StepGraph:
         """Forget the recorded graphs (after swapping the model's modules)."""
         self._graphs, self.failed = {}, False
 
+    def record(self, n: int, logits: str = "last") -> bool:
+        """Record the graph for ``n``-token forwards with ``logits`` now (~1 s for SmolLM2
+        here), so that the first request does not wait for it. False if recording failed."""
+        if (n, logits) not in self._graphs and not self.failed and n <= MAX_CHAIN:
+            try:
+                self._graphs[n, logits] = self._record(n, logits, self.model.new_cache(n + 3))
+            except Exception:  # any tracer failure means: stay eager
+                log.warning("could not record the decode step; decoding eagerly", exc_info=True)
+                self.failed = True
+        return not self.failed
+
     def __call__(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache, logits: str = "last"
     ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
@@ -136,15 +147,9 @@ class StepGraph:
             return None
         if self._slots.shape[0] < end or self._slots.device != cache.k.device:
             self._slots = torch.zeros(max(end, 2 * self._slots.shape[0]), device=cache.k.device)
-        graph = self._graphs.get((n, logits))
-        if graph is None:
-            try:
-                graph = self._graphs[n, logits] = self._record(n, logits, cache)
-            except Exception:  # any tracer failure means: stay eager
-                log.warning("could not record the decode step; decoding eagerly", exc_info=True)
-                self.failed = True
-                return None
-        out = graph(tokens, positions, cache.k, cache.v, self._slots[:end])
+        if (n, logits) not in self._graphs and not self.record(n, logits):
+            return None
+        out = self._graphs[n, logits](tokens, positions, cache.k, cache.v, self._slots[:end])
         return (None, out[0]) if logits == "none" else (out[0], out[1])
 
     def _record(self, n: int, logits: str, cache) -> torch.jit.ScriptModule:

@@ -81,6 +81,11 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
     loaded.weights = "int4"
     tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
     assert len(calls) == 5  # another weight format, another cost curve: tuned again
+    loaded.model.step_graph = object()
+    tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
+    assert len(calls) == 6  # recorded steps make AR cheaper: the bar moves, tuned again
+    tune.Tuner(lambda m, t: None, loaded, "h|draft-int8", progress=False).tree("nanospec")
+    assert len(calls) == 7  # an int8 draft drafts at another cost: tuned again
 
 
 def test_machine_key_names_the_hardware():

@@ -163,3 +163,17 @@ def test_a_failed_recording_falls_back_to_the_eager_step(monkeypatch, caplog):
     assert model.step_graph.failed
     assert sum("could not record" in r.message for r in caplog.records) == 1  # said once
     assert all(torch.equal(a[0], b[0]) for a, b in zip(eager, fallback, strict=True))
+
+
+def test_graphs_recorded_ahead_serve_the_later_forwards():
+    model = tiny_target(7)
+    model.exact_rows = True
+    graph = model.step_graph = StepGraph(model)
+    assert graph.record(1, "last") and graph.record(3, "all")
+    recorded = {k: id(v) for k, v in graph._graphs.items()}
+    prompt = prompt_of(1, 5)
+    _steps(model, prompt, 3, 32)
+    _verify(model, prompt, prompt_of(2, 3), None, "all")
+    assert {k: id(v) for k, v in graph._graphs.items()} == recorded  # nothing recorded again
+    graph.record(17, "all")
+    assert (17, "all") not in graph._graphs  # past MAX_CHAIN: such forwards stay eager
