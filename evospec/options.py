@@ -48,14 +48,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_pack_arg(p)
 
 
-def add_weights_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+def add_weights_arg(p: argparse.ArgumentParser, default: str | None = "auto", *, note: str = "") -> None:
     p.add_argument(
         "--weights",
         choices=WEIGHT_CHOICES,
         default=default,
         help="format of the target's linear weights on a CPU: int4 (a GGUF's own 4-bit codes, "
         "group 32), int8 (per row), bf16, fp32; auto = int4 on a CPU with float32 activations, "
-        "else fp32 (default: auto)",
+        f"else fp32{note} (default: {default or 'auto'})",
     )
 
 

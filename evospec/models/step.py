@@ -1,26 +1,29 @@
-"""The one-token decode step as one recorded graph (CPU): the same kernels without Python.
+"""Decode steps as recorded graphs (CPU): the same kernels without Python's per-op cost.
 
 Owns: :class:`StepGraph`, which records a :class:`~evospec.models.transformer.Transformer`'s
-own blocks once with ``torch.jit.trace`` for a single token of a single sequence, then runs
-every later one-token step through that graph. The cache length reaches the graph as the
-size of a slot tensor (``slots``: [length + 1]), which tracing keeps symbolic, so one graph
-serves every position and every cache; the caches' K/V tensors are inputs, not constants.
+own blocks with ``torch.jit.trace`` -- once per forward shape: a one-token step, or an n-token
+chain verified row by row (each row sees the cache and the rows before it, the row-exact
+attention of ``transformer.py``) -- and then runs every later forward of that shape through
+its graph. The cache length reaches a graph as the size of a slot tensor (``slots``:
+[length + n]), which tracing keeps symbolic, so one graph serves every position and every
+cache; the caches' K/V tensors are inputs, not constants. Graphs are recorded ahead by
+:meth:`StepGraph.record` (the assembly does it for the decoders it builds) or at first use.
 
 Why: a SmolLM2-135M step is ~60 aten calls and 5 module calls per layer; run from Python that
 costs ~1.4 ms of an 8.3 ms int4 step on this CPU (median of 120 steps, 2 threads: 8.26 eager
-vs 6.87 ms recorded). The graph makes the same aten calls in the same order with the same
-arguments, so its logits are bitwise those of the eager forward (tested), and row-exact
-verification still reproduces them. ``torch.compile`` was tried first: it recompiled at every
+vs 6.87 ms recorded). A graph makes the same aten calls in the same order with the same
+arguments, so its logits are bitwise those of the eager forward (tested), and verification
+still reproduces plain decoding's. ``torch.compile`` was tried first: it recompiled at every
 new cache length (~50 s each) and fused the elementwise ops (other rounding).
 
-If recording fails (a module the tracer cannot follow, a torch without ``torch.jit``), the
-step says so once in the log and the eager forward runs from then on.
+If recording fails (a module the tracer cannot follow, a torch without ``torch.jit``), that
+is logged once and the eager forward runs from then on.
 
-Scope: one sequence, one token, no attention mask -- what plain decoding does. Models with
+Scope: one sequence, no attention mask, chains of up to ``MAX_CHAIN`` tokens. Models with
 sliding-window layers (their one-token masks depend on the position) and oneDNN-packed fp32
-linears (``--weights fp32``: an opaque weight tensor) keep the eager path.
-The graph holds the modules' weights by reference: changing the model's modules after the
-first step needs :meth:`StepGraph.reset`.
+linears (``--weights fp32``: an opaque weight tensor) keep the eager path, as do branching
+trees, batches and prefill. The graphs hold the modules' weights by reference: changing the
+model's modules afterwards needs :meth:`StepGraph.reset`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from evospec.common import DEFAULT_DATA, positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
+from evospec.options import add_weights_arg
 
 
 def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +49,14 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         "--work",
         type=Path,
         default=None,
-        help="work folder for generations, features, checkpoints (default: $EVOSPEC_HOME/train/<target>)",
+        help="work folder for generations, features, checkpoints (default: $EVOSPEC_HOME/train/<target>, "
+        "<target>+<weights> for quantised teachers)",
+    )
+    add_weights_arg(
+        t,
+        default="fp32",
+        note="; the teacher's format: its features and distributions are what the head learns, so "
+        "train with the format you serve (the shipped heads: fp32)",
     )
     t.add_argument(
         "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
@@ -174,10 +182,11 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         step_decay=args.step_decay,
         w_reg=args.reg_weight,
     )
-    loaded = load_model(args.target, device=device, progress=progress)
+    loaded = load_model(args.target, device=device, progress=progress, weights=args.weights)
     if loaded.codec is None:
         raise ValueError(f"{loaded.source}: the target needs a tokenizer to render training prompts")
-    work = args.work or evospec_home() / "train" / loaded.name
+    teacher = loaded.name if loaded.weights == "fp32" else f"{loaded.name}+{loaded.weights}"
+    work = args.work or evospec_home() / "train" / teacher  # one teacher's data per folder
     vocab = loaded.model.cfg.vocab_size
     prompts = training_prompts(args.data)
     codec = loaded.codec
@@ -233,6 +242,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     info = {
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
+        "teacher_weights": loaded.weights,
         "source": args.source,
         "init": str(init) if init else None,
         "response_tokens": have,

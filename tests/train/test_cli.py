@@ -136,3 +136,17 @@ def test_bad_conversation_records_are_refused(model: Path, tmp_path: Path, capsy
     argv = ["train-draft", "--target", str(model), "--work", str(tmp_path / "w"), "--data", str(bad)]
     assert main([*argv, "--source", "dataset", "--generate-only", "--no-progress"]) == 2
     assert "must end with a user and an assistant message" in capsys.readouterr().err
+
+
+def test_a_quantised_teacher_keeps_its_data_in_its_own_folder(model: Path, tmp_path: Path, monkeypatch) -> None:
+    from evospec.models.quant import kernels_available
+
+    if not kernels_available("int8"):
+        pytest.skip("torch without CPU int8 kernels")
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path / "home"))
+    argv = [a for a in _argv(model, tmp_path) if a not in ("--work", str(tmp_path / "work"))]
+    out = tmp_path / "head"
+    assert main([*argv, "--weights", "int8", "--out", str(out), "--epochs", "1", "--device", "cpu"]) == 0
+    folders = [p.name for p in (tmp_path / "home" / "train").iterdir()]
+    assert folders == ["model+int8"]  # fp32 teachers' data (train/model) is never mixed in
+    assert json.loads((out / "training.json").read_text())["teacher_weights"] == "int8"
