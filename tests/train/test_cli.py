@@ -138,7 +138,9 @@ def test_bad_conversation_records_are_refused(model: Path, tmp_path: Path, capsy
     assert "must end with a user and an assistant message" in capsys.readouterr().err
 
 
-def test_a_quantised_teacher_keeps_its_data_in_its_own_folder(model: Path, tmp_path: Path, monkeypatch) -> None:
+def test_a_quantised_teacher_keeps_its_data_in_its_own_folder(
+    model: Path, tmp_path: Path, monkeypatch
+) -> None:
     from evospec.models.quant import kernels_available
 
     if not kernels_available("int8"):
