@@ -137,7 +137,7 @@ class Attention(nn.Module):
             keys,
             values,
             attn_mask=mask,
-            # only valid when the prefix is empty; a recorded graph is a one-token step (step.py)
+            # only valid when the prefix is empty; recorded graphs (step.py) attend one query row per call
             is_causal=mask is None and not torch.jit.is_tracing() and q.shape[2] > 1,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
@@ -217,8 +217,9 @@ class Transformer(nn.Module):
         # bitwise those of plain decoding (the linear kernels and norms already are row-exact).
         # Costs n attention calls per layer instead of one; set by load_model on the CPU.
         self.exact_rows = False
-        # Set (load_model, on the CPU): one-token steps of one sequence run through a recorded
-        # graph, the same kernels without Python's per-op cost (models/step.py).
+        # Set (load_model, on the CPU): one-token steps and row-exact chain verifications of one
+        # sequence run through recorded graphs, the same kernels without Python's per-op cost
+        # (models/step.py).
         self.step_graph: StepGraph | None = None
         self.reset_rope()
 
