@@ -87,3 +87,19 @@ def test_weights_flag_reaches_the_stack_and_the_serve_config():
     assert serve_config(parser.parse_args(["serve"])).weights == "auto"
     cfg = serve_config(parser.parse_args(["serve", "--weights", "fp32"]))
     assert cfg.weights == "fp32" and cfg.stack_settings().weights == "fp32"
+
+
+def test_draft_weights_flag_reaches_the_stack_and_the_serve_config(capsys):
+    from evospec.cli import build_parser
+    from service.command import serve_config
+
+    parser = build_parser()
+    assert stack_settings(parser.parse_args(["generate", "x"]), ["ar"]).draft_weights == "auto"
+    args = parser.parse_args(["bench", "--draft-weights", "fp32"])
+    assert stack_settings(args, ["eagle2"]).draft_weights == "fp32"
+    assert serve_config(parser.parse_args(["serve"])).draft_weights == "auto"
+    cfg = serve_config(parser.parse_args(["serve", "--draft-weights", "int8"]))
+    assert cfg.draft_weights == "int8" and cfg.stack_settings().draft_weights == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--draft-weights", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

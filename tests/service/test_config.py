@@ -111,6 +111,7 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("dtype: float8\n", "dtype 'float8'"),
         ("pack_weights: 1\n", "pack_weights must be bool"),
         ("verify_logits: some\n", "verify_logits 'some' is not one of"),
+        ("draft_weights: int4\n", "draft_weights 'int4' is not one of"),
         ("tree: {top_k: 0}\n", "tree.top_k must be an integer >= 1"),
         ("tree: {width: 3}\n", "unknown tree key(s) ['width']"),
         ("tree: 5\n", "tree must be a mapping"),
