@@ -19,6 +19,7 @@ from torch import nn
 
 from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.errors import CheckpointError
+from evospec.models.fused import enable_fused_ops
 from evospec.models.packing import pack_linears
 from evospec.models.quant import QuantReport, quantize_linears, resolve_weights
 from evospec.models.step import StepGraph, supports_step_graph
@@ -147,6 +148,7 @@ def load_model(
     pack: bool = True,
     weights: str = "fp32",
     step_graph: bool = True,
+    fused_ops: bool = True,
 ) -> LoadedModel:
     """Load a registered name, a Hugging Face folder or a GGUF file.
 
@@ -157,6 +159,9 @@ def load_model(
     decoding and verification, one extra copy of the weights); a no-op on other devices/dtypes.
     ``step_graph``: run one-token steps through a recorded graph on the CPU (``step.py``; same
     kernels, bitwise the same logits, without Python's per-op cost).
+    ``fused_ops``: run the norms, RoPE and SiLU of Llama-style quantised models on the CPU
+    through the fused ops of ``kernels/cpu_ops`` (``fused.py``; built once per machine; off
+    where they cannot be built).
     """
     weights = resolve_weights(weights, device, dtype)  # ValueError before any loading
     loaded = _load(ref, dtype=dtype, device=device, progress=progress)
@@ -173,6 +178,8 @@ def load_model(
     # Row-exact verification: the CPU kernels of every weight format are row-exact, so with
     # attention row by row a verified token's logits are bitwise plain decoding's.
     loaded.model.exact_rows = device == "cpu"
+    if fused_ops:
+        enable_fused_ops(loaded.model)
     if step_graph and device == "cpu" and supports_step_graph(loaded.model):
         loaded.model.step_graph = StepGraph(loaded.model)
     return loaded

@@ -85,8 +85,7 @@ class _Step(nn.Module):
             x = x * torch.tensor(m.cfg.embed_scale, dtype=x.dtype)
         cos_sin = m.rope_global(positions, x.dtype)
         cache = _SlotCache(k, v, slots)
-        for block in m.layers:
-            x = block(x, cos_sin, cache, None, self.rows)
+        x, _ = m.run_layers(x, (cos_sin, cos_sin), cache, {False: None, True: None}, self.rows)
         hidden = m.norm(x)
         if self.logits == "none":
             return (hidden,)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evospec.models.config import ModelConfig
+from evospec.models.fused import run_fused_layers
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import PackedMatmul
 from evospec.models.quant import QuantMatmul
@@ -120,18 +121,33 @@ class Attention(nn.Module):
             else:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             q, k, v = self._rope_qkv(q, k, v, cos_sin)
-        keys, values = cache.write(self.layer, k, v)  # [B, H_kv, P+n, Dh]
-        if rows is None:
-            out = self._attend(q, keys, values, mask)  # [B, H, n, Dh]
-        else:
-            parts = [
-                self._attend(q[:, :, j : j + 1], *row.keys(keys, values), row.masks[self.sliding])
-                for j, row in enumerate(rows)
-            ]
-            out = torch.cat(parts, dim=2)
+        out = self.attend_rotated(q, k, v, cache, mask, rows)  # [B, H, n, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    def _attend(self, q, keys, values, mask) -> torch.Tensor:  # q [B, H, n, Dh] -> [B, H, n, Dh]
+    def attend_rotated(
+        self,
+        q: torch.Tensor,  # [B, H, n, Dh], rotated
+        k: torch.Tensor,  # [B, H_kv, n, Dh], rotated
+        v: torch.Tensor,  # [B, H_kv, n, Dh]
+        cache: KVCache,
+        mask: torch.Tensor | None,
+        rows: list[RowAttention] | None,
+        fused: bool = False,
+    ) -> torch.Tensor:
+        """Write k/v into the cache and attend (all rows at once, or row by row): [B, H, n, Dh].
+        ``fused``: one-query attention runs as the fused CPU op (``fused.py``'s models)."""
+        keys, values = cache.write(self.layer, k, v)  # [B, H_kv, P+n, Dh]
+        if rows is None:
+            return self._attend(q, keys, values, mask, fused)
+        parts = [
+            self._attend(q[:, :, j : j + 1], *row.keys(keys, values), row.masks[self.sliding], fused)
+            for j, row in enumerate(rows)
+        ]
+        return torch.cat(parts, dim=2)
+
+    def _attend(self, q, keys, values, mask, fused=False) -> torch.Tensor:  # q [B, H, n, Dh] -> same
+        if fused and q.shape[2] == 1:
+            return torch.ops.evospec.decode_attention(q, keys, values, mask, self.scale)
         return F.scaled_dot_product_attention(
             q,
             keys,
@@ -221,6 +237,9 @@ class Transformer(nn.Module):
         # sequence run through recorded graphs, the same kernels without Python's per-op cost
         # (models/step.py).
         self.step_graph: StepGraph | None = None
+        # Set (load_model, on the CPU, where fused.supports_fused_ops): every forward runs its
+        # blocks through the fused CPU ops (one decision per model, so all methods agree).
+        self.fused_ops = False
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
@@ -288,18 +307,35 @@ class Transformer(nn.Module):
             rope_pos = (positions[None] - left_pad[:, None]).clamp(min=0)  # [B, n]
         rope_g = self.rope_global(rope_pos, x.dtype)
         rope_l = self.rope_local(rope_pos, x.dtype) if cfg.is_gemma else rope_g
-        aux: list[torch.Tensor] = []
-        for i, block in enumerate(self.layers):
-            sliding = cfg.is_sliding(i)
-            x = block(x, rope_l if sliding else rope_g, cache, masks[sliding], rows)
-            if i in aux_layers:
-                aux.append(x)
+        x, aux = self.run_layers(x, (rope_g, rope_l), cache, masks, rows, aux_layers)
         cache.advance(n)
         hidden = self.norm(x)
         out_logits = None
         if logits != "none":
             out_logits = self.project_logits(hidden[:, -1:] if logits == "last" else hidden)
         return ForwardOutput(logits=out_logits, hidden=hidden, aux_hidden=aux)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,  # [B, n, D] embedded tokens
+        ropes: tuple,  # (global, local) cos/sin tables for these positions
+        cache,
+        masks: dict[bool, torch.Tensor | None],  # by layer kind: sliding or not
+        rows: list[RowAttention] | None,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decoder blocks: x -> (last block's output [B, n, D], the requested layers'
+        outputs). The one loop both the eager forward and the recorded steps run; with
+        ``fused_ops`` set it runs through the fused CPU ops (``fused.py``)."""
+        if self.fused_ops:
+            return run_fused_layers(self, x, ropes[0], cache, masks[False], rows, aux_layers)
+        aux: list[torch.Tensor] = []
+        for i, block in enumerate(self.layers):
+            sliding = self.cfg.is_sliding(i)
+            x = block(x, ropes[sliding], cache, masks[sliding], rows)
+            if i in aux_layers:
+                aux.append(x)
+        return x, aux
 
     @staticmethod
     def _recordable(tokens, tree_mask, rows, attn_mask, left_pad, aux_layers) -> bool:

@@ -48,8 +48,10 @@ def test_greedy_equals_ar(target, drafters, name, tree, seed):
     assert spec_tokens(target, drafters[name], prompt, params, tree) == ar_tokens(target, prompt, params)
 
 
-def _quantised_target(seed: int, fmt: str, **kw):
-    """A tiny target with ``fmt`` weights and row-exact verification, as CPU models load."""
+def _quantised_target(seed: int, fmt: str, fused: bool = True, **kw):
+    """A tiny target with ``fmt`` weights and row-exact verification, as CPU models load
+    (``fused``: with the fused CPU ops, where they build)."""
+    from evospec.models.fused import enable_fused_ops
     from evospec.models.quant import kernels_available, quantize_linears
 
     if not kernels_available(fmt):
@@ -57,18 +59,22 @@ def _quantised_target(seed: int, fmt: str, **kw):
     target = tiny_target(seed, **kw)
     quantize_linears(target, fmt)
     target.exact_rows = True
+    if fused and not enable_fused_ops(target):
+        pytest.skip("the fused CPU ops do not build here")
     if supports_step_graph(target):
         target.step_graph = StepGraph(target)  # steps and chains run recorded graphs
     return target
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "aten"])
 @pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
 @pytest.mark.parametrize("tree", [*TREES, CHAIN], ids=["k4d4t12", "k3d2t5", "chain3"])
 @pytest.mark.parametrize("seed", range(4))
-def test_greedy_equals_ar_on_a_quantised_target(fmt, tree, seed):
+def test_greedy_equals_ar_on_a_quantised_target(fmt, tree, seed, fused):
     """Quantised weights (bf16 activations at every matmul) amplify any rounding difference
-    between verifying n tokens and decoding one; row-exact verification leaves none."""
-    target = _quantised_target(6, fmt)
+    between verifying n tokens and decoding one; row-exact verification leaves none, with
+    the fused CPU ops as with plain aten ops."""
+    target = _quantised_target(6, fmt, fused)
     drafter = perturbed_drafter(target, noise=0.6, seed=seed)
     prompt = prompt_of(seed, 4 + 3 * seed)
     params = SamplingParams(max_new_tokens=24)
@@ -208,11 +214,14 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, len(obs) - 1))
 
 
-@pytest.mark.parametrize("fmt,chain", [("fp32", False), ("int4", False), ("int4", True)])
-def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain):
+@pytest.mark.parametrize(
+    "fmt,chain,fused",
+    [("fp32", False, False), ("int4", False, True), ("int4", True, True), ("int4", True, False)],
+)
+def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain, fused):
     """The second generated token (drafted, accepted or resampled) has the target's marginal;
     on a chain the quantised target verifies through its recorded graph."""
-    target = tiny_target(4, sharp=3.0) if fmt == "fp32" else _quantised_target(4, fmt, sharp=3.0)
+    target = tiny_target(4, sharp=3.0) if fmt == "fp32" else _quantised_target(4, fmt, fused, sharp=3.0)
     drafter = perturbed_drafter(target, noise=0.3)
     tree = CHAIN if chain else TreeConfig(top_k=3, depth=3, total_tokens=8)
     prompt = prompt_of(8, 5)

@@ -1,0 +1,299 @@
+// Fused elementwise ops of a decoder layer on the CPU, registered as torch ops (evospec::*).
+//
+// Contract (see cpu_ops.py for the Python side and the torch reference of each op):
+//   rms_norm_bf16(x f32 [..., D], w f32 [D], eps)            -> bf16 [..., D]
+//   add_rms_norm_bf16(x f32 [..., D], y [..., D], w, eps)    -> (x + y f32, rms_norm(x + y) bf16)
+//   rope_qkv(qkv bf16 [B, n, (Hq + 2 Hk) Dh], cos, sin f32 [n, Dh] or [B, n, Dh], Hq, Hk)
+//                                                          -> q f32 [B, Hq, n, Dh], k, v [B, Hk, n, Dh]
+//   silu_mul_bf16(gu bf16 [..., 2 I])                       -> silu(gu[:I]) * gu[I:] bf16 [..., I]
+//   decode_attention(q f32 [B, H, 1, Dh], keys, values f32 [B, Hk, S, Dh], mask?, scale)
+//                                                          -> softmax(scale q k^T) v f32 [B, H, 1, Dh]
+//
+// Every op computes each row (the last dimension) with the same code whatever the number of
+// rows, in float32, rounding once to bfloat16 (nearest-even) at the end: a row's result never
+// depends on which batch it came in, which keeps chain verification equal to plain decoding.
+// Built with -ffp-contract=off, so vector bodies and scalar tails round alike.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <bit>
+#include <algorithm>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);  // a select, no branch
+}
+
+// exp(x) for float32 by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial
+// (the classic Cephes coefficients), written branch-free so that loops over it vectorise.
+inline float exp_f32(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float big = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const float n = (x * 1.44269504088896341f + big) - big;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(e);
+}
+
+constexpr int kLanes = 8;
+
+// 1 / sqrt(mean(x^2) + eps) over one row, summed in kLanes fixed partial sums.
+inline float inv_rms(const float* x, int64_t d, float eps) {
+  float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * x[i + l];
+  for (int l = 0; i < d; ++i, ++l) acc[l] += x[i] * x[i];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  return 1.0f / std::sqrt(s / static_cast<float>(d) + eps);
+}
+
+// q . k over d floats, summed in kLanes fixed partial sums (vectorises without reordering).
+inline float dot(const float* __restrict__ q, const float* __restrict__ k, int64_t d) {
+  float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += q[i + l] * k[i + l];
+  for (int l = 0; i < d; ++i, ++l) acc[l] += q[i] * k[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+inline void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+}
+
+inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ out,
+                     int64_t d, float eps) {
+  float inv = inv_rms(x, d, eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = f32_to_bf16(w[i] * (x[i] * inv));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), name, ": x must be contiguous float32");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == x.size(-1), name,
+              ": w must be float32 [D]");
+}
+
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm_bf16");
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.contiguous().data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) norm_row(xp + r * d, wp, op + r * d, d, static_cast<float>(eps));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& y,
+                                                     const at::Tensor& w, double eps) {
+  check_rows(x, w, "add_rms_norm_bf16");
+  TORCH_CHECK(y.sizes() == x.sizes(), "add_rms_norm_bf16: x and y differ in shape");
+  auto yc = y.contiguous();
+  TORCH_CHECK(yc.scalar_type() == at::kBFloat16 || yc.scalar_type() == at::kFloat,
+              "add_rms_norm_bf16: y must be bfloat16 or float32");
+  const bool y_bf16 = yc.scalar_type() == at::kBFloat16;
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto sum = at::empty_like(x);
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.contiguous().data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const void* yp = yc.data_ptr();
+  at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const float* xr = xp + r * d;
+      float* sr = sp + r * d;
+      if (y_bf16) {
+        const uint16_t* yr = static_cast<const uint16_t*>(yp) + r * d;
+        for (int64_t i = 0; i < d; ++i) sr[i] = xr[i] + bf16_to_f32(yr[i]);
+      } else {
+        const float* yr = static_cast<const float*>(yp) + r * d;
+        for (int64_t i = 0; i < d; ++i) sr[i] = xr[i] + yr[i];
+      }
+      norm_row(sr, wp, op + r * d, d, static_cast<float>(eps));
+    }
+  });
+  return {sum, out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t hq, int64_t hk) {
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 3, "rope_qkv: qkv must be bfloat16 [B, n, F]");
+  const int64_t b = qkv.size(0), n = qkv.size(1);
+  const int64_t dh = cos.size(-1), half = dh / 2;
+  TORCH_CHECK(dh <= 512, "rope_qkv: head_dim over 512");
+  TORCH_CHECK(dh % 2 == 0 && qkv.size(2) == (hq + 2 * hk) * dh, "rope_qkv: qkv width is not (Hq + 2 Hk) Dh");
+  auto c = cos.contiguous(), s = sin.contiguous();
+  TORCH_CHECK(c.scalar_type() == at::kFloat && s.sizes() == c.sizes(), "rope_qkv: cos/sin must be float32 alike");
+  TORCH_CHECK(c.numel() == n * dh || c.numel() == b * n * dh, "rope_qkv: cos must be [n, Dh] or [B, n, Dh]");
+  const bool per_row = c.numel() == b * n * dh && b > 1;
+  auto x = qkv.contiguous();
+  auto opts = qkv.options().dtype(at::kFloat);
+  auto q = at::empty({b, hq, n, dh}, opts), k = at::empty({b, hk, n, dh}, opts), v = at::empty({b, hk, n, dh}, opts);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t heads = hq + 2 * hk, width = heads * dh;
+  at::parallel_for(0, b * n, 16, [&](int64_t a, int64_t e) {
+    float row[512];
+    for (int64_t bt = a; bt < e; ++bt) {
+      const int64_t bi = bt / n, t = bt % n;
+      const float* cr = cp + (per_row ? bt : t) * dh;
+      const float* sr = sp + (per_row ? bt : t) * dh;
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint16_t* src = xp + bt * width + h * dh;
+        float* dst;
+        if (h < hq) dst = qp + ((bi * hq + h) * n + t) * dh;
+        else if (h < hq + hk) dst = kp + ((bi * hk + (h - hq)) * n + t) * dh;
+        else dst = vp + ((bi * hk + (h - hq - hk)) * n + t) * dh;
+        for (int64_t i = 0; i < dh; ++i) row[i] = bf16_to_f32(src[i]);
+        if (h >= hq + hk) {
+          for (int64_t i = 0; i < dh; ++i) dst[i] = row[i];
+          continue;
+        }
+        for (int64_t i = 0; i < half; ++i) dst[i] = row[i] * cr[i] - row[i + half] * sr[i];
+        for (int64_t i = half; i < dh; ++i) dst[i] = row[i] * cr[i] + row[i - half] * sr[i];
+      }
+    }
+  });
+  return {q, k, v};
+}
+
+void silu_mul_row(const uint16_t* __restrict__ g, const uint16_t* __restrict__ u, uint16_t* __restrict__ o,
+                  int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float gv = bf16_to_f32(g[i]);
+    o[i] = f32_to_bf16(gv / (1.0f + exp_f32(-gv)) * bf16_to_f32(u[i]));
+  }
+}
+
+at::Tensor silu_mul_bf16(const at::Tensor& gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.size(-1) % 2 == 0, "silu_mul_bf16: gu must be bfloat16 [..., 2 I]");
+  auto x = gu.contiguous();
+  const int64_t width = x.size(-1), inter = width / 2, rows = x.numel() / width;
+  auto sizes = x.sizes().vec();
+  sizes.back() = inter;
+  auto out = at::empty(sizes, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      const uint16_t* g = xp + r * width;
+      const uint16_t* u = g + inter;
+      uint16_t* o = op + r * inter;
+      silu_mul_row(g, u, o, inter);
+    }
+  });
+  return out;
+}
+
+// One query row per (batch, head) against S keys: softmax(scale q.k) v, in float32.
+// q [B, H, 1, Dh]; keys/values [B, Hk, S, Dh] (any strides but a contiguous last dim);
+// mask (optional) bool with S or B * S elements, True = attend. H is a multiple of Hk (GQA).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                  values.scalar_type() == at::kFloat, "decode_attention: float32 only");
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "decode_attention: q [B, H, 1, Dh], keys/values [B, Hk, S, Dh]");
+  const int64_t b = q.size(0), h = q.size(1), dh = q.size(3), hk = keys.size(1), s = keys.size(2);
+  TORCH_CHECK(keys.size(0) == b && keys.size(3) == dh && h % hk == 0 && dh <= 512,
+              "decode_attention: shapes of q and keys differ");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "decode_attention: keys need a contiguous last dim");
+  at::Tensor m;
+  const bool* mp = nullptr;
+  bool per_batch = false;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool && (m.numel() == s || m.numel() == b * s),
+                "decode_attention: mask must be bool with S or B * S elements");
+    mp = m.data_ptr<bool>();
+    per_batch = m.numel() == b * s && b > 1;
+  }
+  auto qc = q.contiguous();
+  auto out = at::empty({b, h, 1, dh}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
+  const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
+  const int64_t group = h / hk;
+  const float sc = static_cast<float>(scale);
+  // Threads only where a head's work outweighs waking them (long contexts).
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, s * dh));
+  at::parallel_for(0, b * h, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> score(s);
+    float acc[512];
+    for (int64_t bh = first; bh < last; ++bh) {
+      const int64_t bi = bh / h, kv = (bh % h) / group;
+      const float* qr = qp + bh * dh;
+      const float* kb = kp + bi * ks0 + kv * ks1;
+      const float* vb = vp + bi * vs0 + kv * vs1;
+      const bool* mr = mp ? mp + (per_batch ? bi * s : 0) : nullptr;
+      float best = -INFINITY;
+      for (int64_t t = 0; t < s; ++t) {
+        const float sv = (mr && !mr[t]) ? -INFINITY : sc * dot(qr, kb + t * ks2, dh);
+        score[t] = sv;
+        best = sv > best ? sv : best;
+      }
+      float total = 0.0f;
+      for (int64_t t = 0; t < s; ++t) {
+        const float e = score[t] == -INFINITY ? 0.0f : exp_f32(score[t] - best);
+        score[t] = e;
+        total += e;
+      }
+      for (int64_t i = 0; i < dh; ++i) acc[i] = 0.0f;
+      for (int64_t t = 0; t < s; ++t) axpy(score[t], vb + t * vs2, acc, dh);
+      float* orow = op + bh * dh;
+      const float inv = 1.0f / total;  // the weighted sum is normalised once, at the end
+      for (int64_t i = 0; i < dh; ++i) orow[i] = acc[i] * inv;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(evospec, m) {
+  m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm_bf16(Tensor x, Tensor y, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int hq, int hk) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul_bf16(Tensor gu) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(evospec, CPU, m) {
+  m.impl("rms_norm_bf16", &rms_norm_bf16);
+  m.impl("add_rms_norm_bf16", &add_rms_norm_bf16);
+  m.impl("rope_qkv", &rope_qkv);
+  m.impl("silu_mul_bf16", &silu_mul_bf16);
+  m.impl("decode_attention", &decode_attention);
+}

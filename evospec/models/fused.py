@@ -1,0 +1,95 @@
+"""The decoder blocks through the fused CPU ops, for Llama-style models with quantised linears.
+
+Owns: :func:`supports_fused_ops` (which models qualify) and :func:`run_fused_layers`, the layer
+loop ``Transformer.run_layers`` runs when ``Transformer.fused_ops`` is set. Per layer:
+
+    h = rms_norm(x) -> bf16          (the previous layer's add_rms_norm gives it)
+    q, k, v = rope_qkv(qkv(h))       # [B, H, n, Dh] f32, rotated
+    a = o_proj(attend(q, k, v))      # bf16
+    x, h = add_rms_norm(x, a)        # x: f32 residual stream, h: bf16
+    x, h = add_rms_norm(x, down(silu_mul(gate_up(h))))
+
+The quantised matmuls take bf16 activations anyway, so the activations between them stay bf16
+and the f32 residual stream is added exactly as before; norms, RoPE and SiLU run as the four
+ops of ``kernels/cpu_ops.cpp``, which replace ~45 small aten calls per layer by 4 (casts,
+norm pieces, RoPE slices), and one-query attention runs as its ``decode_attention``. The KV
+cache and the row-by-row verification are the Transformer's own
+(``Attention.attend_rotated``), so chains stay row-exact.
+
+The numbers differ from the unfused path only by rounding (one bf16 rounding where there were
+two, our exp in SiLU): a model decides at load and then every forward -- prefill, steps,
+chains, trees, batches, recorded or eager -- takes this path, so its methods agree bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from evospec.models.quant import Bf16Matmul, Int4Matmul, Int8Matmul, QuantLinear
+
+_BF16_INPUT = (Int4Matmul, Int8Matmul, Bf16Matmul)  # matmuls that cast their input to bf16
+
+
+def supports_fused_ops(model: nn.Module) -> bool:
+    """Llama-style blocks (plain RMSNorm, SiLU MLP, no q/k norm or biases, no sliding
+    layers) whose q/k/v and gate/up are fused quantised matmuls with bf16 activations."""
+    cfg = model.cfg
+    if cfg.is_gemma or cfg.qk_norm or cfg.attention_bias or cfg.hidden_act != "silu":
+        return False
+    if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+        return False
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        fused = (attn.qkv, mlp.gate_up)
+        single = (attn.o_proj, mlp.down_proj)
+        if not all(isinstance(m, _BF16_INPUT) for m in fused):
+            return False
+        if not all(isinstance(m, QuantLinear) and isinstance(m.matmul, _BF16_INPUT) for m in single):
+            return False
+    return True
+
+
+def enable_fused_ops(model: nn.Module) -> bool:
+    """Switch ``model`` onto the fused ops where it qualifies and they can be built (CPU);
+    returns whether it now uses them. Call before recording steps (``StepGraph.reset``)."""
+    from evospec.kernels.cpu_ops import load_cpu_ops
+
+    device = next(model.parameters()).device
+    model.fused_ops = device.type == "cpu" and supports_fused_ops(model) and load_cpu_ops()
+    return model.fused_ops
+
+
+def run_fused_layers(
+    model: nn.Module,
+    x: torch.Tensor,  # [B, n, D] f32
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    cache,
+    mask: torch.Tensor | None,
+    rows: list | None,
+    aux_layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The blocks of ``model`` over x: (last block's output [B, n, D] f32, requested layers)."""
+    ops = torch.ops.evospec
+    cfg = model.cfg
+    eps = cfg.rms_norm_eps
+    layers = model.layers
+    b, n, _ = x.shape
+    cos, sin = cos_sin
+    aux: list[torch.Tensor] = []
+    h = ops.rms_norm_bf16(x, layers[0].input_layernorm.weight, eps)  # [B, n, D] bf16
+    for i, block in enumerate(layers):
+        attn = block.self_attn
+        q, k, v = ops.rope_qkv(attn.qkv(h), cos, sin, attn.num_heads, attn.num_kv_heads)
+        out = attn.attend_rotated(q, k, v, cache, mask, rows, fused=True)  # [B, H, n, Dh] f32
+        out = out.transpose(1, 2).to(torch.bfloat16, memory_format=torch.contiguous_format)
+        a = attn.o_proj(out.view(b, n, -1))  # bf16
+        x, h = ops.add_rms_norm_bf16(x, a, block.post_attention_layernorm.weight, eps)
+        m = block.mlp.down_proj(ops.silu_mul_bf16(block.mlp.gate_up(h)))  # bf16
+        if i + 1 < len(layers):
+            x, h = ops.add_rms_norm_bf16(x, m, layers[i + 1].input_layernorm.weight, eps)
+        else:
+            x = x + m  # promotes to f32: the same sum add_rms_norm forms
+        if i in aux_layers:
+            aux.append(x)
+    return x, aux

@@ -1,0 +1,116 @@
+"""The fused CPU ops: their torch references' numbers, row-exact, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evospec.kernels import cpu_ops
+from evospec.kernels.cpu_ops import (
+    add_rms_norm_bf16_ref,
+    decode_attention_ref,
+    rms_norm_bf16_ref,
+    rope_qkv_ref,
+    silu_mul_bf16_ref,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load_cpu_ops(), reason="no C++ compiler for the fused CPU ops")
+OPS = torch.ops.evospec if cpu_ops.load_cpu_ops() else None
+
+
+def _close_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to one bf16 rounding step (2^-8 relative)."""
+    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+    torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [8, 37, 576])
+def test_rms_norm_matches_the_reference_and_is_row_exact(d):
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(5, 3, d, generator=g) * 4
+    w = torch.rand(d, generator=g) + 0.5
+    out = OPS.rms_norm_bf16(x, w, 1e-5)
+    _close_bf16(out, rms_norm_bf16_ref(x, w, 1e-5))
+    assert torch.equal(out[2, 1], OPS.rms_norm_bf16(x[2, 1:2], w, 1e-5)[0])  # a row alone: same bits
+
+
+def test_add_rms_norm_adds_exactly_and_norms_the_sum():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 64, generator=g)
+    for y in (torch.randn(4, 64, generator=g).bfloat16(), torch.randn(4, 64, generator=g)):
+        s, h = OPS.add_rms_norm_bf16(x, y, torch.ones(64), 1e-6)
+        s_ref, h_ref = add_rms_norm_bf16_ref(x, y, torch.ones(64), 1e-6)
+        assert torch.equal(s, s_ref)  # the residual stream is the plain f32 sum
+        _close_bf16(h, h_ref)
+
+
+@pytest.mark.parametrize("batch,per_row", [(1, False), (3, False), (3, True)])
+def test_rope_qkv_matches_the_reference(batch, per_row):
+    g = torch.Generator().manual_seed(batch)
+    hq, hk, dh, n = 4, 2, 16, 5
+    qkv = torch.randn(batch, n, (hq + 2 * hk) * dh, generator=g).bfloat16()
+    shape = (batch, 1, n, dh) if per_row else (n, dh)
+    cos, sin = torch.rand(*shape, generator=g), torch.rand(*shape, generator=g)
+    got = OPS.rope_qkv(qkv, cos, sin, hq, hk)
+    want = rope_qkv_ref(qkv, cos, sin, hq, hk)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.is_contiguous()
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    one = OPS.rope_qkv(
+        qkv[:1, 2:3],
+        cos[2:3] if not per_row else cos[:1, :, 2:3],
+        *((sin[2:3],) if not per_row else (sin[:1, :, 2:3],)),
+        hq,
+        hk,
+    )
+    assert torch.equal(one[0][0, :, 0], got[0][0, :, 2])  # a row alone: same bits
+
+
+def test_silu_mul_matches_the_reference_over_a_wide_range():
+    g = torch.Generator().manual_seed(3)
+    gate = torch.linspace(-90, 90, 1536)[None].repeat(2, 1)
+    gu = torch.cat([gate, torch.randn(2, 1536, generator=g) * 3], dim=-1).bfloat16()
+    out = OPS.silu_mul_bf16(gu)
+    _close_bf16(out, silu_mul_bf16_ref(gu))
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out[1], OPS.silu_mul_bf16(gu[1:2])[0])
+
+
+@pytest.mark.parametrize("batch,masked", [(1, False), (1, True), (2, True)])
+def test_decode_attention_matches_sdpa_on_cache_views(batch, masked):
+    g = torch.Generator().manual_seed(batch + 2 * masked)
+    cache = torch.randn(batch, 2, 40, 16, generator=g)  # [B, H_kv, S_max, Dh]
+    s = 23
+    keys, values = cache[:, :, :s], cache[:, :, :s].flip(-1).contiguous()
+    q = torch.randn(batch, 4, 1, 16, generator=g)
+    mask = None
+    if masked:
+        mask = torch.rand(batch, 1, 1, s, generator=g) > 0.4
+        mask[..., 0] = True
+    got = OPS.decode_attention(q, keys, values, mask, 0.25)
+    torch.testing.assert_close(got, decode_attention_ref(q, keys, values, mask, 0.25), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.rms_norm_bf16(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="w must be"):
+        OPS.rms_norm_bf16(torch.zeros(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="width"):
+        OPS.rope_qkv(torch.zeros(1, 2, 30, dtype=torch.bfloat16), torch.ones(2, 4), torch.ones(2, 4), 2, 1)
+    with pytest.raises(RuntimeError, match="mask"):
+        q, k = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 3, 4)
+        OPS.decode_attention(q, k, k, torch.ones(5, dtype=torch.bool), 1.0)
+
+
+def test_the_library_is_built_once_per_machine_and_can_be_turned_off(monkeypatch):
+    key = cpu_ops.build_key()
+    assert len(key) == 16 and key == cpu_ops.build_key()
+    cpu_ops.load_cpu_ops.cache_clear()
+    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "0")
+    try:
+        assert cpu_ops.load_cpu_ops() is False
+    finally:
+        cpu_ops.load_cpu_ops.cache_clear()
+        monkeypatch.delenv(cpu_ops.DISABLE_ENV)
+        assert cpu_ops.load_cpu_ops()

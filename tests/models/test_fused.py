@@ -1,0 +1,108 @@
+"""Decoder blocks through the fused CPU ops: which models, how close, and still row-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evospec.kernels.cpu_ops import load_cpu_ops
+from evospec.models.fused import enable_fused_ops, supports_fused_ops
+from evospec.models.loading import load_model
+from evospec.models.quant import kernels_available, quantize_linears
+from evospec.models.step import StepGraph
+from tests.decoding.spec_helpers import prompt_of, tiny_target
+
+pytestmark = pytest.mark.skipif(
+    not (load_cpu_ops() and kernels_available("int4")), reason="needs the fused CPU ops and int4 kernels"
+)
+
+
+def _fused(seed: int, fmt: str = "int4"):
+    model = tiny_target(seed)
+    quantize_linears(model, fmt)
+    model.exact_rows = True
+    assert enable_fused_ops(model)
+    return model
+
+
+def test_which_models_take_the_fused_ops():
+    assert not supports_fused_ops(tiny_target(0))  # fp32 linears: their own kernels, f32 activations
+    for fmt in ("int4", "int8", "bf16"):
+        m = tiny_target(0)
+        quantize_linears(m, fmt)
+        assert supports_fused_ops(m), fmt
+    gemma = tiny_target(0, family="gemma3")
+    quantize_linears(gemma, "int4")
+    assert not supports_fused_ops(gemma)  # (1 + w) norms, GELU, q/k norms, sliding layers
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+def test_fused_logits_stay_close_to_the_aten_path(fmt):
+    aten, fused = tiny_target(2), _fused(2, fmt)
+    quantize_linears(aten, fmt)
+    tokens = torch.tensor([prompt_of(3, 20)])
+
+    def logits(m):
+        return m(tokens, torch.arange(20), m.new_cache(24)).logits[0]
+
+    ref, out = logits(aten), logits(fused)
+    assert (out - ref).abs().max() <= 0.02 * (ref.max() - ref.min())
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def _steps(model, prompt, n):
+    cache = model.new_cache(64)
+    out = model(torch.tensor([prompt]), torch.arange(len(prompt)), cache, logits="last")
+    seen = []
+    for _ in range(n):
+        tok = out.logits[0, -1].argmax().view(1, 1)
+        out = model(tok, torch.tensor([cache.length]), cache, logits="last")
+        seen.append((int(tok), out.logits[0, -1].clone()))
+    return seen
+
+
+def test_recorded_fused_steps_are_bitwise_the_eager_ones_and_call_the_ops():
+    model = _fused(3)
+    prompt = prompt_of(2, 6)
+    eager = _steps(model, prompt, 20)
+    graph = model.step_graph = StepGraph(model)
+    recorded = _steps(model, prompt, 20)
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(eager, recorded, strict=True))
+    code = str(graph._graphs[1, "last"].inlined_graph)
+    for op in ("rope_qkv", "add_rms_norm_bf16", "silu_mul_bf16", "decode_attention"):
+        assert f"evospec::{op}" in code
+
+
+@pytest.mark.parametrize("tree", ["chain", "branching"])
+def test_fused_verification_reproduces_one_token_steps(tree):
+    """A chain (recorded graph) or a branching tree (eager rows) verified in one forward gives
+    each row the logits plain decoding computes at that position, bit for bit."""
+    model = _fused(5)
+    model.step_graph = StepGraph(model)
+    prompt = prompt_of(4, 7)
+    steps = _steps(model, prompt, 4)
+    path = [t for t, _ in steps]
+    cache = model.new_cache(64)
+    model(torch.tensor([prompt]), torch.arange(7), cache, logits="none")
+    if tree == "chain":
+        tokens, mask, rows = path[:4], None, [0, 1, 2, 3]
+    else:  # path[0] -> {path[1] (row 1), a sibling (row 2)}, path[1] -> path[2] (row 3)
+        tokens = [path[0], path[1], (path[1] + 1) % 64, path[2]]
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        rows = [0, 1, None, 2]
+    positions = torch.tensor([7, 8, 9, 10] if tree == "chain" else [7, 8, 8, 9])
+    out = model(torch.tensor([tokens]), positions, cache, mask, logits="all").logits[0]
+    for row, step in enumerate(rows):
+        if step is not None:
+            assert torch.equal(out[row], steps[step][1])
+
+
+def test_load_model_switches_a_quantised_model_onto_the_fused_ops(monkeypatch, tmp_path):
+    from evospec.models import loading
+
+    monkeypatch.setattr(
+        loading, "_load", lambda *a, **k: loading.LoadedModel(tiny_target(7), None, tmp_path, "t")
+    )
+    assert load_model("t", progress=False, weights="int4").model.fused_ops
+    assert not load_model("t", progress=False, weights="int4", fused_ops=False).model.fused_ops
+    assert not load_model("t", progress=False, weights="fp32").model.fused_ops
