@@ -15,11 +15,14 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PYTHON=python3.11
 
+# g++ and the Python headers: hnswlib where it has no wheel, and the fused CPU ops
+# (evospec/kernels/cpu_ops.cpp), built on first CPU use; without them CPU decoding is slower.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends software-properties-common ca-certificates curl \
     && add-apt-repository -y ppa:deadsnakes/ppa \
     && apt-get update \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+        g++ python3.11-dev \
     && apt-get purge -y software-properties-common && apt-get autoremove -y \
     && rm -rf /var/lib/apt/lists/*
 

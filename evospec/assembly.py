@@ -262,4 +262,5 @@ def describe_weights(loaded) -> str:
     if q is None:
         return f"weights {loaded.weights}"
     codes = f"{q.from_codes} from the checkpoint's 4-bit codes, " if loaded.weights == "int4" else ""
-    return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB)"
+    fused = ", fused CPU ops" if getattr(loaded.model, "fused_ops", False) else ""
+    return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB{fused})"

@@ -6,7 +6,8 @@ Each format runs in its own subprocess (so peak RSS is that format's), formats a
     .venv/bin/python scripts/bench_weights.py [--formats fp32,bf16,int8,int4] [--max-new-tokens 64]
 
 A format ``F-eager`` (e.g. ``int4-eager``) is F with every step run eagerly (no recorded
-one-token graph, ``evospec/models/step.py``): the A/B of that graph.
+one-token graph, ``evospec/models/step.py``): the A/B of that graph. ``F-aten`` is F without
+the fused CPU ops (``evospec/models/fused.py``): the A/B of those.
 
 Per format: load seconds (``load_model``, converted cache warm), peak RSS after load and after
 decoding, bytes of the linear weights, AR tok/s (median over prompts and rounds), speedup over
@@ -39,9 +40,11 @@ def _worker(fmt: str, model: str, max_new: int, prompts: int, ref_path: str | No
     def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    weights, _, mode = fmt.partition("-")  # "int4-eager": int4 without the recorded step graph
+    weights, _, mode = fmt.partition("-")  # "int4-eager": no recorded step graph; "-aten": no fused ops
     t0 = time.perf_counter()
-    loaded = load_model(model, progress=False, weights=weights, step_graph=mode != "eager")
+    loaded = load_model(
+        model, progress=False, weights=weights, step_graph=mode != "eager", fused_ops=mode != "aten"
+    )
     load_s = time.perf_counter() - t0
     rss_load = rss_mb()
     codec, m = loaded.codec, loaded.model

@@ -149,6 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "packed_weights": not args.no_pack,
         "weights": stack.loaded.weights,
         "step_graph": stack.loaded.model.step_graph is not None,
+        "fused_ops": bool(getattr(stack.loaded.model, "fused_ops", False)),
         "draft_weights": args.draft_weights,
         "verify_logits": args.verify_logits,
         "torch": torch.__version__,

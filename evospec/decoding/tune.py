@@ -144,6 +144,8 @@ class Tuner:
             kernels = f"weights-{weights}"
         if getattr(self.loaded.model, "step_graph", None) is not None:
             kernels += "+step-graph"  # a cheaper AR step: the bar speculation must clear
+        if getattr(self.loaded.model, "fused_ops", False):
+            kernels += "+fused-ops"  # cheaper still, and its own rounding
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
         return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v2"])  # v1 read training data
 

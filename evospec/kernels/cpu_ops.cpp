@@ -6,8 +6,8 @@
 //   rope_qkv(qkv bf16 [B, n, (Hq + 2 Hk) Dh], cos, sin f32 [n, Dh] or [B, n, Dh], Hq, Hk)
 //                                                          -> q f32 [B, Hq, n, Dh], k, v [B, Hk, n, Dh]
 //   silu_mul_bf16(gu bf16 [..., 2 I])                       -> silu(gu[:I]) * gu[I:] bf16 [..., I]
-//   decode_attention(q f32 [B, H, 1, Dh], keys, values f32 [B, Hk, S, Dh], mask?, scale)
-//                                                          -> softmax(scale q k^T) v f32 [B, H, 1, Dh]
+//   decode_attention(q f32 [B, H, n, Dh], keys, values f32 [B, Hk, S, Dh], mask?, scale)
+//                                   -> softmax(scale q k^T) v f32 [B, H, n, Dh], row j over S - n + 1 + j keys
 //
 // Every op computes each row (the last dimension) with the same code whatever the number of
 // rows, in float32, rounding once to bfloat16 (nearest-even) at the end: a row's result never
@@ -214,17 +214,43 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu) {
   return out;
 }
 
-// One query row per (batch, head) against S keys: softmax(scale q.k) v, in float32.
-// q [B, H, 1, Dh]; keys/values [B, Hk, S, Dh] (any strides but a contiguous last dim);
-// mask (optional) bool with S or B * S elements, True = attend. H is a multiple of Hk (GQA).
+// softmax(scale q.k) v of one query row over its first `s` keys (rows `ks` / `vs` floats
+// apart), in float32; `mask` (or null) hides keys. The same call whatever else is computed.
+void attend_row(const float* qr, const float* kb, int64_t ks, const float* vb, int64_t vs, int64_t s,
+                const bool* mask, float scale, int64_t dh, float* score, float* out) {
+  float best = -INFINITY;
+  for (int64_t t = 0; t < s; ++t) {
+    const float sv = (mask && !mask[t]) ? -INFINITY : scale * dot(qr, kb + t * ks, dh);
+    score[t] = sv;
+    best = sv > best ? sv : best;
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < s; ++t) {
+    const float e = score[t] == -INFINITY ? 0.0f : exp_f32(score[t] - best);
+    score[t] = e;
+    total += e;
+  }
+  float acc[512];
+  for (int64_t i = 0; i < dh; ++i) acc[i] = 0.0f;
+  for (int64_t t = 0; t < s; ++t) axpy(score[t], vb + t * vs, acc, dh);
+  const float inv = 1.0f / total;  // the weighted sum is normalised once, at the end
+  for (int64_t i = 0; i < dh; ++i) out[i] = acc[i] * inv;
+}
+
+// Query rows against S keys, row j of n seeing the first S - n + 1 + j of them (one-token
+// steps: n = 1; a chain verified after the cache: each row sees the cache and the rows
+// before it). q [B, H, n, Dh]; keys/values [B, Hk, S, Dh] (any strides but a contiguous last
+// dim); mask (n = 1 only, optional) bool with S or B * S elements, True = attend. H is a
+// multiple of Hk (GQA). Row j gives the bits a one-row call over its keys gives.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const std::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
                   values.scalar_type() == at::kFloat, "decode_attention: float32 only");
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "decode_attention: q [B, H, 1, Dh], keys/values [B, Hk, S, Dh]");
-  const int64_t b = q.size(0), h = q.size(1), dh = q.size(3), hk = keys.size(1), s = keys.size(2);
-  TORCH_CHECK(keys.size(0) == b && keys.size(3) == dh && h % hk == 0 && dh <= 512,
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "decode_attention: q [B, H, n, Dh], keys/values [B, Hk, S, Dh]");
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), dh = q.size(3);
+  const int64_t hk = keys.size(1), s = keys.size(2);
+  TORCH_CHECK(keys.size(0) == b && keys.size(3) == dh && h % hk == 0 && dh <= 512 && n >= 1 && n <= s,
               "decode_attention: shapes of q and keys differ");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "decode_attention: keys need a contiguous last dim");
   at::Tensor m;
@@ -232,13 +258,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   bool per_batch = false;
   if (mask.has_value() && mask->defined()) {
     m = mask->contiguous();
-    TORCH_CHECK(m.scalar_type() == at::kBool && (m.numel() == s || m.numel() == b * s),
-                "decode_attention: mask must be bool with S or B * S elements");
+    TORCH_CHECK(n == 1 && m.scalar_type() == at::kBool && (m.numel() == s || m.numel() == b * s),
+                "decode_attention: mask must be bool with S or B * S elements, for one query row");
     mp = m.data_ptr<bool>();
     per_batch = m.numel() == b * s && b > 1;
   }
   auto qc = q.contiguous();
-  auto out = at::empty({b, h, 1, dh}, q.options());
+  auto out = at::empty({b, h, n, dh}, q.options());
   const float* qp = qc.data_ptr<float>();
   const float* kp = keys.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
@@ -247,34 +273,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
   const int64_t group = h / hk;
   const float sc = static_cast<float>(scale);
-  // Threads only where a head's work outweighs waking them (long contexts).
+  // Threads only where a row's work outweighs waking them (long contexts).
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, s * dh));
-  at::parallel_for(0, b * h, grain, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, b * h * n, grain, [&](int64_t first, int64_t last) {
     std::vector<float> score(s);
-    float acc[512];
-    for (int64_t bh = first; bh < last; ++bh) {
-      const int64_t bi = bh / h, kv = (bh % h) / group;
-      const float* qr = qp + bh * dh;
-      const float* kb = kp + bi * ks0 + kv * ks1;
-      const float* vb = vp + bi * vs0 + kv * vs1;
+    for (int64_t row = first; row < last; ++row) {  // row = (bi * h + hi) * n + j
+      const int64_t bh = row / n, j = row % n, bi = bh / h, kv = (bh % h) / group;
       const bool* mr = mp ? mp + (per_batch ? bi * s : 0) : nullptr;
-      float best = -INFINITY;
-      for (int64_t t = 0; t < s; ++t) {
-        const float sv = (mr && !mr[t]) ? -INFINITY : sc * dot(qr, kb + t * ks2, dh);
-        score[t] = sv;
-        best = sv > best ? sv : best;
-      }
-      float total = 0.0f;
-      for (int64_t t = 0; t < s; ++t) {
-        const float e = score[t] == -INFINITY ? 0.0f : exp_f32(score[t] - best);
-        score[t] = e;
-        total += e;
-      }
-      for (int64_t i = 0; i < dh; ++i) acc[i] = 0.0f;
-      for (int64_t t = 0; t < s; ++t) axpy(score[t], vb + t * vs2, acc, dh);
-      float* orow = op + bh * dh;
-      const float inv = 1.0f / total;  // the weighted sum is normalised once, at the end
-      for (int64_t i = 0; i < dh; ++i) orow[i] = acc[i] * inv;
+      attend_row(qp + row * dh, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, s - n + 1 + j,
+                 mr, sc, dh, score.data(), op + row * dh);
     }
   });
   return out;

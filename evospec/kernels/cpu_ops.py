@@ -58,7 +58,7 @@ def build_key() -> str:
 
 @functools.cache
 def load_cpu_ops() -> bool:
-    """Build (first time on this machine, ~1 min) and load the op library; True when
+    """Build (first time on this machine: ~10 s here) and load the op library; True when
     ``torch.ops.evospec`` has the ops, False where it cannot (logged once)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
@@ -74,7 +74,7 @@ def load_cpu_ops() -> bool:
         folder.mkdir(parents=True, exist_ok=True)
         lib = folder / "evospec_cpu_ops.so"
         if not lib.exists():
-            log.warning("building the fused CPU ops once for this machine (about a minute) in %s", folder)
+            log.warning("building the fused CPU ops once for this machine (10-60 s) in %s", folder)
             cpp_extension.load(
                 name="evospec_cpu_ops",
                 sources=[str(SOURCE)],
@@ -137,11 +137,14 @@ def silu_mul_bf16_ref(gu: torch.Tensor) -> torch.Tensor:
 def decode_attention_ref(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """q [B, H, 1, Dh], keys/values [B, H_kv, S, Dh] (grouped queries), mask bool with S or
-    B * S elements (True = attend) -> softmax(scale q k^T) v [B, H, 1, Dh], f32."""
-    s = keys.shape[2]
+    """q [B, H, n, Dh], keys/values [B, H_kv, S, Dh] (grouped queries); row j sees the first
+    S - n + 1 + j keys, and for n = 1 ``mask`` (bool, S or B * S elements, True = attend)
+    -> softmax(scale q k^T) v [B, H, n, Dh], f32."""
+    n, s = q.shape[2], keys.shape[2]
     if mask is not None:
         mask = mask.reshape(-1, 1, 1, s)  # [1 or B, 1, 1, S]
+    elif n > 1:
+        mask = torch.ones(n, s, dtype=torch.bool).tril(s - n)
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
     )

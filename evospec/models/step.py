@@ -60,6 +60,7 @@ class _ChainRow:
     step at its position does), found from the keys' symbolic length."""
 
     masks: ClassVar[dict] = {False: None, True: None}  # a one-token step's (no sliding layers here)
+    index = None  # its keys are a view of the cache, as RowAttention's chain rows
 
     def __init__(self, back: int) -> None:
         self.back = back  # n - 1 - j: slots after this row's own

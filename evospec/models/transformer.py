@@ -139,6 +139,10 @@ class Attention(nn.Module):
         keys, values = cache.write(self.layer, k, v)  # [B, H_kv, P+n, Dh]
         if rows is None:
             return self._attend(q, keys, values, mask, fused)
+        if fused and all(r.index is None and r.masks[self.sliding] is None for r in rows):
+            # a chain: row j sees the cache and rows 0..j, as the op's rows do; one call, the
+            # bits of one call per row
+            return torch.ops.evospec.decode_attention(q, keys, values, None, self.scale)
         parts = [
             self._attend(q[:, :, j : j + 1], *row.keys(keys, values), row.masks[self.sliding], fused)
             for j, row in enumerate(rows)

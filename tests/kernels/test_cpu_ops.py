@@ -114,3 +114,20 @@ def test_the_library_is_built_once_per_machine_and_can_be_turned_off(monkeypatch
         cpu_ops.load_cpu_ops.cache_clear()
         monkeypatch.delenv(cpu_ops.DISABLE_ENV)
         assert cpu_ops.load_cpu_ops()
+
+
+def test_decode_attention_of_a_chain_gives_each_row_its_one_row_bits():
+    """Row j of n sees the first S - n + 1 + j keys: a chain verified after the cache."""
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(1, 2, 30, 16, generator=g)
+    s, n = 19, 4
+    keys, values = cache[:, :, :s], cache[:, :, 5 : 5 + s]
+    q = torch.randn(1, 4, n, 16, generator=g)
+    got = OPS.decode_attention(q, keys, values, None, 0.3)
+    torch.testing.assert_close(got, decode_attention_ref(q, keys, values, None, 0.3), rtol=1e-5, atol=1e-6)
+    for j in range(n):
+        end = s - n + 1 + j
+        alone = OPS.decode_attention(q[:, :, j : j + 1], keys[:, :, :end], values[:, :, :end], None, 0.3)
+        assert torch.equal(alone[:, :, 0], got[:, :, j])
+    with pytest.raises(RuntimeError, match="one query row"):
+        OPS.decode_attention(q, keys, values, torch.ones(s, dtype=torch.bool), 0.3)
