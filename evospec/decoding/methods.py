@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import torch
+
 from evospec.adapt.config import AdaptConfig
 from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.autoregressive import generate_ar
@@ -47,9 +49,10 @@ class MethodSpec:
     """What one decoding method is made of (a row of :data:`METHOD_SPECS`)."""
 
     name: str
-    speculative: bool  # drafts a tree and verifies it: needs an EAGLE-2 draft head
+    speculative: bool  # drafts a tree and verifies it: needs a draft head
     policy: str | None  # active-vocabulary policy the draft proposes over; None: full vocabulary
     adapt: str | None  # online adaptation mode ("clora" | "osd"); None: the draft is frozen
+    head: str = "eagle2"  # the draft head's architecture: "eagle2" (--draft) or "eagle3" (--draft3)
 
     @property
     def needs_counts(self) -> bool:  # the frequency table of the model's indices
@@ -75,6 +78,8 @@ class MethodSpec:
     def drafts_like(self) -> str:
         """The method whose drafting cost this one has (an adaptive method drafts like its
         vocabulary policy): what the tree tuner measures and caches."""
+        if self.head == "eagle3":
+            return self.name
         return self.policy or self.name
 
 
@@ -86,6 +91,9 @@ def _table() -> dict[str, MethodSpec]:
         MethodSpec("osd", True, "frspec", "osd"),
         MethodSpec("evospec-full", True, "evospec", "clora"),
     ]
+    # the same drafting on an EAGLE-3 head (its own LM head; policies need a full-vocabulary one)
+    rows += [MethodSpec("eagle3", True, None, None, head="eagle3")]
+    rows += [MethodSpec(f"{p}-e3", True, p, None, head="eagle3") for p in POLICIES]
     return {r.name: r for r in rows}
 
 
@@ -157,8 +165,10 @@ class SpeculativeDecoder:
         vocab: ActiveVocab | None = None,
         adapt: OnlineAdapter | None = None,
         prefetch: float | None = None,
+        draft_layers: tuple[int, ...] = (),
     ) -> None:
         self.name = name
+        self.draft_layers = draft_layers  # target layers the draft reads (EAGLE-3); (): final features
         self.prefetch = prefetch  # None: project every tree node; else lazy rows (node_logits.py)
         self.vocab = vocab  # owns the drafter's head function when given
         self.adapt = adapt  # tunes the drafter's head weights from verification feedback
@@ -189,6 +199,7 @@ class SpeculativeDecoder:
             adapt=self.adapt,
             prefetch=self.prefetch,
             budget=budget,
+            draft_layers=self.draft_layers,
         )
 
 
@@ -219,10 +230,19 @@ def make_decoder(
     if not spec.speculative:
         return ARDecoder(model, eos_ids)
     if draft is None:
-        raise ValueError(f"method {name} needs a draft head (--draft PATH)")
+        flag = "--draft3" if spec.head == "eagle3" else "--draft"
+        raise ValueError(f"method {name} needs an {spec.head.upper()} draft head ({flag} PATH)")
+    if draft.arch != spec.head:
+        flag = "--draft3" if spec.head == "eagle3" else "--draft"
+        raise ValueError(
+            f"method {name} drafts with an {spec.head.upper()} head ({flag}), got an {draft.arch} one"
+        )
     tree = tree or TreeConfig()
     if tree.top_k > model.cfg.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
+    if spec.head == "eagle3":
+        draft = drafting_head(draft, model, draft_weights)
+        return _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch)
     weight = model.lm_head.weight
     policy = None
     if spec.policy is not None:
@@ -245,6 +265,58 @@ def make_decoder(
     return SpeculativeDecoder(
         name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter, prefetch=threshold
     )
+
+
+def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch) -> Decoder:
+    """A speculative decoder drafting with an EAGLE-3 head: its own LM head (after its final
+    norm), over the full vocabulary, a policy's active set, or its fixed d2t vocabulary."""
+    lm = draft.lm_head
+    weight = lm.weight  # [V or V_d, D]: kept dense in every drafting format (the reduced head gathers it)
+    policy = None
+    if spec.policy is not None:
+        if draft.draft_ids() is not None:
+            raise ValueError(
+                f"method {spec.name} needs a full-vocabulary EAGLE-3 head; this one drafts over a fixed "
+                f"{draft.draft_vocab}-id vocabulary (d2t): use eagle3"
+            )
+        policy = make_policy(
+            spec.policy,
+            model.cfg.vocab_size,
+            cfg=vocab or VocabConfig(),
+            indices=indices,
+            device=weight.device,
+        )
+    active = ActiveVocab(
+        policy,
+        weight,
+        always_ids=eos_ids if draft.draft_ids() is None else (),
+        project=projection(lm),
+        prefill_project=projection(model.lm_head),
+        row_ids=draft.draft_ids(),
+        vocab_size=model.cfg.vocab_size,
+    )
+    drafter = EagleDrafter(draft.attach(model), _NormedHead(draft, active.draft_head))
+    threshold = verify_prefetch(model, verify_logits, prefetch)
+    return SpeculativeDecoder(
+        spec.name,
+        model,
+        drafter,
+        tree,
+        eos_ids,
+        vocab=active,
+        prefetch=threshold,
+        draft_layers=draft.aux_layers,
+    )
+
+
+class _NormedHead:
+    """An EAGLE-3 head's LM-head step: its final norm, then the vocabulary's top-k."""
+
+    def __init__(self, draft, head_fn) -> None:
+        self.draft, self.head_fn = draft, head_fn
+
+    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head_fn(self.draft.logit_input(hidden), k)
 
 
 _DRAFT_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> its int8 copy

@@ -48,12 +48,15 @@ def generate_speculative(
     adapt: OnlineAdapter | None = None,
     prefetch: float | None = None,
     budget: Budget | None = None,
+    draft_layers: tuple[int, ...] = (),
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
         loads each round's active ids at the round's first draft LM-head call and observes each
         verified round. ``prefetch``: None projects every tree node onto the vocabulary in the
         verify forward; a threshold projects rows on demand (``node_logits.py``). ``budget``: planned
-    by the caller (``budget.plan_budget`` with the tree's slack), else here."""
+    by the caller (``budget.plan_budget`` with the tree's slack), else here. ``draft_layers``:
+    the target layers whose outputs, concatenated, are the draft's features (EAGLE-3); empty:
+    the target's final features (EAGLE-2)."""
     budget = budget or plan_budget(target, len(prompt), params, eos_ids=eos_ids, slack=tree_cfg.max_nodes)
     cache = cache_for(target, cache, budget.slots)
     drafter.start(prompt, budget.slots + tree_cfg.draft_slots)
@@ -63,7 +66,7 @@ def generate_speculative(
 
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    out = target(ids, torch.arange(len(prompt), device=device), cache, logits="last")
+    out = target(ids, torch.arange(len(prompt), device=device), cache, logits="last", aux_layers=draft_layers)
     root = pick_token(out.logits[0, -1], params, gen)
     new, reason = rule.clip([root], 0)
     produced = len(new)
@@ -74,7 +77,7 @@ def generate_speculative(
         vocab.start(ids[0], out.hidden[0])
     if adapt is not None:
         adapt.start()
-    pending_features = out.hidden[0]  # [P, D] features of the pairs not yet in the draft cache
+    pending_features = _draft_features(out, draft_layers)  # [P, D'] of the pairs not yet in the draft cache
     pending_tokens = [*ids[0, 1:].tolist(), root]  # [P] the token after each of them
 
     while True:
@@ -91,7 +94,12 @@ def generate_speculative(
         t1 = time.perf_counter()
         lazy = prefetch is not None and not recorded_chain(target, tree)
         vout = target(
-            tree.tokens[None], tree.positions, cache, tree_mask=tree.mask, logits="none" if lazy else "all"
+            tree.tokens[None],
+            tree.positions,
+            cache,
+            tree_mask=tree.mask,
+            logits="none" if lazy else "all",
+            aux_layers=draft_layers,
         )
         rows = NodeLogits(tree, vout.hidden[0], target.project_logits, prefetch) if lazy else vout.logits[0]
         path, bonus = accept(tree, rows, params, gen)  # path [a + 1] incl. the root
@@ -122,7 +130,7 @@ def generate_speculative(
         )
         if reason is not None:
             return
-        pending_features = vout.hidden[0, path]  # [a + 1, D]
+        pending_features = _draft_features(vout, draft_layers)[path]  # [a + 1, D']
         pending_tokens = [*accepted, bonus]
         root = bonus
 
@@ -136,3 +144,11 @@ def recorded_chain(target: Transformer, tree: DraftTree) -> bool:
     if graph is None or graph.failed or tree.size > MAX_CHAIN:
         return False
     return int(tree.depths[-1]) == tree.size - 1  # one node per depth
+
+
+def _draft_features(out, draft_layers: tuple[int, ...]) -> torch.Tensor:
+    """What the drafter reads of a target forward: [n, D] final features, or the outputs of
+    ``draft_layers`` concatenated, [n, 3 D] (EAGLE-3)."""
+    if not draft_layers:
+        return out.hidden[0]
+    return torch.cat(out.aux_hidden, dim=-1)[0]

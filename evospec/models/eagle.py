@@ -47,6 +47,10 @@ class DraftLayer(nn.Module):
 class EagleHead(nn.Module):
     """The draft backbone. ``forward`` returns draft features; logits come from a head fn."""
 
+    arch = "eagle2"
+    regresses = True  # trained to predict the target's next feature as well as its token
+    aux_layers: tuple[int, ...] = ()  # reads the target's final features, no other layers
+
     def __init__(self, cfg: ModelConfig, *, fc_bias: bool = True, own_embedding: bool = False) -> None:
         super().__init__()
         if cfg.num_layers != 1:
@@ -93,6 +97,21 @@ class EagleHead(nn.Module):
         x = self.layers[0](x, self.rope(positions, x.dtype), cache, mask)
         cache.advance(tokens.shape[1])
         return x
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return features  # the target's final features are the input as they are
+
+    def logit_input(self, h: torch.Tensor) -> torch.Tensor:
+        return h  # the output goes straight into the (target's) LM head
+
+    def clone(self) -> EagleHead:
+        """An independent copy of the head's own weights (sharing the target embedding)."""
+        twin = EagleHead(
+            self.cfg, fc_bias=self.fc.bias is not None, own_embedding=self.embed_tokens is not None
+        )
+        twin.load_state_dict(self.state_dict())
+        twin._shared[:] = self._shared
+        return twin.to(self.fc.weight.device, self.fc.weight.dtype).eval()
 
 
 # -- checkpoint format ----------------------------------------------------------------------------
@@ -153,22 +172,37 @@ def save_eagle(head: EagleHead, path: str | Path, *, dtype: torch.dtype = torch.
     return folder
 
 
-def clone_head(head: EagleHead) -> EagleHead:
-    """An independent copy of ``head``'s own weights (the shared target embedding is not
-    copied; attach the copy to the target again)."""
-    twin = EagleHead(head.cfg, fc_bias=head.fc.bias is not None, own_embedding=head.embed_tokens is not None)
-    twin.load_state_dict(head.state_dict())
-    twin._shared[:] = head._shared
-    return twin.to(head.fc.weight.device, head.fc.weight.dtype).eval()
+def clone_head(head):
+    """An independent copy of ``head``'s own weights, EAGLE-2 or EAGLE-3 (the shared target
+    embedding is not copied)."""
+    return head.clone()
 
 
-def quantised_head(head: EagleHead, fmt: str = "int8") -> EagleHead:
+def quantised_head(head, fmt: str = "int8"):
     """A copy of ``head`` whose linears run ``fmt`` kernels on the CPU (``models/quant.py``),
     for drafting only: no LoRA, no training. The draft only proposes tokens, so its format
-    changes acceptance, never output. The copy shares the target embedding."""
+    changes acceptance, never output. The copy shares the target embedding; an EAGLE-3 head's
+    own LM head keeps its dense rows too (the reduced head gathers them)."""
     twin = clone_head(head)
-    quantize_linears(twin, fmt, keep_dense=())
+    quantize_linears(twin, fmt, keep_dense=("lm_head",) if head.arch == "eagle3" else ())
     return twin
+
+
+def load_head(path: str | Path, target: Transformer | None = None, **kw):
+    """Load an EAGLE-2 or EAGLE-3 head folder, telling them apart by config.json."""
+    from evospec.models.eagle3 import is_eagle3_config, load_eagle3
+
+    cfg_path = Path(path) / "config.json"
+    if cfg_path.is_file():
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(cfg_path, f"not JSON: {exc}") from exc
+        if is_eagle3_config(raw):
+            return load_eagle3(
+                path, target_layers=target.cfg.num_layers if target is not None else None, **kw
+            )
+    return load_eagle(path, **kw)
 
 
 def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -> EagleHead:

@@ -76,7 +76,7 @@ def run_fused_layers(
     layers = model.layers
     b, n, _ = x.shape
     cos, sin = cos_sin
-    aux: list[torch.Tensor] = []
+    seen: dict[int, torch.Tensor] = {}
     h = ops.rms_norm_bf16(x, layers[0].input_layernorm.weight, eps)  # [B, n, D] bf16
     for i, block in enumerate(layers):
         attn = block.self_attn
@@ -91,5 +91,5 @@ def run_fused_layers(
         else:
             x = x + m  # promotes to f32: the same sum add_rms_norm forms
         if i in aux_layers:
-            aux.append(x)
-    return x, aux
+            seen[i] = x
+    return x, [seen[i] for i in aux_layers]

@@ -116,9 +116,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 
 
-def default_head(model_name: str) -> Path | None:
-    """The EAGLE-2 head shipped in the package for a registered model, if there is one."""
-    folder = HEADS_DIR / model_name
+def default_head(model_name: str, arch: str = "eagle2") -> Path | None:
+    """The head shipped in the package for a registered model, if there is one: EAGLE-2 in
+    ``heads/<model>``, EAGLE-3 in ``heads/<model>-eagle3``."""
+    folder = HEADS_DIR / (model_name if arch == "eagle2" else f"{model_name}-{arch}")
     return folder if (folder / "config.json").is_file() else None
 
 

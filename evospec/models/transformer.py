@@ -328,18 +328,18 @@ class Transformer(nn.Module):
         rows: list[RowAttention] | None,
         aux_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The decoder blocks: x -> (last block's output [B, n, D], the requested layers'
-        outputs). The one loop both the eager forward and the recorded steps run; with
+        """The decoder blocks: x -> (last block's output [B, n, D], the outputs of layers
+        ``aux_layers``, one per entry). The one loop both the eager forward and the recorded steps run; with
         ``fused_ops`` set it runs through the fused CPU ops (``fused.py``)."""
         if self.fused_ops:
             return run_fused_layers(self, x, ropes[0], cache, masks[False], rows, aux_layers)
-        aux: list[torch.Tensor] = []
+        seen: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             sliding = self.cfg.is_sliding(i)
             x = block(x, ropes[sliding], cache, masks[sliding], rows)
             if i in aux_layers:
-                aux.append(x)
-        return x, aux
+                seen[i] = x
+        return x, [seen[i] for i in aux_layers]  # in the order asked, repeats included
 
     @staticmethod
     def _recordable(tokens, tree_mask, rows, attn_mask, left_pad, aux_layers) -> bool:

@@ -75,6 +75,15 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         default=1_000_000,
         help="answer tokens to teacher-force from the datasets' answers (default 1M)",
     )
+    t.add_argument(
+        "--arch",
+        choices=["eagle2", "eagle3"],
+        default="eagle2",
+        help="head architecture: 'eagle2' (the target's final features; the public EAGLE-1/2 layout) or "
+        "'eagle3' (three target layers fused, its own full-vocabulary LM head, token loss only; the "
+        "public EAGLE-3 layout; trains on the target's stored top-k, so --loss-support topk+neg data) "
+        "(default: eagle2)",
+    )
     t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
     t.add_argument(
         "--steps",
@@ -221,27 +230,41 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         print(f"{have} generated and {taught} teacher-forced answer tokens in {work}", file=sys.stderr)
         return 0
     shards = feature_shards(work, generated=args.source != "dataset", teacher=args.source != "generated")
-    seqs = load_sequences(shards, cfg.max_seq_len)
     init = args.init
     if init == "shipped":
         from evospec.models.registry import default_head
 
-        init = default_head(loaded.name)
+        init = default_head(loaded.name, arch=args.arch)
         if init is None:
-            raise ValueError(f"--init shipped: no head ships for {loaded.name}")
-    head = (
-        new_eagle_for(loaded.model) if init is None else load_eagle(init, device=device).attach(loaded.model)
-    )
+            raise ValueError(f"--init shipped: no {args.arch} head ships for {loaded.name}")
+    if args.arch == "eagle3":
+        head = _eagle3_head(loaded.model, init, device)
+        aux = _aux_shards(loaded.model, shards, head.aux_layers, progress)
+        seqs = load_sequences(shards, cfg.max_seq_len, aux)
+    else:
+        seqs = load_sequences(shards, cfg.max_seq_len)
+        head = (
+            new_eagle_for(loaded.model)
+            if init is None
+            else load_eagle(init, device=device).attach(loaded.model)
+        )
     for p in head.parameters():
         p.requires_grad_(True)
-    log = train_head(head, loaded.model, seqs, work / "ckpt", cfg, progress=progress)
-    save_eagle(head, args.out)
+    ckpt = work / ("ckpt" if args.arch == "eagle2" else f"ckpt-{args.arch}")
+    log = train_head(head, loaded.model, seqs, ckpt, cfg, progress=progress)
+    if args.arch == "eagle3":
+        from evospec.models.eagle3 import save_eagle3
+
+        save_eagle3(head, args.out)
+    else:
+        save_eagle(head, args.out)
     entry = REGISTRY.get(loaded.name)
     if entry is not None and entry.notice:  # e.g. Gemma: derivatives carry the terms' notice
         (args.out / "NOTICE").write_text(entry.notice)
     info = {
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
+        "arch": args.arch,
         "teacher_weights": loaded.weights,
         "source": args.source,
         "init": str(init) if init else None,
@@ -260,3 +283,22 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     (args.out / "training.json").write_text(json.dumps(info, indent=2))
     print(f"saved {args.out} (holdout top-1 {log['epochs'][-1]['holdout']['top1']:.3f})", file=sys.stderr)
     return 0
+
+
+def _eagle3_head(target, init, device: str):
+    """A new EAGLE-3 head for ``target`` (LM head from the target's rows), or ``init``'s."""
+    from evospec.models.eagle3 import load_eagle3, new_eagle3_for
+
+    if init is None:
+        return new_eagle3_for(target)
+    return load_eagle3(init, target_layers=target.cfg.num_layers, device=device).attach(target)
+
+
+def _aux_shards(target, shards: list[Path], layers: tuple[int, ...], progress: bool) -> list[Path]:
+    """The aux shard of every feature shard (written where missing: ``aux_features.py``)."""
+    from evospec.train.aux_features import aux_dir, write_aux_features
+
+    works = list(dict.fromkeys(s.parent.parent for s in shards))  # the generated and teacher stages
+    for w in works:
+        write_aux_features(target, w, layers, progress=progress)
+    return [aux_dir(s.parent.parent, layers) / s.name for s in shards]

@@ -94,12 +94,16 @@ class Sequence:
     greedy: torch.Tensor | None = None  # [T - prompt_len] int64
 
 
-def load_sequences(shards: list[Path], max_len: int) -> list[Sequence]:
+def load_sequences(shards: list[Path], max_len: int, aux: list[Path] | None = None) -> list[Sequence]:
+    """The cached sequences of ``shards``; with ``aux`` (one aux shard per shard,
+    ``aux_features.py``) their features are the fused target layers an EAGLE-3 head reads."""
     from safetensors.torch import load_file
 
     seqs: list[Sequence] = []
-    for shard in shards:
+    for i, shard in enumerate(shards):
         d = load_file(str(shard))
+        if aux is not None:
+            d["features"] = load_file(str(aux[i]))["aux"]  # [rows, 3 D], row for row
         start = 0
         for prompt_len, total in d["lengths"].tolist():
             end = start + total
@@ -183,6 +187,7 @@ def head_unroll(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, step
     consumes step s-1's outputs shifted by one pair, under ``step_mask``."""
     b, t, _ = feats.shape
     cfg = head.cfg
+    first = head.fuse(feats[:, :1])  # pair 0's input at every step: the (fused) target feature
     outs: list[torch.Tensor] = []
     prev: KVCache | None = None
     for s in range(1, steps + 1):
@@ -195,7 +200,7 @@ def head_unroll(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, step
             cache.k[:, :, :, : (s - 1) * t] = prev.k
             cache.v[:, :, :, : (s - 1) * t] = prev.v
             cache.length = (s - 1) * t
-            inp = torch.cat((feats[:, :1], outs[-1][:, :-1]), dim=1)  # pair i <- step s-1 at i - 1
+            inp = torch.cat((first, outs[-1][:, :-1]), dim=1)  # pair i <- step s-1 at i - 1
             mask = step_mask(t, s, feats.device)
         outs.append(head(inp, tokens, torch.arange(t, device=feats.device), cache, mask))
         prev = cache
@@ -259,7 +264,10 @@ def pair_losses(
         if not m.any():
             break
         sup = None if support is None else (support[0][m], support[1][m])
-        reg, cls, best = _step_losses(out[m], tgt[m], feat_std, lm_head, train, sup, negatives)
+        tgt_m = tgt[m] if head.regresses else None  # EAGLE-3: the token loss only
+        reg, cls, best = _step_losses(
+            head.logit_input(out[m]), tgt_m, feat_std, lm_head, train, sup, negatives
+        )
         if vocab_ids is not None and support is None:
             best = vocab_ids[best]  # compare in target-id space
         top1 = (best == labels[m]).float().mean()
@@ -275,8 +283,8 @@ def pair_losses(
 
 
 def _step_losses(
-    out_m: torch.Tensor,  # [N, D] head outputs at the scored pairs
-    tgt_m: torch.Tensor,  # [N, D] the target's features there
+    out_m: torch.Tensor,  # [N, D] what the LM head reads at the scored pairs
+    tgt_m: torch.Tensor | None,  # [N, D] the target's features there (None: no regression)
     feat_std: torch.Tensor,
     lm_head: torch.Tensor,
     train: bool,
@@ -284,10 +292,13 @@ def _step_losses(
     negatives: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(regression, soft CE, the head's argmax per pair [N]) for one draft step."""
-    reg = F.smooth_l1_loss(out_m / feat_std, tgt_m / feat_std)
+    reg = out_m.new_zeros(()) if tgt_m is None else F.smooth_l1_loss(out_m / feat_std, tgt_m / feat_std)
     if support is not None:
         neg = negatives if negatives is not None else torch.empty(0, dtype=torch.long, device=out_m.device)
         cls, best = sampled_soft_ce(out_m, lm_head, support[0], support[1], neg)
+        if not train:  # agreement counts the head's argmax over the whole vocabulary
+            rows = max(1, (1 << 26) // lm_head.shape[0])
+            best = torch.cat([(o @ lm_head.T).argmax(-1) for o in out_m.split(rows)])
     elif train:
         cls, best = full_soft_ce(out_m, tgt_m, lm_head)
     else:  # no graph to keep: bound memory to ~64M logits per chunk of rows
@@ -324,6 +335,13 @@ def train_head(
     vocab_ids = None
     lm_head = full_head
     mode = resolve_support(cfg.loss_vocab, full_head.shape[0])
+    if head.arch == "eagle3":  # its own LM head, trained on the target's stored top-k
+        if any(s.support_ids is None for s in seqs):
+            raise ValueError(
+                "EAGLE-3 training needs the target's top-k stored with the data (--loss-support topk+neg)"
+            )
+        mode, lm_head = "topk+neg", head.lm_head.weight
+        full_head = lm_head.detach()  # what evaluation projects through
     if mode == "data":
         vocab_ids = torch.unique(torch.cat([s.tokens for s in seqs])).to(device)
         lm_head = full_head[vocab_ids].contiguous()
@@ -493,6 +511,9 @@ def evaluate(
         tokens, feats, mask = (t.to(lm_head.device) for t in collate(batch))
         if not mask.any():
             continue
+        support = None
+        if head.arch == "eagle3":  # no target features to take a distribution from: its top-k
+            support = tuple(t.to(lm_head.device) for t in collate_support(batch))
         out = pair_losses(
             head,
             lm_head,
@@ -504,6 +525,7 @@ def evaluate(
             train=False,
             labels=collate_labels(batch, tokens),
             steps=steps,
+            support=support,
         )
         k = float(mask.sum())
         n += k

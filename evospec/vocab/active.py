@@ -120,25 +120,43 @@ class ActiveVocab:
         always_ids: Sequence[int] = (),
         overlap: bool | None = None,
         project: Projection | None = None,
+        *,
+        prefill_project: Projection | None = None,
+        row_ids: torch.Tensor | None = None,
+        vocab_size: int | None = None,
     ) -> None:
-        """``project`` maps [n, D] features to full-vocabulary logits (default ``h @ lm_head.T``;
-        pass :func:`evospec.models.packing.projection` of the target's LM head to share its
-        packed copy)."""
-        vocab = lm_head.shape[0]
+        """``lm_head`` is the draft's LM head ([V, D]: the target's for EAGLE-2, an EAGLE-3
+        head's own); ``project`` maps [n, D] draft features to its logits (default
+        ``h @ lm_head.T``; pass :func:`evospec.models.packing.projection` of the LM head to share
+        its packed copy). ``prefill_project``: the target's projection, for the prompt's top ids
+        (default ``project``: the same head). ``row_ids`` [V_d]: the target id of each row of a
+        reduced draft vocabulary (EAGLE-3 ``d2t``; only without a policy), ``vocab_size`` then
+        the target's vocabulary."""
+        vocab = lm_head.shape[0] if row_ids is None else int(vocab_size)
+        if row_ids is not None and policy is not None:
+            raise ValueError(
+                f"policy {policy.name} needs a draft head over the full vocabulary; this EAGLE-3 head drafts "
+                f"over a fixed {lm_head.shape[0]}-id vocabulary (its d2t)"
+            )
         self.policy = policy
+        self.row_ids = row_ids
         self.lm_head = lm_head  # [V, D]
         self.project = project or (lambda h: h @ lm_head.T)
+        self.prefill_project = prefill_project or self.project
         self.always = torch.zeros(vocab, dtype=torch.bool, device=lm_head.device)  # [V]
         self.always[[i for i in always_ids if 0 <= i < vocab]] = True
         self.head: FullHead | ReducedHead
         if policy is None:
-            self.head = FullHead(lm_head, self.project)
+            self.head = FullHead(lm_head, self.project, row_ids)
         else:
             int8 = project if isinstance(project, Int8Matmul) else None  # gather the int8 codes
             self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()), int8=int8)
         self._round = 0
         self._stale = False  # the active set must be reloaded before the next head call
         self._mask = torch.ones(vocab, dtype=torch.bool, device=lm_head.device)  # [V] this round's set
+        if row_ids is not None:  # a reduced draft vocabulary: it is the set every round drafts from
+            self._mask = torch.zeros_like(self._mask)
+            self._mask[row_ids] = True
         self.overlap = policy is not None and (lm_head.is_cuda if overlap is None else overlap)
         self._next_mask = self._mask  # [V] the set staged for the next round (overlap only)
 
@@ -149,13 +167,15 @@ class ActiveVocab:
 
     @property
     def name(self) -> str:
-        return "full" if self.policy is None else self.policy.name
+        if self.policy is None:
+            return "full" if self.row_ids is None else "d2t"  # d2t: an EAGLE-3 head's fixed draft vocabulary
+        return self.policy.name
 
     @torch.inference_mode()
     def prefill_top(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """hidden [P, D] -> the top-k target ids of every prompt position [P, k] (chunked)."""
         out = [
-            torch.topk(self.project(hidden[i : i + _PREFILL_CHUNK]), k, dim=-1).indices
+            torch.topk(self.prefill_project(hidden[i : i + _PREFILL_CHUNK]), k, dim=-1).indices
             for i in range(0, hidden.shape[0], _PREFILL_CHUNK)
         ]
         return torch.cat(out)

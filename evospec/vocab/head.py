@@ -59,11 +59,16 @@ class HeadTimings:
 
 
 class FullHead:
-    """Top-k over the full vocabulary through the target's LM head (the EAGLE-2 baseline)."""
+    """Top-k over the full vocabulary through the target's LM head (the EAGLE-2 baseline), or
+    over an EAGLE-3 head's own LM head (its rows: the full vocabulary, or a reduced draft
+    vocabulary mapped back to target ids by ``row_ids``)."""
 
-    def __init__(self, weight: torch.Tensor, project: Projection | None = None) -> None:
-        self.weight = weight  # [V, D]
+    def __init__(
+        self, weight: torch.Tensor, project: Projection | None = None, row_ids: torch.Tensor | None = None
+    ) -> None:
+        self.weight = weight  # [V, D], or [V_d, D] rows of a reduced draft vocabulary
         self.project = project or (lambda h: h @ weight.T)  # [n, D] -> [n, V], e.g. a packed matmul
+        self.row_ids = row_ids  # [V_d] target id of each row (EAGLE-3 d2t heads); None: row = id
         self.timings = HeadTimings()
 
     @property
@@ -74,8 +79,9 @@ class FullHead:
         t0 = time.perf_counter()
         logp = torch.log_softmax(self.project(hidden).float(), dim=-1)  # [n, V]
         top = torch.topk(logp, k, dim=-1)
+        ids = top.indices if self.row_ids is None else self.row_ids[top.indices]  # target ids
         self.timings.lm_head_s += time.perf_counter() - t0
-        return top.values, top.indices
+        return top.values, ids
 
     def take_timings(self) -> HeadTimings:
         out, self.timings = self.timings, HeadTimings()

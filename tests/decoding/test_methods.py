@@ -24,8 +24,16 @@ def test_the_table_names_every_method_once() -> None:
         "evospec",
         "nanospec+evospec",
         "evospec-full",
+        "evospec-e3",
+        "nanospec+evospec-e3",
     ]
-    assert [s.name for s in METHOD_SPECS.values() if s.shares_budget] == ["nanospec+evospec"]
+    assert [s.name for s in METHOD_SPECS.values() if s.shares_budget] == [
+        "nanospec+evospec",
+        "nanospec+evospec-e3",
+    ]
+    eagle3 = {s.name: s.policy for s in METHOD_SPECS.values() if s.head == "eagle3"}
+    assert eagle3 == {"eagle3": None, **{f"{p}-e3": p for p in POLICIES}}
+    assert not any(s.adapt for s in METHOD_SPECS.values() if s.head == "eagle3")
     assert (
         method_spec("evospec-full").drafts_like == "evospec" and method_spec("eagle2").drafts_like == "eagle2"
     )
@@ -40,13 +48,15 @@ def test_the_table_names_every_method_once() -> None:
 def test_each_decoder_has_the_parts_its_spec_names(name: str) -> None:
     from evospec.adapt.config import AdaptConfig
     from evospec.models.eagle import new_eagle_for
+    from evospec.models.eagle3 import new_eagle3_for
 
     target = tiny_target(0)
     spec = method_spec(name)
+    draft = new_eagle3_for(target, seed=1) if spec.head == "eagle3" else new_eagle_for(target, seed=1)
     dec = make_decoder(
         name,
         target,
-        draft=new_eagle_for(target, seed=1),
+        draft=draft,
         vocab=SMALL,
         indices=stand_in_indices(target),
         adapt=AdaptConfig(asynchronous=False),

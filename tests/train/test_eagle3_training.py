@@ -1,0 +1,85 @@
+"""EAGLE-3 training: aux features of cached shards, the unrolled token loss, agreement rises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evospec.models.eagle3 import load_eagle3, new_eagle3_for, save_eagle3
+from evospec.train.aux_features import aux_dir, write_aux_features
+from evospec.train.datagen import feature_shards
+from evospec.train.trainer import TrainConfig, evaluate, load_sequences, train_head
+from tests.decoding.spec_helpers import tiny_target
+from tests.train.test_trainer import generate_tiny
+
+
+def _data(tmp_path, target, n=24):
+    generate_tiny(target, tmp_path, n, support_k=8, shard_tokens=400, max_new_tokens=32, cache_len=96)
+    shards = feature_shards(tmp_path)
+    layers = (0, 1, 1)
+    aux = write_aux_features(target, tmp_path, layers, progress=False)
+    return shards, aux, layers
+
+
+def test_aux_shards_hold_the_target_layers_row_for_row(tmp_path):
+    target = tiny_target(3)
+    shards, aux, layers = _data(tmp_path, target, n=6)
+    assert [a.name for a in aux] == [s.name for s in shards] and aux[0].parent == aux_dir(tmp_path, layers)
+    seqs = load_sequences(shards, 100, aux)
+    s = seqs[0]
+    with torch.inference_mode():
+        out = target(
+            s.tokens[None],
+            torch.arange(len(s.tokens)),
+            target.new_cache(len(s.tokens)),
+            logits="none",
+            aux_layers=layers,
+        )
+    want = torch.cat(out.aux_hidden, dim=-1)[0]
+    assert s.features.shape == want.shape and torch.allclose(s.features.float(), want, atol=1e-2)
+    stamp = aux[0].stat().st_mtime_ns
+    write_aux_features(target, tmp_path, layers, progress=False)  # done shards are kept
+    assert aux[0].stat().st_mtime_ns == stamp
+
+
+def test_eagle3_training_raises_agreement_and_saves_the_public_layout(tmp_path):
+    target = tiny_target(0, sharp=4.0)
+    shards, aux, layers = _data(tmp_path / "work", target)
+    seqs = load_sequences(shards, 100, aux)
+    head = new_eagle3_for(target, aux_layers=layers)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    cfg = TrainConfig(
+        epochs=5,
+        lr=3e-3,
+        warmup_steps=2,
+        tokens_per_batch=256,
+        holdout=0.25,
+        noise=0.0,
+        loss_vocab="topk+neg",
+        support_k=8,
+        negatives=16,
+        steps=3,
+        w_reg=0.0,
+    )
+    std = torch.ones(())
+    before = evaluate(head, head.lm_head.weight.detach(), seqs, std, cfg)
+    log = train_head(head, target, seqs, tmp_path / "ckpt", cfg, progress=False)
+    after = evaluate(head, head.lm_head.weight.detach(), seqs, std, cfg)
+    assert after["top1"] > before["top1"] + 0.1
+    assert after["top1@2"] > before["top1@2"]
+    assert log["loss_support"] == "topk+neg" and len(log["epochs"]) == cfg.epochs
+    save_eagle3(head, tmp_path / "h")
+    back = load_eagle3(tmp_path / "h")
+    assert back.aux_layers == layers and back.lm_head.weight.dtype == torch.float32
+
+
+def test_eagle3_training_needs_stored_supports(tmp_path):
+    target = tiny_target(0)
+    shards, aux, layers = _data(tmp_path, target, n=6)
+    seqs = load_sequences(shards, 100, aux)
+    for s in seqs:
+        s.support_ids = s.support_logp = None
+    head = new_eagle3_for(target, aux_layers=layers)
+    with pytest.raises(ValueError, match="top-k"):
+        train_head(head, target, seqs, tmp_path / "ckpt", TrainConfig(epochs=1), progress=False)
