@@ -126,7 +126,7 @@ def test_int4_target_greedy_equals_ar(trained):
 
     if not kernels_available("int4"):
         pytest.skip("torch without CPU int4 kernels")
-    target, head = trained
+    _, head = trained
     q = tiny_target(0, sharp=4.0)
     quantize_linears(q, "int4")
     q.exact_rows = True
