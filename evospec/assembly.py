@@ -33,6 +33,7 @@ class StackSettings:
     model: str = DEFAULT_MODEL  # registered name, Hugging Face folder or .gguf file
     methods: tuple[str, ...] = ("ar",)  # decoders to build, by method name (or "auto")
     draft: str | None = None  # EAGLE-2 head folder; None: the head shipped for the model
+    draft3: str | None = None  # EAGLE-3 head folder (the *-e3 methods); None: the one shipped, if any
     tree: TreeConfig = field(default_factory=TreeConfig)  # the shape when not tuned
     tune_tree: bool = False  # True: the fastest shape measured on this machine (``--tree auto``)
     vocab: VocabConfig = field(default_factory=VocabConfig)
@@ -108,6 +109,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     eos = tuple(loaded.codec.eos_ids or loaded.model.cfg.eos_token_ids)
     named = [method_spec(n) for n in settings.methods if n != AUTO]
     draft, draft_path = _load_draft(settings, loaded, named, dtype, device, facts)
+    draft3, draft3_path = _load_draft3(settings, loaded, named, dtype, device, facts)
     needed = draft is not None or any(s.needs_indices for s in named)  # auto without a head: ar only
     indices = _load_indices(settings, loaded, named, facts, progress) if needed else None
 
@@ -116,7 +118,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
             name,
             loaded.model,
             eos_ids=eos,
-            draft=draft,
+            draft=draft3 if method_spec(name).head == "eagle3" else draft,
             tree=tree,
             vocab=settings.vocab,
             indices=indices,
@@ -165,7 +167,8 @@ def _record_steps(model, decoders) -> None:
     for dec in decoders:
         tree = dec.tree
         if tree is not None and tree.top_k == 1:  # a chain: the root and its drafted tokens
-            graph.record(min(tree.depth, tree.total_tokens) + 1, "all")
+            aux = getattr(dec, "draft_layers", ())  # EAGLE-3 drafts read three target layers
+            graph.record(min(tree.depth, tree.total_tokens) + 1, "all", aux)
 
 
 def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype, device, facts: list[str]):
@@ -186,6 +189,24 @@ def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype,
         return None, None
     facts.append(f"draft head: {path}")
     return load_eagle(path, dtype=dtype, device=device), path
+
+
+def _load_draft3(settings: StackSettings, loaded, named: list[MethodSpec], dtype, device, facts: list[str]):
+    """(EAGLE-3 head, its folder) when a named method drafts with one; (None, None) otherwise."""
+    from evospec.models.eagle3 import load_eagle3
+    from evospec.models.registry import default_head
+
+    if not any(s.head == "eagle3" for s in named):
+        return None, None
+    path = Path(settings.draft3).expanduser() if settings.draft3 else default_head(loaded.name, arch="eagle3")
+    if path is None:
+        raise ValueError(
+            f"the *-e3 methods need an EAGLE-3 head (--draft3 PATH): none ships for {loaded.name}"
+        )
+    head = load_eagle3(path, target_layers=loaded.model.cfg.num_layers, dtype=dtype, device=device)
+    vocab = "full vocabulary" if head.draft_ids() is None else f"{head.draft_vocab}-id draft vocabulary"
+    facts.append(f"EAGLE-3 head: {path} (target layers {list(head.aux_layers)}, {vocab})")
+    return head, path
 
 
 def _load_indices(settings: StackSettings, loaded, named: list[MethodSpec], facts: list[str], progress: bool):

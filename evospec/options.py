@@ -77,6 +77,12 @@ def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> No
         help="EAGLE-2 head folder (config.json + model.safetensors or pytorch_model.bin); "
         "default: the head shipped for the model, if any",
     )
+    p.add_argument(
+        "--draft3",
+        default=None,
+        help="EAGLE-3 head folder in the public layout (config.json with draft_vocab_size + weights) for "
+        "the eagle3 and *-e3 methods; default: the EAGLE-3 head shipped for the model, if any",
+    )
     add_section_flags(p.add_argument_group("draft tree"), TreeConfig, "tree")
     p.add_argument(
         "--tree",
@@ -167,6 +173,7 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         model=args.model,
         methods=tuple(methods),
         draft=str(args.draft) if args.draft else None,
+        draft3=str(args.draft3) if args.draft3 else None,
         tree=tree_config(args),
         tune_tree=args.tree == "auto",
         vocab=vocab_config(args),

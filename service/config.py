@@ -40,6 +40,7 @@ class ServeConfig:
     model: str = DEFAULT_MODEL  # registered name, Hugging Face folder or .gguf file
     method: str = "ar"  # decoding method: one of evospec.decoding.methods.METHODS, or "auto"
     draft: str | None = None  # EAGLE-2 head folder (default: the head shipped for the model)
+    draft3: str | None = None  # EAGLE-3 head folder for eagle3 / *-e3 (default: the one shipped, if any)
     tree: TreeConfig = field(default_factory=TreeConfig)  # ignored by ar
     tune_tree: bool = False  # true: the fastest tree shape measured on this machine (--tree auto)
     vocab: VocabConfig = field(default_factory=VocabConfig)  # read by the vocabulary methods only
@@ -97,6 +98,7 @@ class ServeConfig:
             model=self.model,
             methods=(self.method,),
             draft=self.draft,
+            draft3=self.draft3,
             tree=self.tree,
             tune_tree=self.tune_tree,
             vocab=self.vocab,
@@ -133,6 +135,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "model": (str,),
     "method": (str,),
     "draft": (str, type(None)),
+    "draft3": (str, type(None)),
     "device": (str,),
     "dtype": (str,),
     "weights": (str,),

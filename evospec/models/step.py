@@ -71,12 +71,13 @@ class _ChainRow:
 
 
 class _Step(nn.Module):
-    """(tokens [1, n], positions [n], k, v, slots [length + n]) -> (logits, hidden [1, n, D]);
-    logits [1, n, V] (``all``), [1, 1, V] (``last``) or absent (``none``)."""
+    """(tokens [1, n], positions [n], k, v, slots [length + n]) -> (logits, hidden [1, n, D],
+    *the outputs of ``aux`` layers); logits [1, n, V] (``all``), [1, 1, V] (``last``) or absent
+    (``none``)."""
 
-    def __init__(self, model: nn.Module, n: int, logits: str) -> None:
+    def __init__(self, model: nn.Module, n: int, logits: str, aux: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.model, self.logits = model, logits
+        self.model, self.logits, self.aux = model, logits, aux
         self.rows = None if n == 1 else [_ChainRow(n - 1 - j) for j in range(n)]
 
     def forward(self, tokens, positions, k, v, slots):
@@ -86,11 +87,11 @@ class _Step(nn.Module):
             x = x * torch.tensor(m.cfg.embed_scale, dtype=x.dtype)
         cos_sin = m.rope_global(positions, x.dtype)
         cache = _SlotCache(k, v, slots)
-        x, _ = m.run_layers(x, (cos_sin, cos_sin), cache, {False: None, True: None}, self.rows)
+        x, aux = m.run_layers(x, (cos_sin, cos_sin), cache, {False: None, True: None}, self.rows, self.aux)
         hidden = m.norm(x)
         if self.logits == "none":
-            return (hidden,)
-        return m.project_logits(hidden[:, -1:] if self.logits == "last" else hidden), hidden
+            return (hidden, *aux)
+        return (m.project_logits(hidden[:, -1:] if self.logits == "last" else hidden), hidden, *aux)
 
 
 def supports_step_graph(model: nn.Module) -> bool:
@@ -116,7 +117,7 @@ class StepGraph:
                 "the one-token step graph needs a model without sliding-window layers or packed fp32 linears"
             )
         self.model = model
-        self._graphs: dict[tuple[int, str], torch.jit.ScriptModule] = {}
+        self._graphs: dict[tuple, torch.jit.ScriptModule] = {}  # (n, logits[, aux layers]) -> graph
         self._slots = torch.zeros(64)
         self.failed = False  # recording failed: the eager forward runs
 
@@ -124,24 +125,35 @@ class StepGraph:
         """Forget the recorded graphs (after swapping the model's modules)."""
         self._graphs, self.failed = {}, False
 
-    def record(self, n: int, logits: str = "last") -> bool:
-        """Record the graph for ``n``-token forwards with ``logits`` now (~1 s for SmolLM2
-        here), so that the first request does not wait for it. False if recording failed."""
-        if (n, logits) not in self._graphs and not self.failed and n <= MAX_CHAIN:
+    @staticmethod
+    def _key(n: int, logits: str, aux: tuple[int, ...]) -> tuple:
+        return (n, logits) if not aux else (n, logits, tuple(aux))
+
+    def record(self, n: int, logits: str = "last", aux: tuple[int, ...] = ()) -> bool:
+        """Record the graph for ``n``-token forwards with ``logits`` (and the outputs of layers
+        ``aux``, for EAGLE-3 drafts) now (~1 s for SmolLM2 here), so that the first request does
+        not wait for it. False if recording failed."""
+        key = self._key(n, logits, aux)
+        if key not in self._graphs and not self.failed and n <= MAX_CHAIN:
             try:
-                self._graphs[n, logits] = self._record(n, logits, self.model.new_cache(n + 3))
+                self._graphs[key] = self._record(n, logits, self.model.new_cache(n + 3), tuple(aux))
             except Exception:  # any tracer failure means: stay eager
                 log.warning("could not record the decode step; decoding eagerly", exc_info=True)
                 self.failed = True
         return not self.failed
 
     def __call__(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache, logits: str = "last"
-    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        logits: str = "last",
+        aux: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]] | None:
         """Append ``tokens`` ([1, n]: one token, or a chain each of whose rows sees the cache
         and the rows before it) at slot ``cache.length``; returns (logits or None for
-        ``none``, hidden [1, n, D]), or None where no graph could be recorded (run eagerly).
-        The caller advances the cache."""
+        ``none``, hidden [1, n, D], the outputs of layers ``aux``), or None where no graph
+        could be recorded (run eagerly). The caller advances the cache."""
         n = tokens.shape[1]
         end = cache.length + n
         if end > cache.max_len:
@@ -150,12 +162,15 @@ class StepGraph:
             return None
         if self._slots.shape[0] < end or self._slots.device != cache.k.device:
             self._slots = torch.zeros(max(end, 2 * self._slots.shape[0]), device=cache.k.device)
-        if (n, logits) not in self._graphs and not self.record(n, logits):
+        key = self._key(n, logits, aux)
+        if key not in self._graphs and not self.record(n, logits, aux):
             return None
-        out = self._graphs[n, logits](tokens, positions, cache.k, cache.v, self._slots[:end])
-        return (None, out[0]) if logits == "none" else (out[0], out[1])
+        out = self._graphs[key](tokens, positions, cache.k, cache.v, self._slots[:end])
+        if logits == "none":
+            return None, out[0], list(out[1:])
+        return out[0], out[1], list(out[2:])
 
-    def _record(self, n: int, logits: str, cache) -> torch.jit.ScriptModule:
+    def _record(self, n: int, logits: str, cache, aux: tuple[int, ...] = ()) -> torch.jit.ScriptModule:
         # Record on scratch K/V (the real cache is written by the first real call), after a
         # 2-slot prefix so that no length is mistaken for a constant.
         device = cache.k.device
@@ -167,7 +182,7 @@ class StepGraph:
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace, see above
             return torch.jit.trace(
-                _Step(self.model, n, logits),
+                _Step(self.model, n, logits, aux),
                 (tokens, positions, scratch_k, scratch_v, torch.zeros(2 + n, device=device)),
                 check_trace=False,
             )

@@ -291,11 +291,11 @@ class Transformer(nn.Module):
         if self.exact_rows and n > 1 and prefix > 0 and attn_mask is None and left_pad is None:
             rows = row_attention(cfg, prefix, positions, tree_mask, tokens.device)
         graph = self.step_graph
-        if graph is not None and self._recordable(tokens, tree_mask, rows, attn_mask, left_pad, aux_layers):
-            stepped = graph(tokens, positions, cache, logits)  # None: no graph, run eagerly
+        if graph is not None and self._recordable(tokens, tree_mask, rows, attn_mask, left_pad):
+            stepped = graph(tokens, positions, cache, logits, aux_layers)  # None: no graph, run eagerly
             if stepped is not None:
                 cache.advance(n)
-                return ForwardOutput(logits=stepped[0], hidden=stepped[1], aux_hidden=[])
+                return ForwardOutput(logits=stepped[0], hidden=stepped[1], aux_hidden=stepped[2])
         x = self.embed_tokens(tokens)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
@@ -342,10 +342,10 @@ class Transformer(nn.Module):
         return x, [seen[i] for i in aux_layers]  # in the order asked, repeats included
 
     @staticmethod
-    def _recordable(tokens, tree_mask, rows, attn_mask, left_pad, aux_layers) -> bool:
+    def _recordable(tokens, tree_mask, rows, attn_mask, left_pad) -> bool:
         """One sequence, and either one token or a row-exact chain (every row sees the cache
         and the rows before it): the forwards ``step_graph`` records."""
-        if tokens.shape[0] != 1 or attn_mask is not None or left_pad is not None or aux_layers:
+        if tokens.shape[0] != 1 or attn_mask is not None or left_pad is not None:
             return False
         if tokens.shape[1] == 1:
             return tree_mask is None

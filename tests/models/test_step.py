@@ -177,3 +177,24 @@ def test_graphs_recorded_ahead_serve_the_later_forwards():
     assert {k: id(v) for k, v in graph._graphs.items()} == recorded  # nothing recorded again
     graph.record(17, "all")
     assert (17, "all") not in graph._graphs  # past MAX_CHAIN: such forwards stay eager
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_recorded_forwards_return_the_aux_layers_bitwise(n):
+    """EAGLE-3 drafts read three target layers: a recorded step or chain returns them too."""
+    model = tiny_target(8)
+    model.exact_rows = True
+    prompt, chain = prompt_of(3, 6), prompt_of(4, n)
+
+    def run():
+        cache = model.new_cache(32)
+        model(torch.tensor([prompt]), torch.arange(6), cache, logits="none")
+        out = model(torch.tensor([chain]), torch.arange(6, 6 + n), cache, logits="all", aux_layers=(1, 0, 1))
+        return out.logits, out.aux_hidden
+
+    want_logits, want_aux = run()
+    graph = model.step_graph = StepGraph(model)
+    got_logits, got_aux = run()
+    assert (n, "all", (1, 0, 1)) in graph._graphs
+    assert torch.equal(got_logits, want_logits) and len(got_aux) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got_aux, want_aux, strict=True))
