@@ -132,6 +132,8 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     from evospec.decoding.tune import AUTO_CANDIDATES, Tuner
 
     drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights)}"
+    if draft3_path is not None:  # the *-e3 methods' shapes depend on the EAGLE-3 head
+        drafts += f"|e3-{head_id(draft3_path)}"
     tuner = Tuner(build, loaded, drafts, eos, settings.verify_logits, progress)
     if AUTO in settings.methods:
         candidates = [

@@ -24,7 +24,9 @@ SECTIONS = {"tree": TreeConfig, "vocab": VocabConfig, "adapt": AdaptConfig}  # f
 # Kept as text so --help does not import torch; tests/test_options.py checks it against METHODS.
 METHOD_HELP = (
     "decoding method: ar | eagle2 | frspec | nanospec | evospec | nanospec+evospec | clora | osd | "
-    "evospec-full | auto (the fastest lossless method measured on this machine, ar if none beats it)"
+    "evospec-full | eagle3 | frspec-e3 | nanospec-e3 | evospec-e3 | nanospec+evospec-e3 (the *3 ones: an "
+    "EAGLE-3 head, --draft3) | auto (the fastest lossless method measured on this machine, ar if none "
+    "beats it)"
 )
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")  # models/quant.py WEIGHT_FORMATS + auto (tested)
 

@@ -6,7 +6,8 @@ and vLLM load it): ``config.json`` (``architectures: ["LlamaForCausalLMEagle3"]`
 ``pytorch_model.bin`` with the keys ``fc.weight`` [D, 3 D_t], ``midlayer.self_attn.{q,k,v}_proj
 .weight`` [*, 2 D], ``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj
 .weight``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
-``norm.weight``, ``lm_head.weight`` [V_d, D], and with a reduced draft vocabulary ``d2t`` [V_d]
+``norm.weight``, ``lm_head.weight`` [V_d, D] (absent with ``tie_word_embeddings``: the
+target's LM head, full vocabulary), and with a reduced draft vocabulary ``d2t`` [V_d]
 int64 (target id = draft id + d2t[draft id]) and ``t2d`` [V] bool. The token embedding is the
 target's (published heads do not carry it); one in the checkpoint is used instead.
 
@@ -87,6 +88,7 @@ class Eagle3Head(nn.Module):
         target_hidden: int | None = None,
         draft_vocab: int | None = None,
         own_embedding: bool = False,
+        tied: bool = False,
     ) -> None:
         super().__init__()
         if len(aux_layers) != 3:
@@ -98,7 +100,11 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(3 * dt, d, bias=False)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, 0.0)
-        self.lm_head = nn.Linear(d, vd, bias=False)
+        self.tied = tied  # the LM head is the target's (tie_word_embeddings): not in the checkpoint
+        if tied and vd < cfg.vocab_size:
+            raise ValueError("a tied EAGLE-3 LM head covers the full vocabulary")
+        if not tied:
+            self.lm_head = nn.Linear(d, vd, bias=False)
         if vd < cfg.vocab_size:  # the public mapping buffers of a reduced draft vocabulary
             self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
@@ -107,10 +113,21 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d) if own_embedding else None
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self._shared: list[nn.Embedding] = []  # the target's embedding, kept out of state_dict
+        self._shared_head: list[nn.Module] = []  # tied: the target's LM head, likewise
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The draft's LM head: its own, or (tied) the target's, shared after :meth:`attach`."""
+        own = self._modules.get("lm_head")
+        if own is not None:
+            return own
+        if not self._shared_head:
+            raise RuntimeError("a tied EAGLE-3 head has no LM head until attach(target)")
+        return self._shared_head[0]
 
     @property
     def draft_vocab(self) -> int:
-        return self.lm_head.out_features
+        return self.lm_head.out_features if not self.tied else self.cfg.vocab_size
 
     def draft_ids(self) -> torch.Tensor | None:
         """[V_d] target id of each LM-head row, or None when the head covers the full vocabulary."""
@@ -139,6 +156,8 @@ class Eagle3Head(nn.Module):
             layers = list(self.aux_layers)
             raise ValueError(f"EAGLE-3 head aux layers {layers} are outside the target's {tc.num_layers}")
         self._shared[:] = [target.embed_tokens]
+        if self.tied:
+            self._shared_head[:] = [target.lm_head]
         return self
 
     def embedding(self) -> nn.Embedding:
@@ -181,9 +200,11 @@ class Eagle3Head(nn.Module):
             target_hidden=self.fc.in_features // 3,
             draft_vocab=self.draft_vocab,
             own_embedding=self.embed_tokens is not None,
+            tied=self.tied,
         )
         twin.load_state_dict(self.state_dict())
         twin._shared[:] = self._shared
+        twin._shared_head[:] = self._shared_head
         return twin.to(self.norm.weight.device, self.norm.weight.dtype).eval()
 
 
@@ -224,14 +245,19 @@ def load_eagle3(
     raw["num_hidden_layers"] = 1
     cfg = replace(ModelConfig.from_hf_dict(raw), num_layers=1, attention_bias=False, qk_norm=False)
     state = {k.removeprefix("model."): v for k, v in _read_weights(folder).items()}
-    for key in ("fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight"):
+    tied = bool(raw.get("tie_word_embeddings")) and "lm_head.weight" not in state
+    for key in ("fc.weight", "midlayer.self_attn.q_proj.weight") + (() if tied else ("lm_head.weight",)):
         if key not in state:
             raise CheckpointError(folder, f"not an EAGLE-3 head: no {key}")
     aux = _aux_from_config(raw, target_layers)
     if aux is None:
         raise CheckpointError(folder, "config.json names no aux layers and the target depth is unknown")
     vd = int(raw.get("draft_vocab_size") or cfg.vocab_size)
-    if state["lm_head.weight"].shape[0] != vd:
+    if tied and vd != cfg.vocab_size:
+        raise CheckpointError(
+            folder, f"a tied LM head covers the vocabulary ({cfg.vocab_size}), not {vd} ids"
+        )
+    if not tied and state["lm_head.weight"].shape[0] != vd:
         raise CheckpointError(
             folder, f"draft_vocab_size is {vd} but lm_head.weight has {state['lm_head.weight'].shape[0]} rows"
         )
@@ -246,6 +272,7 @@ def load_eagle3(
         target_hidden=state["fc.weight"].shape[1] // 3,
         draft_vocab=vd,
         own_embedding="embed_tokens.weight" in state,
+        tied=tied,
     )
     if vd < cfg.vocab_size:
         _check_d2t(folder, state["d2t"], cfg.vocab_size)
@@ -286,6 +313,7 @@ def save_eagle3(head: Eagle3Head, path: str | Path, *, dtype: torch.dtype = torc
         num_hidden_layers=1,
         draft_vocab_size=head.draft_vocab,
         evospec_aux_layers=list(head.aux_layers),
+        tie_word_embeddings=head.tied,
         torch_dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype, "float32"),
     )
     if head.fc.in_features != 3 * head.cfg.hidden_size:
@@ -310,9 +338,11 @@ def new_eagle3_for(
     seed: int = 0,
     aux_layers: tuple[int, ...] | None = None,
     draft_ids: torch.Tensor | None = None,
+    tied: bool = False,
 ) -> Eagle3Head:
     """A randomly initialised EAGLE-3 head for ``target``; its LM head starts from the target's
-    rows (``draft_ids``: a reduced draft vocabulary of those target ids, sorted)."""
+    rows (``draft_ids``: a reduced draft vocabulary of those target ids, sorted), or is the
+    target's own (``tied``: frozen, not saved; a full-vocabulary head a third the size)."""
     tc = target.cfg
     cfg = replace(
         tc,
@@ -330,7 +360,10 @@ def new_eagle3_for(
     )
     ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long).sort().values.cpu()
     head = Eagle3Head(
-        cfg, aux_layers or default_aux_layers(tc.num_layers), draft_vocab=None if ids is None else len(ids)
+        cfg,
+        aux_layers or default_aux_layers(tc.num_layers),
+        draft_vocab=None if ids is None else len(ids),
+        tied=tied,
     )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -341,8 +374,9 @@ def new_eagle3_for(
                 p.fill_(1.0)
             else:
                 p.zero_()
-        lm = _dense_lm_head(target).to("cpu")
-        head.lm_head.weight.copy_(lm if ids is None else lm[ids])
+        if not tied:
+            lm = _dense_lm_head(target).to("cpu")
+            head.lm_head.weight.copy_(lm if ids is None else lm[ids])
         if ids is not None:
             head.d2t.copy_(ids - torch.arange(len(ids)))
             head.t2d.copy_(_t2d_of(head.d2t, tc.vocab_size))

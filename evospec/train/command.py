@@ -84,6 +84,14 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         "public EAGLE-3 layout; trains on the target's stored top-k, so --loss-support topk+neg data) "
         "(default: eagle2)",
     )
+    t.add_argument(
+        "--lm-head",
+        choices=["target", "own"],
+        default="target",
+        help="eagle3: 'target' drafts through the target's LM head (tied, frozen, not saved: a third the "
+        "size; policies apply) or 'own' trains the head's own full-vocabulary LM head, initialised from "
+        "the target's (default: target)",
+    )
     t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
     t.add_argument(
         "--steps",
@@ -238,7 +246,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         if init is None:
             raise ValueError(f"--init shipped: no {args.arch} head ships for {loaded.name}")
     if args.arch == "eagle3":
-        head = _eagle3_head(loaded.model, init, device)
+        head = _eagle3_head(loaded.model, init, device, tied=args.lm_head == "target")
         aux = _aux_shards(loaded.model, shards, head.aux_layers, progress)
         seqs = load_sequences(shards, cfg.max_seq_len, aux)
     else:
@@ -265,6 +273,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
         "arch": args.arch,
+        "lm_head": args.lm_head if args.arch == "eagle3" else "target",
         "teacher_weights": loaded.weights,
         "source": args.source,
         "init": str(init) if init else None,
@@ -285,12 +294,13 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eagle3_head(target, init, device: str):
-    """A new EAGLE-3 head for ``target`` (LM head from the target's rows), or ``init``'s."""
+def _eagle3_head(target, init, device: str, tied: bool):
+    """A new EAGLE-3 head for ``target`` (its LM head the target's, or its own initialised from
+    the target's rows), or ``init``'s."""
     from evospec.models.eagle3 import load_eagle3, new_eagle3_for
 
     if init is None:
-        return new_eagle3_for(target)
+        return new_eagle3_for(target, tied=tied)
     return load_eagle3(init, target_layers=target.cfg.num_layers, device=device).attach(target)
 
 

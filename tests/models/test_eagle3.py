@@ -172,3 +172,23 @@ def test_a_reduced_vocabulary_without_d2t_is_refused(tmp_path):
     save_file(state, str(tmp_path / "h" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="d2t"):
         load_eagle3(tmp_path / "h", target_layers=2)
+
+
+def test_a_tied_head_drafts_through_the_target_lm_head_and_saves_without_it(tmp_path):
+    target = tiny_target(4)
+    head = new_eagle3_for(target, tied=True)
+    assert head.lm_head is target.lm_head and "lm_head.weight" not in head.state_dict()
+    save_eagle3(head, tmp_path / "h")
+    raw = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert raw["tie_word_embeddings"] is True
+    back = load_head(tmp_path / "h", target).attach(target)
+    assert back.tied and back.lm_head is target.lm_head and back.draft_ids() is None
+    twin = back.clone()
+    assert twin.lm_head is target.lm_head
+    x = torch.randn(1, 2, 3 * target.cfg.hidden_size)
+    tok = torch.tensor([[1, 2]])
+    assert torch.allclose(
+        back(x, tok, torch.arange(2), back.new_cache(4), None),
+        head(x, tok, torch.arange(2), head.new_cache(4), None),
+        atol=1e-2,
+    )

@@ -28,6 +28,11 @@ PRESET_METHODS = {
     "clora.yaml": "clora",
     "osd.yaml": "osd",
     "evospec-full.yaml": "evospec-full",
+    "eagle3.yaml": "eagle3",
+    "frspec-e3.yaml": "frspec-e3",
+    "nanospec-e3.yaml": "nanospec-e3",
+    "evospec-e3.yaml": "evospec-e3",
+    "nanospec-evospec-e3.yaml": "nanospec+evospec-e3",
 }
 
 
@@ -55,6 +60,11 @@ def test_every_method_has_a_preset() -> None:
         "clora.yaml",
         "osd.yaml",
         "evospec-full.yaml",
+        "eagle3.yaml",
+        "frspec-e3.yaml",
+        "nanospec-e3.yaml",
+        "evospec-e3.yaml",
+        "nanospec-evospec-e3.yaml",
     ],
 )
 def test_cpu_presets_use_a_small_tree(name: str) -> None:
