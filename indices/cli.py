@@ -145,6 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
+    v = sub.add_parser(
+        "vocabtrim",
+        help="add the vocabtrim table (the target's own token counts) to an index directory",
+        description="Count the response_ids of generations JSONL files -- the generations.jsonl that "
+        "`evospec train-draft` writes while generating the target's answers to training prompts -- into "
+        "vocabtrim.npy and list it in the manifest of DIRECTORY (default: the model's index directory "
+        "under $EVOSPEC_HOME). The vocabtrim policy keeps that table's top ids (VocabTrim, Goel et al. "
+        "2025).",
+    )
+    _model_arg(v, DEFAULT_MODEL)
+    v.add_argument("--generations", type=Path, nargs="+", required=True, metavar="JSONL")
+    v.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="index directory to add the table to"
+    )
+    v.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
     i = sub.add_parser("info", help="print the manifest of an index directory")
     i.add_argument("directory", type=Path)
     i.add_argument("--json", action="store_true", help="print manifest.json as is")
@@ -282,6 +298,23 @@ def _package_command(args: argparse.Namespace) -> str:
     return f"evospec-index package --model {args.model} --training-data {args.training_data}{out}"
 
 
+def cmd_vocabtrim(args: argparse.Namespace) -> int:
+    from evospec.models.loading import load_model
+    from indices.default import default_index_dir
+    from indices.vocabtrim import add_vocabtrim, count_generations
+
+    loaded = load_model(args.model, progress=not args.no_progress)
+    weight = loaded.model.lm_head.weight
+    directory = args.out or default_index_dir(loaded.name)
+    counts, info = count_generations(args.generations, weight.shape[0])
+    add_vocabtrim(directory, weight, counts, info)
+    print(
+        f"{directory}: vocabtrim table of {info['tokens']} tokens in {info['sequences']} answers "
+        f"({info['distinct_ids']} distinct ids)"
+    )
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from indices.manifest import MANIFEST_NAME, read_manifest
 
@@ -312,7 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     from evospec.models.config import UnsupportedModelError
     from evospec.models.errors import CheckpointError
 
-    commands = {"build": cmd_build, "package": cmd_package, "info": cmd_info, "check": cmd_check}
+    commands = {
+        "build": cmd_build,
+        "package": cmd_package,
+        "vocabtrim": cmd_vocabtrim,
+        "info": cmd_info,
+        "check": cmd_check,
+    }
     try:
         return commands[args.command](args)
     except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:

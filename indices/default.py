@@ -67,6 +67,7 @@ def ensure_indices(
     directory: Path | None = None,
     corpus: Sequence[str | Path] | None = None,
     need_hnsw: bool = True,
+    need_vocabtrim: bool = False,
     progress: bool = True,
 ) -> IndexBundle:
     """The verified indices of ``loaded_model``, making what is missing or stale first (see the
@@ -76,6 +77,43 @@ def ensure_indices(
     ``corpus_index_dir``); ``data_dir`` to the shared data folder next to the checkout;
     ``corpus``: .txt / .jsonl / .json files or folders (``indices.corpus.read_corpus_files``).
     """
+    bundle = _ensure(loaded_model, data_dir, directory, corpus, need_hnsw, progress)
+    if need_vocabtrim and bundle.vocabtrim is None:
+        bundle = _add_shipped_vocabtrim(loaded_model, bundle, need_hnsw, progress)
+    return bundle
+
+
+def _add_shipped_vocabtrim(loaded_model: LoadedModel, bundle: IndexBundle, need_hnsw: bool, progress: bool):
+    """Copy the vocabtrim table shipped for the model into an index directory that has none."""
+    from indices.frequency import load_counts
+    from indices.manifest import VOCABTRIM_FILE
+    from indices.packaged import read_packaged
+    from indices.vocabtrim import add_vocabtrim
+
+    weight = loaded_model.model.lm_head.weight
+    packaged = packaged_for(loaded_model.name, weight)
+    shipped = read_packaged(packaged) if packaged is not None else None
+    if shipped is None or VOCABTRIM_FILE not in shipped.manifest.files:
+        raise IndexLoadError(
+            bundle.directory,
+            "no vocabtrim table (the target's own token counts) and none ships for this model",
+            "missing",
+            "Count the target's answers: evospec-index vocabtrim --model MODEL --generations "
+            "$EVOSPEC_HOME/train/<model>/generations.jsonl (written by evospec train-draft)",
+        )
+    _say(progress, f"{bundle.directory}: adding the vocabtrim table shipped for {loaded_model.name}")
+    info = dict(shipped.manifest.vocabtrim or {})
+    add_vocabtrim(
+        bundle.directory,
+        weight,
+        load_counts(packaged / VOCABTRIM_FILE),
+        info,
+        command=info.get("command", ""),
+    )
+    return load_indices(bundle.directory, weight, need_hnsw=need_hnsw)
+
+
+def _ensure(loaded_model, data_dir, directory, corpus, need_hnsw, progress) -> IndexBundle:
     weight = loaded_model.model.lm_head.weight  # [V, D]
     files = corpus_files(corpus) if corpus else []  # checked before anything is read or built
     wanted = corpus_description(corpus, files) if corpus else None  # type: ignore[arg-type]

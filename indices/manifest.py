@@ -32,6 +32,7 @@ MANIFEST_NAME = "manifest.json"
 FREQUENCY_FILE = "frequency.npy"
 BIGRAM_FILE = "bigram.npz"
 HNSW_FILE = "hnsw.bin"
+VOCABTRIM_FILE = "vocabtrim.npy"  # optional: counts of the target's own answers (the vocabtrim policy)
 FINGERPRINT_STRIDE = 61  # rows hashed: 0, 61, 122, ... and the last
 
 
@@ -99,6 +100,8 @@ class Manifest:
     build_seconds: dict[str, float]  # part ("tokenize+count", "bigram", "hnsw", ...) -> seconds
     created: str  # ISO 8601 UTC
     format_version: int = FORMAT_VERSION
+    # the vocabtrim table's source (indices/vocabtrim.py: sequences, tokens, origin, command); None: none
+    vocabtrim: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -120,6 +123,7 @@ class Manifest:
             build_seconds={k: float(v) for k, v in d["build_seconds"].items()},
             created=d["created"],
             format_version=int(d["format_version"]),
+            vocabtrim=d.get("vocabtrim"),
         )
 
 
@@ -130,6 +134,7 @@ class IndexBundle:
     graph: BigramGraph
     hnsw: LMHeadIndex | None  # None when not requested (need_hnsw=False) or not built
     directory: Path  # where it was loaded from
+    vocabtrim: np.ndarray | None = None  # [V] int64 counts of the target's own answers, if built
 
 
 def model_fingerprint(lm_head_weight: torch.Tensor) -> str:
@@ -253,18 +258,25 @@ def load_indices(directory: Path, lm_head_weight: torch.Tensor, *, need_hnsw: bo
     hint = rebuild_hint(directory, manifest.model_source)
     if need_hnsw and manifest.hnsw is None:
         raise IndexLoadError(directory, "built without the HNSW index (--no-hnsw)", "no_hnsw", hint)
-    names = [FREQUENCY_FILE, BIGRAM_FILE] + ([HNSW_FILE] if need_hnsw else [])
+    trim = VOCABTRIM_FILE in manifest.files
+    names = (
+        [FREQUENCY_FILE, BIGRAM_FILE]
+        + ([HNSW_FILE] if need_hnsw else [])
+        + ([VOCABTRIM_FILE] if trim else [])
+    )
     check_files(directory, manifest, names)
     try:
         counts = load_counts(directory / FREQUENCY_FILE)
+        trimmed = load_counts(directory / VOCABTRIM_FILE) if trim else None
         graph = BigramGraph.load(directory / BIGRAM_FILE)
         hnsw = None
         if need_hnsw and manifest.hnsw is not None:
             hnsw = LMHeadIndex.load(directory / HNSW_FILE, manifest.hidden_size, ef=manifest.hnsw.params.ef)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # checksum ok but unreadable
         raise IndexLoadError(directory, f"cannot read index files ({exc!r})", "unreadable", hint) from exc
-    if counts.size != manifest.vocab_size or graph.vocab_size != manifest.vocab_size:
+    sizes = {counts.size, graph.vocab_size} | ({trimmed.size} if trimmed is not None else set())
+    if sizes != {manifest.vocab_size}:
         raise IndexLoadError(
             directory, "index files disagree with the manifest's vocab size", "corrupt", hint
         )
-    return IndexBundle(manifest, counts, graph, hnsw, directory)
+    return IndexBundle(manifest, counts, graph, hnsw, directory, trimmed)

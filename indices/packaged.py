@@ -37,6 +37,7 @@ from indices.manifest import (
     BIGRAM_FILE,
     FREQUENCY_FILE,
     MANIFEST_NAME,
+    VOCABTRIM_FILE,
     IndexLoadError,
     Manifest,
     check_files,
@@ -47,6 +48,7 @@ from indices.manifest import (
 
 PACKAGED_ROOT = Path(__file__).resolve().parent / "packaged"
 PACKAGED_FILES = (FREQUENCY_FILE, BIGRAM_FILE)  # what ships per model (with manifest.json, NOTICE)
+OPTIONAL_FILES = (VOCABTRIM_FILE,)  # shipped where the manifest lists them (the vocabtrim table)
 NOTICE_FILE = "NOTICE"
 
 
@@ -85,7 +87,7 @@ def read_packaged(directory: Path) -> PackagedTables:
     """The verified tables of a packaged folder (``IndexLoadError`` naming a bad file)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    check_files(directory, manifest, list(PACKAGED_FILES))
+    check_files(directory, manifest, [*PACKAGED_FILES, *(f for f in OPTIONAL_FILES if f in manifest.files)])
     counts = load_counts(directory / FREQUENCY_FILE)
     graph = BigramGraph.load(directory / BIGRAM_FILE)
     if counts.size != manifest.vocab_size or graph.vocab_size != manifest.vocab_size:
@@ -122,7 +124,8 @@ def install_packaged(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-install-", dir=out_dir.parent))
     try:
-        for name in PACKAGED_FILES:
+        names = [*PACKAGED_FILES, *(f for f in OPTIONAL_FILES if f in tables.manifest.files)]
+        for name in names:
             shutil.copyfile(Path(source) / name, work / name)
         manifest = replace(
             tables.manifest,
@@ -130,7 +133,7 @@ def install_packaged(
             model_fingerprint=model_fingerprint(lm_head_weight),
             hidden_size=hidden,
             hnsw=None,
-            files={name: tables.manifest.files[name] for name in PACKAGED_FILES},
+            files={name: tables.manifest.files[name] for name in names},
         )
         write_manifest(work, manifest)
         work.chmod(0o755)

@@ -38,6 +38,7 @@ from evospec.vocab.factory import (
     HAS_ARC,
     NEEDS_COUNTS,
     NEEDS_RETRIEVAL,
+    NEEDS_VOCABTRIM,
     POLICIES,
     VocabConfig,
     make_policy,
@@ -63,8 +64,12 @@ class MethodSpec:
         return self.policy in NEEDS_RETRIEVAL
 
     @property
+    def needs_vocabtrim(self) -> bool:  # the indices' table of the target's own token counts
+        return self.policy in NEEDS_VOCABTRIM
+
+    @property
     def needs_indices(self) -> bool:
-        return self.needs_counts or self.needs_hnsw
+        return self.needs_counts or self.needs_hnsw or self.needs_vocabtrim
 
     @property
     def has_arc(self) -> bool:  # keeps an ARC buffer of retrieved ids (resettable, inspectable)

@@ -2,7 +2,7 @@
 
 Owns: :data:`POLICIES` and what each reads, and :func:`make_policy`; the settings,
 :class:`VocabConfig` (defaults = the papers' settings), live in ``config.py``.
-Index files (frequency table, HNSW, bigram graph) come in as an already loaded bundle from
+Index files (frequency table, vocabtrim table, HNSW, bigram graph) come in as an already loaded bundle from
 ``indices/``; this module never reads files.
 """
 
@@ -21,8 +21,9 @@ from evospec.vocab.policy import (
 )
 from evospec.vocab.retrieval import IndexRetriever, RetrievalPool
 
-POLICIES = ("frspec", "nanospec", "evospec", "nanospec+evospec")
+POLICIES = ("frspec", "nanospec", "evospec", "nanospec+evospec", "vocabtrim")
 NEEDS_COUNTS = frozenset({"frspec", "evospec"})  # policies that read the frequency table
+NEEDS_VOCABTRIM = frozenset({"vocabtrim"})  # ... the target's own token counts (indices/vocabtrim.py)
 NEEDS_RETRIEVAL = frozenset({"evospec", "nanospec+evospec"})  # ... and the HNSW index + graph
 HAS_ARC = frozenset({"evospec", "nanospec+evospec"})  # policies that keep an ARC buffer
 
@@ -40,11 +41,16 @@ def make_policy(
     cfg = cfg or VocabConfig()
     if name not in POLICIES:
         raise ValueError(f"unknown vocabulary policy {name!r}; available: {', '.join(POLICIES)}")
-    if (name in NEEDS_COUNTS or name in NEEDS_RETRIEVAL) and indices is None:
+    if (name in NEEDS_COUNTS or name in NEEDS_RETRIEVAL or name in NEEDS_VOCABTRIM) and indices is None:
         raise ValueError(f"policy {name!r} needs the model's indices (build them with evospec-index build)")
     k = min(vocab_size, cfg.frspec_k or frspec_size(vocab_size))
     if name == "frspec":
         return StaticVocab(static_table(indices.counts, k), vocab_size, device)
+    if name == "vocabtrim":  # FR-Spec's size rule over the target's own token counts
+        trimmed = getattr(indices, "vocabtrim", None)
+        if trimmed is None:
+            raise ValueError("policy vocabtrim needs the indices' vocabtrim table (evospec-index vocabtrim)")
+        return StaticVocab(static_table(trimmed, k), vocab_size, device, name="vocabtrim")
     if name == "nanospec":
         return NanoSpecVocab(vocab_size, cfg.nano, device)
     retriever = IndexRetriever(indices.hnsw, indices.graph, n_sem=cfg.n_sem, per_seed=cfg.per_seed)

@@ -6,6 +6,9 @@ states; it never touches the draft head's buffers (``head.py`` does) nor the dec
 
 - ``frspec`` (:class:`StaticVocab`): the top-K ids by corpus token frequency (FR-Spec, Zhao et
   al. 2025), fixed for the whole request.
+- ``vocabtrim`` (:class:`StaticVocab` too): the top-K ids by how often the target itself writes
+  them in its answers to training prompts (VocabTrim, Goel et al. 2025; ``indices/vocabtrim.py``),
+  at FR-Spec's size, so the two compare at equal budgets.
 - ``nanospec`` (:class:`NanoSpecVocab`): NanoSpec's candidate stream. Prefill appends the
   prompt tokens, then the top-K_pre ids of every prompt position's target logits; every round
   appends the unique draft-tree tokens, then the top-K_ver ids of the target logits at each

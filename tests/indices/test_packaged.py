@@ -16,7 +16,7 @@ import indices.default as default
 from evospec.common import DEFAULT_DATA
 from evospec.models.registry import DEFAULT_MODEL
 from indices.corpus import REDISTRIBUTABLE, TRAINING_SOURCES
-from indices.manifest import BIGRAM_FILE, IndexLoadError
+from indices.manifest import BIGRAM_FILE, VOCABTRIM_FILE, IndexLoadError
 from indices.packaged import NOTICE_FILE, PACKAGED_FILES, PACKAGED_ROOT, packaged_dirs, read_packaged
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def test_default_model_ships_intact_tables() -> None:
     tables = read_packaged(SHIPPED)  # checks every listed file's size and sha256
     m = tables.manifest
     assert m.model_name == DEFAULT_MODEL and m.vocab_size == tables.counts.size == 49152
-    assert m.hnsw is None and set(m.files) == set(PACKAGED_FILES)  # HNSW is built on first use
+    assert m.hnsw is None and set(m.files) == {*PACKAGED_FILES, VOCABTRIM_FILE}  # HNSW: built on first use
     assert tables.graph.num_edges == m.num_edges > 50_000 and tables.counts.sum() == m.corpus.num_tokens
     size = sum(e.size for e in m.files.values()) + (SHIPPED / "manifest.json").stat().st_size
     assert size < MAX_BYTES

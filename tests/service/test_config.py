@@ -33,6 +33,8 @@ PRESET_METHODS = {
     "nanospec-e3.yaml": "nanospec-e3",
     "evospec-e3.yaml": "evospec-e3",
     "nanospec-evospec-e3.yaml": "nanospec+evospec-e3",
+    "vocabtrim.yaml": "vocabtrim",
+    "vocabtrim-e3.yaml": "vocabtrim-e3",
 }
 
 
@@ -65,6 +67,8 @@ def test_every_method_has_a_preset() -> None:
         "nanospec-e3.yaml",
         "evospec-e3.yaml",
         "nanospec-evospec-e3.yaml",
+        "vocabtrim.yaml",
+        "vocabtrim-e3.yaml",
     ],
 )
 def test_cpu_presets_use_a_small_tree(name: str) -> None:

@@ -47,7 +47,11 @@ class SuccGraph:
 
 
 def stand_in_indices(target, counts: np.ndarray | None = None) -> SimpleNamespace:
-    """What ``make_decoder`` needs of an index bundle: counts (id 0 most frequent), hnsw, graph."""
+    """What ``make_decoder`` needs of an index bundle: counts (id 0 most frequent), the vocabtrim
+    counts, hnsw, graph."""
     vocab = target.cfg.vocab_size
     counts = counts if counts is not None else np.arange(vocab, dtype=np.int64)[::-1].copy()
-    return SimpleNamespace(counts=counts, hnsw=ExactSearch(target.lm_head.weight), graph=SuccGraph(vocab))
+    trimmed = np.roll(counts, vocab // 3)  # the target's own counts: another order than the corpus's
+    return SimpleNamespace(
+        counts=counts, vocabtrim=trimmed, hnsw=ExactSearch(target.lm_head.weight), graph=SuccGraph(vocab)
+    )

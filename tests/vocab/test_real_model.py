@@ -21,7 +21,7 @@ def test_every_policy_on_the_default_model_equals_ar(default_model: LoadedModel)
     from indices.default import ensure_indices  # builds on first use (~2 minutes on 2 cores)
 
     model, codec = default_model.model, default_model.codec
-    indices = ensure_indices(default_model, progress=False)
+    indices = ensure_indices(default_model, need_vocabtrim=True, progress=False)
     draft = load_eagle(default_head(DEFAULT_MODEL))
     params = SamplingParams(max_new_tokens=32)
     prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
