@@ -221,3 +221,12 @@ def test_vocabulary_methods_report_coverage_split_and_oracle() -> None:
     depth = table.split("\n\n")[2].splitlines()
     assert depth[0] == "| acceptance by depth | d=1 | d=2 | d=3 |"
     assert [row.split(" | ")[0] for row in depth[2:]] == ["| eagle2", "| nanospec"]
+
+
+def test_methods_are_normalised_to_frspec_when_it_ran() -> None:
+    """EvoSpec's Table 8: MAL and speed of every method relative to FR-Spec at the same settings."""
+    records = [_ar_record("frspec", 0, [1, 2, 3, 4]), _ar_record("other", 0, [1, 2])]
+    methods = summarise(records, {})["methods"]
+    assert methods["frspec"]["speedup_vs_frspec"] == 1.0 and methods["frspec"]["mal_vs_frspec"] == 1.0
+    assert methods["other"]["speedup_vs_frspec"] == pytest.approx(0.5)
+    assert "speedup_vs_frspec" not in summarise([records[1]], {})["methods"]["other"]
