@@ -246,7 +246,9 @@ def make_decoder(
     if tree.top_k > model.cfg.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
     if spec.head == "eagle3":
-        draft = drafting_head(draft, model, draft_weights)
+        draft = drafting_head(
+            draft.attach(model), model, draft_weights
+        )  # a tied head needs the target's LM head
         return _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch)
     weight = model.lm_head.weight
     policy = None
@@ -275,6 +277,7 @@ def make_decoder(
 def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch) -> Decoder:
     """A speculative decoder drafting with an EAGLE-3 head: its own LM head (after its final
     norm), over the full vocabulary, a policy's active set, or its fixed d2t vocabulary."""
+    draft = draft.attach(model)
     lm = draft.lm_head
     weight = lm.weight  # [V or V_d, D]: kept dense in every drafting format (the reduced head gathers it)
     policy = None

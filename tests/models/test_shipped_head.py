@@ -33,3 +33,33 @@ def test_eagle2_with_shipped_head_equals_ar(default_model: LoadedModel, tree: Tr
     assert [t for ev in events for t in ev.tokens] == ar
     rounds = [ev for ev in events if not ev.prefill]
     assert sum(ev.accepted for ev in rounds) > 0  # a trained head gets drafts accepted
+
+
+def test_eagle3_head_ships_small_tied_and_in_the_public_layout() -> None:
+    import json
+
+    from evospec.models.eagle3 import ARCHITECTURE, load_eagle3
+
+    folder = default_head(DEFAULT_MODEL, arch="eagle3")
+    assert folder is not None and (folder / "training.json").is_file()
+    assert (folder / "model.safetensors").stat().st_size <= 25 * 2**20
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["architectures"] == [ARCHITECTURE] and raw["tie_word_embeddings"] is True
+    head = load_eagle3(folder)
+    assert head.tied and head.aux_layers == (1, 14, 26) and head.draft_ids() is None
+    assert "lm_head.weight" not in head.state_dict() and "midlayer.hidden_norm.weight" in head.state_dict()
+
+
+def test_eagle3_with_shipped_head_equals_ar(default_model: LoadedModel) -> None:
+    from evospec.models.eagle3 import load_eagle3
+
+    model, codec = default_model.model, default_model.codec
+    ids = codec.encode_chat([{"role": "user", "content": "List three primary colors."}])
+    params = SamplingParams(max_new_tokens=24)
+    eos = codec.eos_ids
+    ar = [t for ev in make_decoder("ar", model, eos_ids=eos).generate(ids, params) for t in ev.tokens]
+    draft = load_eagle3(default_head(DEFAULT_MODEL, arch="eagle3"), target_layers=model.cfg.num_layers)
+    dec = make_decoder("eagle3", model, eos_ids=eos, draft=draft, tree=TreeConfig(4, 4, 16))
+    events = list(dec.generate(ids, params))
+    assert [t for ev in events for t in ev.tokens] == ar
+    assert sum(ev.accepted for ev in events if not ev.prefill) > 0
