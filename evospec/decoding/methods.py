@@ -251,15 +251,7 @@ def make_decoder(
         )  # a tied head needs the target's LM head
         return _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch)
     weight = model.lm_head.weight
-    policy = None
-    if spec.policy is not None:
-        policy = make_policy(
-            spec.policy,
-            model.cfg.vocab_size,
-            cfg=vocab or VocabConfig(),
-            indices=indices,
-            device=weight.device,
-        )
+    policy = _policy(spec, model, vocab, indices, weight.device)
     active = ActiveVocab(policy, weight, always_ids=eos_ids, project=projection(model.lm_head))
     adapter = None
     if spec.adapt is not None:
@@ -280,20 +272,12 @@ def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_lo
     draft = draft.attach(model)
     lm = draft.lm_head
     weight = lm.weight  # [V or V_d, D]: kept dense in every drafting format (the reduced head gathers it)
-    policy = None
-    if spec.policy is not None:
-        if draft.draft_ids() is not None:
-            raise ValueError(
-                f"method {spec.name} needs a full-vocabulary EAGLE-3 head; this one drafts over a fixed "
-                f"{draft.draft_vocab}-id vocabulary (d2t): use eagle3"
-            )
-        policy = make_policy(
-            spec.policy,
-            model.cfg.vocab_size,
-            cfg=vocab or VocabConfig(),
-            indices=indices,
-            device=weight.device,
+    if spec.policy is not None and draft.draft_ids() is not None:
+        raise ValueError(
+            f"method {spec.name} needs a full-vocabulary EAGLE-3 head; this one drafts over a fixed "
+            f"{draft.draft_vocab}-id vocabulary (d2t): use eagle3"
         )
+    policy = _policy(spec, model, vocab, indices, weight.device)
     active = ActiveVocab(
         policy,
         weight,
@@ -314,6 +298,15 @@ def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_lo
         vocab=active,
         prefetch=threshold,
         draft_layers=draft.aux_layers,
+    )
+
+
+def _policy(spec: MethodSpec, model: Transformer, vocab: VocabConfig | None, indices, device):
+    """The method's vocabulary policy (None: the full vocabulary)."""
+    if spec.policy is None:
+        return None
+    return make_policy(
+        spec.policy, model.cfg.vocab_size, cfg=vocab or VocabConfig(), indices=indices, device=device
     )
 
 

@@ -205,11 +205,10 @@ def load_head(path: str | Path, target: Transformer | None = None, **kw):
     return load_eagle(path, **kw)
 
 
-def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -> EagleHead:
-    """A randomly initialised head shaped for ``target`` (training starts here; tests use it)."""
-    tc = target.cfg
-    cfg = replace(
-        tc,
+def draft_config(target_cfg: ModelConfig) -> ModelConfig:
+    """A draft head's config for a target: its sizes, one plain Llama layer."""
+    return replace(
+        target_cfg,
         family="llama",
         num_layers=1,
         attention_bias=False,
@@ -222,14 +221,23 @@ def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -
         attn_logit_softcapping=None,
         tie_word_embeddings=False,
     )
+
+
+@torch.no_grad()
+def random_init(head: nn.Module, seed: int) -> None:
+    """Matrices ~ N(0, 1 / fan_in), norms 1, the rest 0 (where training starts)."""
     gen = torch.Generator().manual_seed(seed)
-    head = EagleHead(cfg, fc_bias=fc_bias)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[1] ** 0.5))
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[1] ** 0.5))
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.zero_()
+
+
+def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -> EagleHead:
+    """A randomly initialised head shaped for ``target`` (training starts here; tests use it)."""
+    head = EagleHead(draft_config(target.cfg), fc_bias=fc_bias)
+    random_init(head, seed)
     return head.to(target.embed_tokens.weight.device).attach(target).eval()

@@ -343,21 +343,10 @@ def new_eagle3_for(
     """A randomly initialised EAGLE-3 head for ``target``; its LM head starts from the target's
     rows (``draft_ids``: a reduced draft vocabulary of those target ids, sorted), or is the
     target's own (``tied``: frozen, not saved; a full-vocabulary head a third the size)."""
+    from evospec.models.eagle import draft_config, random_init
+
     tc = target.cfg
-    cfg = replace(
-        tc,
-        family="llama",
-        num_layers=1,
-        attention_bias=False,
-        qk_norm=False,
-        hidden_act="silu",
-        sliding_window=None,
-        layer_types=(),
-        query_pre_attn_scalar=None,
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
-        tie_word_embeddings=False,
-    )
+    cfg = draft_config(tc)
     ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long).sort().values.cpu()
     head = Eagle3Head(
         cfg,
@@ -365,15 +354,8 @@ def new_eagle3_for(
         draft_vocab=None if ids is None else len(ids),
         tied=tied,
     )
-    gen = torch.Generator().manual_seed(seed)
+    random_init(head, seed)
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[1] ** 0.5))
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
         if not tied:
             lm = _dense_lm_head(target).to("cpu")
             head.lm_head.weight.copy_(lm if ids is None else lm[ids])
