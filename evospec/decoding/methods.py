@@ -234,14 +234,11 @@ def make_decoder(
     spec = method_spec(name)
     if not spec.speculative:
         return ARDecoder(model, eos_ids)
+    kind, flag = ("EAGLE-3", "--draft3") if spec.head == "eagle3" else ("EAGLE-2", "--draft")
     if draft is None:
-        flag = "--draft3" if spec.head == "eagle3" else "--draft"
-        raise ValueError(f"method {name} needs an {spec.head.upper()} draft head ({flag} PATH)")
+        raise ValueError(f"method {name} needs a draft head: an {kind} head ({flag} PATH)")
     if draft.arch != spec.head:
-        flag = "--draft3" if spec.head == "eagle3" else "--draft"
-        raise ValueError(
-            f"method {name} drafts with an {spec.head.upper()} head ({flag}), got an {draft.arch} one"
-        )
+        raise ValueError(f"method {name} drafts with an {kind} head ({flag}), got an {draft.arch} one")
     tree = tree or TreeConfig()
     if tree.top_k > model.cfg.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")

@@ -113,9 +113,9 @@ def test_policies_refuse_a_d2t_head_and_methods_their_head_type(trained):
     target, head = trained
     with pytest.raises(ValueError, match="full-vocabulary EAGLE-3 head"):
         make_decoder("frspec-e3", target, draft=_d2t_copy(target, head, 40), indices=stand_in_indices(target))
-    with pytest.raises(ValueError, match="EAGLE3 head"):
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
         make_decoder("eagle3", target, draft=new_eagle_for(target))
-    with pytest.raises(ValueError, match="EAGLE2 head"):
+    with pytest.raises(ValueError, match="EAGLE-2 head"):
         make_decoder("eagle2", target, draft=head)
 
 

@@ -171,7 +171,8 @@ def test_reset_needs_an_arc_buffer(name: str, serve, make) -> None:
         assert vocab["window"] == 24 and vocab["static_size"] is None
     assert (
         state["arc"]["note"]
-        == f"method {name} keeps no ARC buffer (only evospec, nanospec+evospec, evospec-full do)"
+        == f"method {name} keeps no ARC buffer (only evospec, nanospec+evospec, evospec-full, evospec-e3, "
+        "nanospec+evospec-e3 do)"
     )
     assert state["arc"]["t1"] is None and state["vocabulary"]["policy"] == name
 
