@@ -122,6 +122,10 @@ def load_eagle(path: str | Path, *, dtype: torch.dtype = torch.float32, device: 
     if not cfg_path.is_file():
         raise CheckpointError(cfg_path, "file not found (an EAGLE head folder needs config.json)")
     raw = json.loads(cfg_path.read_text())
+    from evospec.models.eagle3 import is_eagle3_config
+
+    if is_eagle3_config(raw):
+        raise CheckpointError(folder, "an EAGLE-3 head, not an EAGLE-2 one: give it as --draft3 (draft3:)")
     raw.setdefault("model_type", "llama")
     cfg = ModelConfig.from_hf_dict(raw)
     state = _read_weights(folder)

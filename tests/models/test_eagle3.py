@@ -192,3 +192,11 @@ def test_a_tied_head_drafts_through_the_target_lm_head_and_saves_without_it(tmp_
         head(x, tok, torch.arange(2), head.new_cache(4), None),
         atol=1e-2,
     )
+
+
+def test_an_eagle3_head_given_as_an_eagle2_one_is_a_clear_error(tmp_path):
+    from evospec.models.eagle import load_eagle
+
+    _public_checkpoint(tmp_path / "h", tiny_target(0), None)
+    with pytest.raises(CheckpointError, match="--draft3"):
+        load_eagle(tmp_path / "h")
