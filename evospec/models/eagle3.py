@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from evospec.models.config import ModelConfig
+from evospec.models.eagle import EagleHead, _read_weights, draft_config, random_init
 from evospec.models.errors import CheckpointError
 from evospec.models.kv_cache import KVCache
 from evospec.models.rope import RotaryTable
@@ -160,11 +161,7 @@ class Eagle3Head(nn.Module):
             self._shared_head[:] = [target.lm_head]
         return self
 
-    def embedding(self) -> nn.Embedding:
-        emb = self.embed_tokens if self.embed_tokens is not None else (self._shared or [None])[0]
-        if emb is None:
-            raise RuntimeError("draft head has no embedding: call attach(target) first")
-        return emb
+    embedding = EagleHead.embedding  # its own embedding, else the target's shared by attach
 
     def new_cache(self, max_len: int) -> KVCache:
         p = self.norm.weight
@@ -234,8 +231,6 @@ def load_eagle3(
 ) -> Eagle3Head:
     """Load an EAGLE-3 head folder. ``target_layers`` sizes the default aux layers when the
     config names none (published heads: EAGLE's low/middle/high for that depth)."""
-    from evospec.models.eagle import _read_weights
-
     folder = Path(path)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
@@ -343,8 +338,6 @@ def new_eagle3_for(
     """A randomly initialised EAGLE-3 head for ``target``; its LM head starts from the target's
     rows (``draft_ids``: a reduced draft vocabulary of those target ids, sorted), or is the
     target's own (``tied``: frozen, not saved; a full-vocabulary head a third the size)."""
-    from evospec.models.eagle import draft_config, random_init
-
     tc = target.cfg
     cfg = draft_config(tc)
     ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long).sort().values.cpu()

@@ -10,9 +10,8 @@ from evospec.decoding.methods import make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle3 import new_eagle3_for
-from evospec.train.trainer import TrainConfig, train_head
+from evospec.train.trainer import train_head
 from tests.decoding.spec_helpers import ar_tokens, prompt_of, tiny_target
-from tests.train.test_trainer import generate_tiny
 from tests.vocab.helpers import SMALL, stand_in_indices
 
 TREES = [TreeConfig(top_k=4, depth=4, total_tokens=12), TreeConfig(top_k=1, depth=3, total_tokens=3)]
@@ -21,32 +20,15 @@ TREES = [TreeConfig(top_k=4, depth=4, total_tokens=12), TreeConfig(top_k=1, dept
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny target and an EAGLE-3 head trained on its answers (so drafts get accepted)."""
-    from evospec.train.aux_features import write_aux_features
-    from evospec.train.datagen import feature_shards
     from evospec.train.trainer import load_sequences
+    from tests.train.test_eagle3_training import tiny_config, tiny_data, trainable_head
 
     work = tmp_path_factory.mktemp("e3")
     target = tiny_target(0, sharp=4.0)
-    generate_tiny(target, work, 24, support_k=8, shard_tokens=400, max_new_tokens=32, cache_len=96)
-    layers = (0, 1, 1)
-    aux = write_aux_features(target, work, layers, progress=False)
-    seqs = load_sequences(feature_shards(work), 100, aux)
-    head = new_eagle3_for(target, aux_layers=layers)
-    for p in head.parameters():
-        p.requires_grad_(True)
-    cfg = TrainConfig(
-        epochs=5,
-        lr=3e-3,
-        warmup_steps=2,
-        tokens_per_batch=256,
-        holdout=0.1,
-        noise=0.0,
-        loss_vocab="topk+neg",
-        support_k=8,
-        negatives=16,
-        steps=2,
-        w_reg=0.0,
-    )
+    shards, aux, layers = tiny_data(work, target)
+    seqs = load_sequences(shards, 100, aux)
+    head = trainable_head(target, layers)
+    cfg = tiny_config(holdout=0.1, steps=2)
     train_head(head, target, seqs, work / "ckpt", cfg, progress=False)
     for p in head.parameters():
         p.requires_grad_(False)

@@ -13,7 +13,8 @@ from tests.decoding.spec_helpers import tiny_target
 from tests.train.test_trainer import generate_tiny
 
 
-def _data(tmp_path, target, n=24):
+def tiny_data(tmp_path, target, n=24):
+    """The tiny target's answers with their top-8 supports, and their aux features (layers 0, 1, 1)."""
     generate_tiny(target, tmp_path, n, support_k=8, shard_tokens=400, max_new_tokens=32, cache_len=96)
     shards = feature_shards(tmp_path)
     layers = (0, 1, 1)
@@ -21,9 +22,34 @@ def _data(tmp_path, target, n=24):
     return shards, aux, layers
 
 
+def tiny_config(**kw) -> TrainConfig:
+    """The EAGLE-3 recipe at tiny scale: token loss on the stored top-8 plus sampled negatives."""
+    base = dict(
+        epochs=5,
+        lr=3e-3,
+        warmup_steps=2,
+        tokens_per_batch=256,
+        holdout=0.25,
+        noise=0.0,
+        loss_vocab="topk+neg",
+        support_k=8,
+        negatives=16,
+        steps=3,
+        w_reg=0.0,
+    )
+    return TrainConfig(**(base | kw))
+
+
+def trainable_head(target, layers):
+    head = new_eagle3_for(target, aux_layers=layers)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head
+
+
 def test_aux_shards_hold_the_target_layers_row_for_row(tmp_path):
     target = tiny_target(3)
-    shards, aux, layers = _data(tmp_path, target, n=6)
+    shards, aux, layers = tiny_data(tmp_path, target, n=6)
     assert [a.name for a in aux] == [s.name for s in shards] and aux[0].parent == aux_dir(tmp_path, layers)
     seqs = load_sequences(shards, 100, aux)
     s = seqs[0]
@@ -44,24 +70,10 @@ def test_aux_shards_hold_the_target_layers_row_for_row(tmp_path):
 
 def test_eagle3_training_raises_agreement_and_saves_the_public_layout(tmp_path):
     target = tiny_target(0, sharp=4.0)
-    shards, aux, layers = _data(tmp_path / "work", target)
+    shards, aux, layers = tiny_data(tmp_path / "work", target)
     seqs = load_sequences(shards, 100, aux)
-    head = new_eagle3_for(target, aux_layers=layers)
-    for p in head.parameters():
-        p.requires_grad_(True)
-    cfg = TrainConfig(
-        epochs=5,
-        lr=3e-3,
-        warmup_steps=2,
-        tokens_per_batch=256,
-        holdout=0.25,
-        noise=0.0,
-        loss_vocab="topk+neg",
-        support_k=8,
-        negatives=16,
-        steps=3,
-        w_reg=0.0,
-    )
+    head = trainable_head(target, layers)
+    cfg = tiny_config()
     std = torch.ones(())
     before = evaluate(head, head.lm_head.weight.detach(), seqs, std, cfg)
     log = train_head(head, target, seqs, tmp_path / "ckpt", cfg, progress=False)
@@ -76,7 +88,7 @@ def test_eagle3_training_raises_agreement_and_saves_the_public_layout(tmp_path):
 
 def test_eagle3_training_needs_stored_supports(tmp_path):
     target = tiny_target(0)
-    shards, aux, layers = _data(tmp_path, target, n=6)
+    shards, aux, layers = tiny_data(tmp_path, target, n=6)
     seqs = load_sequences(shards, 100, aux)
     for s in seqs:
         s.support_ids = s.support_logp = None
