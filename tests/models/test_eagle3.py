@@ -200,3 +200,12 @@ def test_an_eagle3_head_given_as_an_eagle2_one_is_a_clear_error(tmp_path):
     _public_checkpoint(tmp_path / "h", tiny_target(0), None)
     with pytest.raises(CheckpointError, match="--draft3"):
         load_eagle(tmp_path / "h")
+
+
+def test_an_eagle2_head_given_as_an_eagle3_one_is_a_clear_error(tmp_path):
+    from evospec.models.eagle import new_eagle_for, save_eagle
+
+    target = tiny_target(0)
+    save_eagle(new_eagle_for(target), tmp_path / "h2")
+    with pytest.raises(CheckpointError, match="not an EAGLE-3 head"):
+        load_eagle3(tmp_path / "h2", target_layers=2)
