@@ -225,7 +225,7 @@ def _load_indices(settings: StackSettings, loaded, named: list[MethodSpec], fact
             directory=Path(folder).expanduser() if folder else None,
             corpus=[Path(c).expanduser() for c in settings.vocab.corpus_paths] or None,
             need_hnsw=any(s.needs_hnsw for s in settings.specs),
-            need_vocabtrim=any(s.needs_vocabtrim for s in settings.specs),
+            need_files=sorted({f for s in settings.specs for f in s.needs_files}),
             progress=progress,
         )
     except (FileNotFoundError, ValueError) as exc:

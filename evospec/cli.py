@@ -14,6 +14,7 @@ from evospec.bench.command import add_bench_parser
 from evospec.generate import add_generate_parser
 from evospec.models.command import add_models_parser
 from evospec.train.command import add_train_draft_parser
+from evospec.train.vocab_command import add_train_vocab_parser
 from service.command import add_serve_parser
 
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_generate_parser,
         add_bench_parser,
         add_train_draft_parser,
+        add_train_vocab_parser,
         add_serve_parser,
         add_models_parser,
     ):

@@ -161,6 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
+    cl = sub.add_parser(
+        "clusters",
+        help="add the vocabulary clusters (spherical k-means over LM-head rows) to an index directory",
+        description="Cluster the model's LM-head rows by spherical k-means into clusters.npy and list it "
+        "in the manifest of DIRECTORY (default: the model's index directory under $EVOSPEC_HOME). The "
+        "dynaspec policy activates the clusters its router picks per round; a router trained on other "
+        "clusters is refused (retrain it: evospec train-vocab dynaspec).",
+    )
+    _model_arg(cl, DEFAULT_MODEL)
+    cl.add_argument("--k", type=int, default=256, help="number of clusters (default 256, NanoSpec's)")
+    cl.add_argument("--iterations", type=int, default=25, help="k-means iterations (default 25)")
+    cl.add_argument("--seed", type=int, default=0, help="seed of the initial centroids (default 0)")
+    cl.add_argument("--out", type=Path, default=None, metavar="DIR", help="index directory to add them to")
+    cl.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
     i = sub.add_parser("info", help="print the manifest of an index directory")
     i.add_argument("directory", type=Path)
     i.add_argument("--json", action="store_true", help="print manifest.json as is")
@@ -315,6 +330,27 @@ def cmd_vocabtrim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from evospec.models.loading import load_model
+    from indices.clusters import add_clusters
+    from indices.default import default_index_dir
+
+    loaded = load_model(args.model, progress=not args.no_progress)
+    directory = args.out or default_index_dir(loaded.name)
+    command = f"evospec-index clusters --model {args.model} --k {args.k} --iterations {args.iterations}"
+    m = add_clusters(
+        directory,
+        loaded.model.lm_head.weight,
+        args.k,
+        iterations=args.iterations,
+        seed=args.seed,
+        command=command,
+    )
+    rec = m.extras["clusters.npy"]
+    print(f"{directory}: {args.k} clusters of {rec['smallest']}..{rec['largest']} ids")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from indices.manifest import MANIFEST_NAME, read_manifest
 
@@ -349,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "build": cmd_build,
         "package": cmd_package,
         "vocabtrim": cmd_vocabtrim,
+        "clusters": cmd_clusters,
         "info": cmd_info,
         "check": cmd_check,
     }

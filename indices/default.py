@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from evospec.common import DEFAULT_DATA, evospec_home
@@ -28,7 +28,16 @@ from evospec.models.loading import LoadedModel
 from evospec.models.registry import REGISTRY
 from indices.build import CorpusPart, add_hnsw, build_from_texts
 from indices.corpus import TRAINING_SOURCES, corpus_files, read_corpus_files, training_texts
-from indices.manifest import IndexBundle, IndexLoadError, load_indices, read_manifest
+from indices.manifest import (
+    CLUSTERS_FILE,
+    DYNASPEC_FILE,
+    SPECVOCAB_FILE,
+    VOCABTRIM_FILE,
+    IndexBundle,
+    IndexLoadError,
+    load_indices,
+    read_manifest,
+)
 from indices.packaged import install_packaged, packaged_for
 
 
@@ -67,7 +76,7 @@ def ensure_indices(
     directory: Path | None = None,
     corpus: Sequence[str | Path] | None = None,
     need_hnsw: bool = True,
-    need_vocabtrim: bool = False,
+    need_files: Collection[str] = (),
     progress: bool = True,
 ) -> IndexBundle:
     """The verified indices of ``loaded_model``, making what is missing or stale first (see the
@@ -76,41 +85,51 @@ def ensure_indices(
     ``directory`` defaults to ``default_index_dir(loaded_model.name)`` (with ``corpus``:
     ``corpus_index_dir``); ``data_dir`` to the shared data folder next to the checkout;
     ``corpus``: .txt / .jsonl / .json files or folders (``indices.corpus.read_corpus_files``).
+    ``need_files``: optional files a policy reads (``manifest.OPTIONAL_FILES``); missing ones are
+    copied from the tables shipped for the model, the clusters built here, else an
+    ``IndexLoadError`` names the command that makes them.
     """
     bundle = _ensure(loaded_model, data_dir, directory, corpus, need_hnsw, progress)
-    if need_vocabtrim and bundle.vocabtrim is None:
-        bundle = _add_shipped_vocabtrim(loaded_model, bundle, need_hnsw, progress)
+    missing = [f for f in need_files if f not in bundle.manifest.files]
+    if missing:
+        for name in missing:
+            _add_optional(loaded_model, bundle, name, progress)
+        bundle = load_indices(bundle.directory, loaded_model.model.lm_head.weight, need_hnsw=need_hnsw)
     return bundle
 
 
-def _add_shipped_vocabtrim(loaded_model: LoadedModel, bundle: IndexBundle, need_hnsw: bool, progress: bool):
-    """Copy the vocabtrim table shipped for the model into an index directory that has none."""
-    from indices.frequency import load_counts
-    from indices.manifest import VOCABTRIM_FILE
+_MAKE_HINTS = {  # how a user makes an optional file that does not ship for their model
+    VOCABTRIM_FILE: "Count the target's answers: evospec-index vocabtrim --model MODEL --generations "
+    "$EVOSPEC_HOME/train/<model>/generations.jsonl (written by evospec train-draft)",
+    DYNASPEC_FILE: "Train the DynaSpec router: evospec train-vocab dynaspec --model MODEL",
+    SPECVOCAB_FILE: "Train the SpecVocab selector: evospec train-vocab specvocab --model MODEL",
+}
+
+
+def _add_optional(loaded_model: LoadedModel, bundle: IndexBundle, name: str, progress: bool) -> None:
+    """Copy the optional file ``name`` shipped for the model into its index directory (the
+    clusters, when none ship, are built here: a few seconds)."""
+    from indices.manifest import add_index_file
     from indices.packaged import read_packaged
-    from indices.vocabtrim import add_vocabtrim
 
     weight = loaded_model.model.lm_head.weight
     packaged = packaged_for(loaded_model.name, weight)
     shipped = read_packaged(packaged) if packaged is not None else None
-    if shipped is None or VOCABTRIM_FILE not in shipped.manifest.files:
+    if shipped is None or name not in shipped.manifest.files:
+        if name == CLUSTERS_FILE:
+            from indices.clusters import add_clusters
+
+            _say(progress, f"{bundle.directory}: clustering the LM-head rows for dynaspec (once)")
+            add_clusters(bundle.directory, weight)
+            return
         raise IndexLoadError(
-            bundle.directory,
-            "no vocabtrim table (the target's own token counts) and none ships for this model",
-            "missing",
-            "Count the target's answers: evospec-index vocabtrim --model MODEL --generations "
-            "$EVOSPEC_HOME/train/<model>/generations.jsonl (written by evospec train-draft)",
+            bundle.directory / name, "missing, and none ships for this model", "missing", _MAKE_HINTS[name]
         )
-    _say(progress, f"{bundle.directory}: adding the vocabtrim table shipped for {loaded_model.name}")
-    info = dict(shipped.manifest.vocabtrim or {})
-    add_vocabtrim(
-        bundle.directory,
-        weight,
-        load_counts(packaged / VOCABTRIM_FILE),
-        info,
-        command=info.get("command", ""),
-    )
-    return load_indices(bundle.directory, weight, need_hnsw=need_hnsw)
+    _say(progress, f"{bundle.directory}: adding the {name} shipped for {loaded_model.name}")
+    m = shipped.manifest
+    record = dict(m.vocabtrim or {}) if name == VOCABTRIM_FILE else dict(m.extras.get(name, {}))
+    data = (packaged / name).read_bytes()
+    add_index_file(bundle.directory, weight, name, lambda tmp: Path(tmp).write_bytes(data), record)
 
 
 def _ensure(loaded_model, data_dir, directory, corpus, need_hnsw, progress) -> IndexBundle:

@@ -7,7 +7,9 @@ model (vocabulary size, hidden size, fingerprint) is not the served one, or whos
 missing, truncated or altered (size and sha256 of every file, checked on each load).
 
 Directory layout: ``manifest.json`` (written last) + the files it lists
-(``frequency.npy``, ``bigram.npz``, ``hnsw.bin``).
+(``frequency.npy``, ``bigram.npz``, ``hnsw.bin``) and the optional ones a policy reads when
+they are listed (:data:`OPTIONAL_FILES`: the vocabtrim table, the vocabulary clusters, the
+DynaSpec router, the SpecVocab selector), each added by :func:`add_index_file`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,10 @@ FREQUENCY_FILE = "frequency.npy"
 BIGRAM_FILE = "bigram.npz"
 HNSW_FILE = "hnsw.bin"
 VOCABTRIM_FILE = "vocabtrim.npy"  # optional: counts of the target's own answers (the vocabtrim policy)
+CLUSTERS_FILE = "clusters.npy"  # optional: [V] int16 vocabulary cluster of each id (indices/clusters.py)
+DYNASPEC_FILE = "dynaspec.safetensors"  # optional: the DynaSpec cluster router (evospec/vocab/router.py)
+SPECVOCAB_FILE = "specvocab.safetensors"  # optional: the SpecVocab low-rank selector (vocab/selector.py)
+OPTIONAL_FILES = (VOCABTRIM_FILE, CLUSTERS_FILE, DYNASPEC_FILE, SPECVOCAB_FILE)
 FINGERPRINT_STRIDE = 61  # rows hashed: 0, 61, 122, ... and the last
 
 
@@ -102,6 +109,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     # the vocabtrim table's source (indices/vocabtrim.py: sequences, tokens, origin, command); None: none
     vocabtrim: dict[str, Any] | None = None
+    # what each other optional file was made from and by which command (file name -> record)
+    extras: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -124,7 +133,16 @@ class Manifest:
             created=d["created"],
             format_version=int(d["format_version"]),
             vocabtrim=d.get("vocabtrim"),
+            extras={k: dict(v) for k, v in d.get("extras", {}).items()},
         )
+
+
+@dataclass(frozen=True)
+class TrainedFile:
+    """A small trained model stored with the indices: its tensors and string metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
 
 
 @dataclass
@@ -135,6 +153,9 @@ class IndexBundle:
     hnsw: LMHeadIndex | None  # None when not requested (need_hnsw=False) or not built
     directory: Path  # where it was loaded from
     vocabtrim: np.ndarray | None = None  # [V] int64 counts of the target's own answers, if built
+    clusters: np.ndarray | None = None  # [V] int64 vocabulary cluster of each id, if built
+    dynaspec: TrainedFile | None = None  # the DynaSpec router, if trained
+    specvocab: TrainedFile | None = None  # the SpecVocab selector, if trained
 
 
 def model_fingerprint(lm_head_weight: torch.Tensor) -> str:
@@ -251,32 +272,87 @@ def check_files(directory: Path, manifest: Manifest, names: list[str]) -> None:
 
 def load_indices(directory: Path, lm_head_weight: torch.Tensor, *, need_hnsw: bool = True) -> IndexBundle:
     """Read and verify the indices in ``directory`` for the model whose LM head is ``lm_head_weight``
-    ([V, D]). With ``need_hnsw=False`` the HNSW file is neither checked nor loaded."""
+    ([V, D]). With ``need_hnsw=False`` the HNSW file is neither checked nor loaded. The optional
+    files are loaded when the manifest lists them."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_model(directory, manifest, lm_head_weight)
     hint = rebuild_hint(directory, manifest.model_source)
     if need_hnsw and manifest.hnsw is None:
         raise IndexLoadError(directory, "built without the HNSW index (--no-hnsw)", "no_hnsw", hint)
-    trim = VOCABTRIM_FILE in manifest.files
-    names = (
-        [FREQUENCY_FILE, BIGRAM_FILE]
-        + ([HNSW_FILE] if need_hnsw else [])
-        + ([VOCABTRIM_FILE] if trim else [])
+    optional = [f for f in OPTIONAL_FILES if f in manifest.files]
+    check_files(
+        directory, manifest, [FREQUENCY_FILE, BIGRAM_FILE, *([HNSW_FILE] if need_hnsw else []), *optional]
     )
-    check_files(directory, manifest, names)
     try:
         counts = load_counts(directory / FREQUENCY_FILE)
-        trimmed = load_counts(directory / VOCABTRIM_FILE) if trim else None
         graph = BigramGraph.load(directory / BIGRAM_FILE)
         hnsw = None
         if need_hnsw and manifest.hnsw is not None:
             hnsw = LMHeadIndex.load(directory / HNSW_FILE, manifest.hidden_size, ef=manifest.hnsw.params.ef)
+        extra = {f: load_optional_file(directory / f) for f in optional}
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # checksum ok but unreadable
         raise IndexLoadError(directory, f"cannot read index files ({exc!r})", "unreadable", hint) from exc
-    sizes = {counts.size, graph.vocab_size} | ({trimmed.size} if trimmed is not None else set())
+    trimmed, clusters = extra.get(VOCABTRIM_FILE), extra.get(CLUSTERS_FILE)
+    sizes = {counts.size, graph.vocab_size} | {t.size for t in (trimmed, clusters) if t is not None}
     if sizes != {manifest.vocab_size}:
         raise IndexLoadError(
             directory, "index files disagree with the manifest's vocab size", "corrupt", hint
         )
-    return IndexBundle(manifest, counts, graph, hnsw, directory, trimmed)
+    return IndexBundle(
+        manifest,
+        counts,
+        graph,
+        hnsw,
+        directory,
+        trimmed,
+        None if clusters is None else clusters.astype(np.int64),
+        extra.get(DYNASPEC_FILE),
+        extra.get(SPECVOCAB_FILE),
+    )
+
+
+def load_optional_file(path: Path) -> np.ndarray | TrainedFile:
+    """An optional index file: a table (.npy) or a trained model's tensors and metadata."""
+    if path.suffix == ".npy":
+        return load_counts(path) if path.name == VOCABTRIM_FILE else np.load(path, allow_pickle=False)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return TrainedFile({k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {}))  # noqa: SIM118
+
+
+def add_index_file(
+    directory: Path,
+    lm_head_weight: torch.Tensor,
+    name: str,
+    write: Callable[[Path], None],
+    record: dict[str, Any],
+    *,
+    seconds: float = 0.0,
+) -> Manifest:
+    """Add (or replace) the optional file ``name`` of an index directory built for this model:
+    ``write(tmp)`` writes it, it is moved in place, then the manifest listing it and ``record``
+    (what it was made from; the vocabtrim table's goes to ``Manifest.vocabtrim``) is written."""
+    if name not in OPTIONAL_FILES:
+        raise ValueError(f"{name}: not an optional index file ({', '.join(OPTIONAL_FILES)})")
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_model(directory, manifest, lm_head_weight)
+    tmp = directory / f".{name}.tmp{Path(name).suffix}"
+    try:
+        write(tmp)
+        tmp.chmod(0o644)  # like the other index files, whatever the writer's default
+        tmp.replace(directory / name)
+    finally:
+        tmp.unlink(missing_ok=True)
+    files = {**manifest.files, name: file_entry(directory / name)}
+    built = {**manifest.build_seconds, Path(name).stem: round(seconds, 3)}
+    if name == VOCABTRIM_FILE:
+        manifest = replace(manifest, files=files, build_seconds=built, vocabtrim=record)
+    else:
+        manifest = replace(
+            manifest, files=files, build_seconds=built, extras={**manifest.extras, name: record}
+        )
+    write_manifest(directory, manifest)
+    return manifest

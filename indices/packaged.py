@@ -37,7 +37,7 @@ from indices.manifest import (
     BIGRAM_FILE,
     FREQUENCY_FILE,
     MANIFEST_NAME,
-    VOCABTRIM_FILE,
+    OPTIONAL_FILES,
     IndexLoadError,
     Manifest,
     check_files,
@@ -48,7 +48,8 @@ from indices.manifest import (
 
 PACKAGED_ROOT = Path(__file__).resolve().parent / "packaged"
 PACKAGED_FILES = (FREQUENCY_FILE, BIGRAM_FILE)  # what ships per model (with manifest.json, NOTICE)
-OPTIONAL_FILES = (VOCABTRIM_FILE,)  # shipped where the manifest lists them (the vocabtrim table)
+# OPTIONAL_FILES (vocabtrim table, clusters, DynaSpec router, SpecVocab selector) ship where the
+# manifest lists them
 NOTICE_FILE = "NOTICE"
 
 

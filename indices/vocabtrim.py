@@ -20,14 +20,13 @@ import shlex
 import sys
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from indices.frequency import save_counts
-from indices.manifest import VOCABTRIM_FILE, Manifest, check_model, file_entry, read_manifest, write_manifest
+from indices.manifest import VOCABTRIM_FILE, Manifest, add_index_file, read_manifest
 
 
 def count_generations(
@@ -89,23 +88,16 @@ def add_vocabtrim(
 ) -> Manifest:
     """Write ``counts`` as the vocabtrim table of an index directory built for this model (the
     file is in place before the manifest naming it is written)."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    check_model(directory, manifest, lm_head_weight)
-    if counts.shape != (manifest.vocab_size,):
-        raise ValueError(
-            f"vocabtrim counts have shape {counts.shape}, the model's vocabulary is {manifest.vocab_size}"
-        )
+    vocab = read_manifest(Path(directory)).vocab_size
+    if counts.shape != (vocab,):
+        raise ValueError(f"vocabtrim counts have shape {counts.shape}, the model's vocabulary is {vocab}")
     t0 = time.perf_counter()
-    tmp = directory / f".{VOCABTRIM_FILE}.tmp.npy"
-    try:
-        save_counts(tmp, counts)
-        tmp.replace(directory / VOCABTRIM_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
-    files = {**manifest.files, VOCABTRIM_FILE: file_entry(directory / VOCABTRIM_FILE)}
-    seconds = {**manifest.build_seconds, "vocabtrim": round(time.perf_counter() - t0, 3)}
     record = {**info, "command": command or shlex.join(["evospec-index", *sys.argv[1:]])}
-    manifest = replace(manifest, files=files, build_seconds=seconds, vocabtrim=record)
-    write_manifest(directory, manifest)
-    return manifest
+    return add_index_file(
+        directory,
+        lm_head_weight,
+        VOCABTRIM_FILE,
+        lambda tmp: save_counts(tmp, counts),
+        record,
+        seconds=time.perf_counter() - t0,
+    )

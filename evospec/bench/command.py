@@ -1,4 +1,4 @@
-"""``evospec bench``: the Spec-Bench side-by-side run and the topic-shift scenario.
+"""``evospec bench``: the Spec-Bench side-by-side run, the topic-shift and conversation scenarios.
 
 Owns: the ``bench`` sub-parser; turning its arguments into decoders (``options.py`` ->
 ``assembly.py``), running them (``runner.py`` / ``topic_shift.py``) and writing the table,
@@ -28,15 +28,30 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated methods: hf (transformers' generate on the same weights) and "
         + options.METHOD_HELP.removeprefix("decoding method: ")
-        + " (default: ar,hf; topic-shift: frspec,clora,osd,evospec-full)",
+        + " (default: ar,hf; topic-shift: frspec,clora,osd,evospec-full; conversation: "
+        "ar,frspec,specvocab,evospec,evospec-full)",
     )
     b.add_argument(
         "--scenario",
-        choices=["spec-bench", "topic-shift"],
+        choices=["spec-bench", "topic-shift", "conversation"],
         default="spec-bench",
         help="'spec-bench': prompts from --data, methods side by side; 'topic-shift': HumanEval requests "
         "then law/medicine requests from the shared data folder, per-request MAL of each method with "
-        "its adapter carried across the stream (frspec is the frozen baseline)",
+        "its adapter carried across the stream (frspec is the frozen baseline); 'conversation': "
+        "multi-turn Topical-Chat conversations replayed with the model's own answers in the context, "
+        "learnt state reset per conversation, mean ± std across conversations",
+    )
+    b.add_argument(
+        "--conversations",
+        type=positive_int,
+        default=4,
+        help="conversation: conversations replayed (default 4)",
+    )
+    b.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=8,
+        help="conversation: user turns per conversation (default 8)",
     )
     b.add_argument(
         "--shift-requests",
@@ -45,7 +60,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="topic-shift: requests before and after the shift (default 12 + 12)",
     )
     b.add_argument(
-        "--shared-data", type=Path, default=DEFAULT_DATA, help="topic-shift: the shared data folder"
+        "--shared-data",
+        type=Path,
+        default=DEFAULT_DATA,
+        help="topic-shift, conversation: the shared data folder",
     )
     b.add_argument(
         "--adapt-key",
@@ -100,6 +118,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.scenario == "topic-shift":
         return _bench_topic_shift(args)
+    if args.scenario == "conversation":
+        return _bench_conversation(args)
     if args.methods is None:
         args.methods = "ar,hf"
     if args.quick and args.limit is None:
@@ -255,3 +275,67 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}", file=sys.stderr)
     return 1 if any(mismatches.values()) else 0
+
+
+def _bench_conversation(args: argparse.Namespace) -> int:
+    import torch
+
+    from evospec.assembly import assemble
+    from evospec.bench.conversation import (
+        format_conversation_table,
+        load_conversations,
+        run_conversations,
+        summarise_conversations,
+    )
+
+    n = 1 if args.quick else args.conversations
+    turns = 2 if args.quick else args.max_turns
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 16 if args.quick else 64
+    conversations = load_conversations(args.shared_data, n, turns)
+    names = [
+        m.strip()
+        for m in (args.methods or "ar,frspec,specvocab,evospec,evospec-full").split(",")
+        if m.strip()
+    ]
+    if "hf" in names:
+        raise SystemExit("error: 'hf' is not part of the conversation scenario")
+    stack = assemble(options.stack_settings(args, names), progress=not args.no_progress)
+    if stack.codec is None or not stack.codec.has_chat_template:
+        raise SystemExit("error: the conversation scenario needs a model with a chat template")
+    decoders = {stack.resolved.get(name, name): stack.decoder(name) for name in names}
+    records, mismatches = run_conversations(
+        decoders, conversations, stack.codec, options.sampling_params(args), progress=not args.no_progress
+    )
+    config = {
+        "scenario": "conversation",
+        "model": stack.loaded.name,
+        "conversations": n,
+        "max_turns": turns,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "methods": list(decoders),
+        "weights": stack.loaded.weights,
+        "outputs_differing_from_first_method": mismatches,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    result = summarise_conversations(records, config)
+    table = format_conversation_table(result)
+    print(table)
+    for dec in decoders.values():
+        dec.close()
+    if any(mismatches.values()) and args.temperature == 0:
+        print(f"error: answers differ between methods: {mismatches}", file=sys.stderr)
+    _write_outputs(args, table, result)
+    return 1 if any(mismatches.values()) and args.temperature == 0 else 0
+
+
+def _write_outputs(args: argparse.Namespace, table: str, result: dict) -> None:
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(table + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)

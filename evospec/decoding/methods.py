@@ -37,8 +37,8 @@ from evospec.vocab.config import SHARED_BUDGET
 from evospec.vocab.factory import (
     HAS_ARC,
     NEEDS_COUNTS,
+    NEEDS_FILES,
     NEEDS_RETRIEVAL,
-    NEEDS_VOCABTRIM,
     POLICIES,
     VocabConfig,
     make_policy,
@@ -64,12 +64,12 @@ class MethodSpec:
         return self.policy in NEEDS_RETRIEVAL
 
     @property
-    def needs_vocabtrim(self) -> bool:  # the indices' table of the target's own token counts
-        return self.policy in NEEDS_VOCABTRIM
+    def needs_files(self) -> tuple[str, ...]:  # the indices' optional files it reads (vocabtrim, router...)
+        return NEEDS_FILES.get(self.policy, ()) if self.policy else ()
 
     @property
     def needs_indices(self) -> bool:
-        return self.needs_counts or self.needs_hnsw or self.needs_vocabtrim
+        return self.needs_counts or self.needs_hnsw or bool(self.needs_files)
 
     @property
     def has_arc(self) -> bool:  # keeps an ARC buffer of retrieved ids (resettable, inspectable)

@@ -32,7 +32,7 @@ def gather_rows_torch(
     valid = ids >= 0  # [n]
     if not bool(valid.all()):
         ids, slots = ids[valid], slots[valid]
-    buf[slots] = weight[ids]
+    buf.index_copy_(0, slots, weight.index_select(0, ids))  # ~2x an indexed assignment on a CPU
 
 
 if triton_available():

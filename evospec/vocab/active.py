@@ -7,7 +7,9 @@ loads the policy's active ids, plus the always-active EOS ids, into the reduced 
 round's first LM-head call, after the draft backbone ran) and ``end_round`` (after
 verification: coverage and the OOV flag are measured against the set the round drafted from,
 and the policy observes the round). With ``policy=None`` the draft uses the full LM head
-(EAGLE-2) and coverage is 1. Returns one :class:`VocabRoundStats` per round for the step event.
+(EAGLE-2) and coverage is 1. The ``specvocab`` policy has no per-round set: its head
+(``TwoStageHead``) picks candidates at every draft step, and the round's set is the union of
+the candidates it used (``per_step``). Returns one :class:`VocabRoundStats` per round for the step event.
 
 With ``overlap`` (the default when the LM head lives on CUDA) the next round's set is asked of
 the policy at the end of ``end_round`` (and at ``start``) -- the accept boundary, where the
@@ -27,8 +29,9 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from evospec.models.quant import Int8Matmul
-from evospec.vocab.head import FullHead, Projection, ReducedHead
+from evospec.vocab.head import FullHead, Projection, ReducedHead, TwoStageHead
 from evospec.vocab.policy import RoundFeedback, VocabPolicy
+from evospec.vocab.routed import SpecVocabPolicy
 
 
 @dataclass
@@ -145,11 +148,15 @@ class ActiveVocab:
         self.prefill_project = prefill_project or self.project
         self.always = torch.zeros(vocab, dtype=torch.bool, device=lm_head.device)  # [V]
         self.always[[i for i in always_ids if 0 <= i < vocab]] = True
-        self.head: FullHead | ReducedHead
+        self.head: FullHead | ReducedHead | TwoStageHead
+        int8 = project if isinstance(project, Int8Matmul) else None  # gather the int8 codes
         if policy is None:
             self.head = FullHead(lm_head, self.project, row_ids)
+        elif isinstance(policy, SpecVocabPolicy):  # candidates per draft step, not per round
+            self.head = TwoStageHead(
+                lm_head, policy.selector, policy.candidates, always=self.always, int8=int8
+            )
         else:
-            int8 = project if isinstance(project, Int8Matmul) else None  # gather the int8 codes
             self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()), int8=int8)
         self._round = 0
         self._stale = False  # the active set must be reloaded before the next head call
@@ -157,7 +164,10 @@ class ActiveVocab:
         if row_ids is not None:  # a reduced draft vocabulary: it is the set every round drafts from
             self._mask = torch.zeros_like(self._mask)
             self._mask[row_ids] = True
-        self.overlap = policy is not None and (lm_head.is_cuda if overlap is None else overlap)
+        self.per_step = isinstance(self.head, TwoStageHead)
+        self.overlap = (
+            policy is not None and not self.per_step and (lm_head.is_cuda if overlap is None else overlap)
+        )
         self._next_mask = self._mask  # [V] the set staged for the next round (overlap only)
 
     @property
@@ -187,7 +197,7 @@ class ActiveVocab:
         if self.policy is None:
             return
         k = self.policy.prefill_top_k
-        self.policy.start(prompt, self.prefill_top(prefill_hidden, k) if k else None)
+        self.policy.start(prompt, self.prefill_top(prefill_hidden, k) if k else None, prefill_hidden[-1])
         if self.overlap:
             self._stage_next()
 
@@ -199,6 +209,8 @@ class ActiveVocab:
     def begin_round(self) -> None:
         """A round starts: the active set is refreshed at the round's first draft LM-head call."""
         self._stale = self.policy is not None
+        if self.per_step:
+            self.head.new_round()
 
     def draft_head(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's :class:`~evospec.decoding.drafter.DraftHeadFn`.
@@ -209,7 +221,9 @@ class ActiveVocab:
         """
         if self._stale:
             self._stale = False
-            if self.overlap:  # staged at the last accept boundary; the head waits for its rows
+            if self.per_step:  # the head picks candidates itself; the round's set is what it saw
+                self._mask = self.head.seen
+            elif self.overlap:  # staged at the last accept boundary; the head waits for its rows
                 self._mask = self._next_mask
             else:
                 self._mask = self.policy.active_mask(self._round) | self.always

@@ -35,6 +35,10 @@ class VocabConfig:
     arc_max_insert: int = setting(32, "ids inserted per OOV event at most")
     arc_min_residency: int = setting(8, "rounds an id stays before it may be evicted")
     arc_warmup: int = setting(50, "OOV events during which ARC's p stays at arc_p_init")
+    cluster_budget: int = setting(
+        4096, "DynaSpec: most ids active per round (the router's best clusters, in order, while they fit)"
+    )
+    candidates: int = setting(2048, "SpecVocab: candidate ids per draft step that get exact logits")
     n_top: int = setting(10, "retrieval seeds: the target's top ids at the OOV position")
     n_sem: int = setting(10, "retrieval seeds: HNSW neighbours of the target hidden state (0: off)")
     per_seed: int = setting(8, "bigram-graph successors added per seed (0: off)")
@@ -68,7 +72,16 @@ class VocabConfig:
         return None
 
     def __post_init__(self) -> None:
-        for name in ("k_pre", "k_ver", "w_max", "arc_capacity", "n_top", "max_pending"):
+        for name in (
+            "k_pre",
+            "k_ver",
+            "w_max",
+            "arc_capacity",
+            "cluster_budget",
+            "candidates",
+            "n_top",
+            "max_pending",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"vocab.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("arc_ghost", "arc_p_init", "arc_max_insert", "arc_min_residency", "arc_warmup"):

@@ -236,3 +236,86 @@ class ReducedHead:
         """Return and reset the accumulated timings."""
         out, self.timings = self.timings, HeadTimings()
         return out
+
+
+class TwoStageHead:
+    """SpecVocab's draft head: each row ranks the vocabulary with a low-rank selector, keeps its
+    top ``candidates`` ids (plus the always-active ids) and takes exact logits over those only.
+
+    Exact logits come from the draft LM head's own rows (fp32, or the target's int8 codes and
+    scales, as :class:`ReducedHead` gathers them), so a candidate's logit is the one the full
+    head would give it; the log-softmax runs over the row's candidates. Rows of one call share
+    one gather: the union of their candidates [u], each row masked to its own. ``seen`` [V]
+    collects every id that was a candidate since :meth:`new_round` (the round's active set).
+    With an int8 head the selector's codes are ranked in int8 too (per-row scales): ranking is
+    approximate by design, and only which ids become candidates depends on it.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        selector,  # vocab/selector.py: LowRankSelector ([n, D] -> [n, V] approximate logits)
+        candidates: int,
+        *,
+        always: torch.Tensor | None = None,
+        int8: Int8Matmul | None = None,
+    ) -> None:
+        vocab = weight.shape[0]
+        self.weight = weight  # [V, D]
+        self.selector = selector
+        self.candidates = min(candidates, vocab)
+        self.int8 = int8
+        self.always = (
+            torch.zeros(0, dtype=torch.long, device=weight.device)
+            if always is None
+            else always.nonzero().flatten()
+        )  # [e]
+        self.capacity = self.candidates + self.always.numel()
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=weight.device)  # [V]
+        self.timings = HeadTimings()
+        self._codes8 = None
+        # rank in int8 as well (a quarter of the selector's fp32 bytes) where the kernel takes the
+        # rank: aten's int8 matmul needs a reduction length that is a multiple of 16
+        if int8 is not None and selector.rank % 16 == 0:
+            codes = selector.codes.detach().float()  # [V, r]
+            scale = (codes.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [V]
+            self._codes8 = (torch.round(codes / scale[:, None]).to(torch.int8), scale.to(torch.bfloat16))
+
+    @property
+    def size(self) -> int:
+        """Ids that were candidates this round."""
+        return int(self.seen.sum())
+
+    def new_round(self) -> None:
+        self.seen.zero_()
+
+    def _approx(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, V]
+        if self._codes8 is None:
+            return self.selector(hidden.float())
+        z = (hidden.float() @ self.selector.down).to(torch.bfloat16)  # [n, r]
+        return torch.ops.aten._weight_int8pack_mm(z, *self._codes8)
+
+    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        n = hidden.shape[0]
+        cand = torch.topk(self._approx(hidden), self.candidates, dim=-1, sorted=False).indices  # [n, K]
+        rows = torch.cat([cand, self.always.expand(n, -1)], dim=1)  # [n, K + e]
+        union, slot = torch.unique(rows, return_inverse=True)  # [u], [n, K + e]
+        exact = self._exact(hidden, union).float()  # [n, u]
+        logits = torch.full_like(exact, float("-inf"))
+        logits.scatter_(1, slot, exact.gather(1, slot))  # each row keeps its own candidates
+        # k' = min(k, K): a row holds at least K distinct ids, so no masked slot is returned
+        top = torch.topk(torch.log_softmax(logits, dim=-1), min(k, self.candidates), dim=-1)
+        self.seen[union] = True
+        self.timings.lm_head_s += time.perf_counter() - t0
+        return top.values, union[top.indices]
+
+    def _exact(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [n, D], [u] -> [n, u]
+        if self.int8 is not None:
+            codes, scale = self.int8.codes.index_select(0, ids), self.int8.scale.index_select(0, ids)
+            return torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), codes, scale)
+        return hidden @ self.weight.index_select(0, ids).T
+
+    def take_timings(self) -> HeadTimings:
+        out, self.timings = self.timings, HeadTimings()
+        return out

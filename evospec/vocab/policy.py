@@ -70,8 +70,11 @@ class VocabPolicy(Protocol):
     capacity: int  # most ids the policy ever makes active (sizes the reduced head)
     prefill_top_k: int  # top-K ids per prompt position the policy wants at prefill (0 = none)
 
-    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None) -> None:
-        """New request: prompt ids [P] and, if asked for, prefill top ids [P, prefill_top_k]."""
+    def start(
+        self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden: torch.Tensor | None = None
+    ) -> None:
+        """New request: prompt ids [P], if asked for the prefill top ids [P, prefill_top_k], and
+        the target's feature at the last prompt position [D] (the first round's context)."""
         ...
 
     def active_mask(self, round_index: int) -> torch.Tensor:
@@ -117,30 +120,13 @@ def _mask_of(ids: torch.Tensor | np.ndarray | list[int], vocab_size: int, device
     return mask
 
 
-class StaticVocab:
-    """FR-Spec: a fixed top-K frequency table."""
+class StatelessPolicy:
+    """The answers of a policy that learns nothing while serving (no ARC buffer, no stats)."""
 
-    prefill_top_k = 0
-
-    def __init__(self, top_ids: np.ndarray | list[int], vocab_size: int, device="cpu", name: str = "frspec"):
-        self.name = name
-        self.mask = _mask_of(top_ids, vocab_size, device)  # [V]
-        self.capacity = int(self.mask.sum())
-
-    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None) -> None:
-        pass
-
-    def active_mask(self, round_index: int) -> torch.Tensor:
-        return self.mask
-
-    def observe(self, fb: RoundFeedback) -> None:
-        pass
+    name: str
 
     def take_stats(self) -> PolicyStats:
         return PolicyStats()
-
-    def state(self) -> dict:
-        return {"policy": self.name, "static_size": self.capacity}
 
     def reset_dynamic(self) -> dict | None:
         return None
@@ -153,6 +139,29 @@ class StaticVocab:
 
     def close(self) -> None:
         pass
+
+
+class StaticVocab(StatelessPolicy):
+    """FR-Spec: a fixed top-K frequency table."""
+
+    prefill_top_k = 0
+
+    def __init__(self, top_ids: np.ndarray | list[int], vocab_size: int, device="cpu", name: str = "frspec"):
+        self.name = name
+        self.mask = _mask_of(top_ids, vocab_size, device)  # [V]
+        self.capacity = int(self.mask.sum())
+
+    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden=None) -> None:
+        pass
+
+    def active_mask(self, round_index: int) -> torch.Tensor:
+        return self.mask
+
+    def observe(self, fb: RoundFeedback) -> None:
+        pass
+
+    def state(self) -> dict:
+        return {"policy": self.name, "static_size": self.capacity}
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,7 @@ def _seed_window(window: CandidateWindow, prompt: torch.Tensor, prefill_top: tor
         window.push(prefill_top.flatten())
 
 
-class NanoSpecVocab:
+class NanoSpecVocab(StatelessPolicy):
     """NanoSpec: the unique ids among the last W_max candidate-stream entries."""
 
     name = "nanospec"
@@ -186,7 +195,7 @@ class NanoSpecVocab:
         self.capacity = min(vocab_size, cfg.w_max)
         self.prefill_top_k = cfg.k_pre
 
-    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None) -> None:
+    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden=None) -> None:
         _seed_window(self.window, prompt, prefill_top)
 
     def active_mask(self, round_index: int) -> torch.Tensor:
@@ -195,23 +204,8 @@ class NanoSpecVocab:
     def observe(self, fb: RoundFeedback) -> None:
         _append_round(self.window, fb, self.cfg.k_ver)
 
-    def take_stats(self) -> PolicyStats:
-        return PolicyStats()
-
     def state(self) -> dict:
         return {"policy": self.name, "window": self.cfg.w_max, "window_size": self.window.size}
-
-    def reset_dynamic(self) -> dict | None:
-        return None  # the window restarts with every request anyway
-
-    def dynamic_state(self) -> dict | None:
-        return None
-
-    def load_dynamic_state(self, state: dict) -> None:
-        raise ValueError(f"policy {self.name} keeps no dynamic state")
-
-    def close(self) -> None:
-        pass
 
 
 class _RetrievalFed:
@@ -336,7 +330,7 @@ class EvoSpecVocab:
         self.dyn = _RetrievalFed(vocab_size, arc, pool, top_n, device, persist)
         self.capacity = min(vocab_size, int(self.core.sum()) + arc.capacity)
 
-    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None) -> None:
+    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden=None) -> None:
         self.dyn.start()
 
     def active_mask(self, round_index: int) -> torch.Tensor:
@@ -389,7 +383,7 @@ class NanoSpecEvoVocab:
         self.capacity = min(vocab_size, nano.w_max)
         self.prefill_top_k = nano.k_pre
 
-    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None) -> None:
+    def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden=None) -> None:
         _seed_window(self.window, prompt, prefill_top)
         self.dyn.start()
 

@@ -187,7 +187,7 @@ def test_a_full_queue_drops_rounds_without_blocking(target, head):
 def test_sampling_follows_the_target_while_the_draft_learns():
     """The second generated token keeps the target's marginal while updates land between
     requests (inline updates every few rounds, so the draft really changes during the run)."""
-    from tests.decoding.test_speculative import _chi2_pvalue, _exact_second_token
+    from tests.decoding.spec_helpers import chi2_pvalue, exact_second_token
 
     target = tiny_target(4, sharp=3.0)
     head = new_eagle_for(target, seed=2)
@@ -201,7 +201,7 @@ def test_sampling_follows_the_target_while_the_draft_learns():
         adapt=replace(FAST, asynchronous=False, buffer_size=2),
     )
     prompt = prompt_of(8, 5)
-    exact = _exact_second_token(target, prompt, temperature=1.0).float()
+    exact = exact_second_token(target, prompt, temperature=1.0).float()
     n = 800
     counts = torch.zeros(exact.numel())
     accepted = 0
@@ -211,7 +211,7 @@ def test_sampling_follows_the_target_while_the_draft_learns():
         accepted += sum(ev.accepted for ev in evs)
     assert dec.adapt.stats.updates > 50  # the draft changed many times during the run
     assert accepted > 0
-    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3
 
 
 def test_publish_lag_counts_rounds_served_on_older_weights(target, head):

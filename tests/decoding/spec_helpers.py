@@ -87,3 +87,28 @@ def spec_tokens(target, drafter, prompt, params, tree: TreeConfig, eos=(), prefe
 
 def prompt_of(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def exact_second_token(target, prompt: list[int], temperature: float) -> torch.Tensor:
+    """p(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1), computed from the target directly."""
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        cache = target.new_cache(len(ids))
+        logits = target(torch.tensor([ids]), torch.arange(len(ids)), cache, logits="last").logits[0, -1]
+        return torch.softmax(logits.double() / temperature, -1)
+
+    p1 = next_probs(prompt)
+    return sum(p1[x] * next_probs([*prompt, x]) for x in range(p1.numel()) if p1[x] > 1e-7)
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson goodness of fit; bins expecting < 5 samples are pooled into one."""
+    from scipy.stats import chi2
+
+    n = float(counts.sum())
+    expected = probs * n
+    big = expected >= 5
+    obs = [*counts[big].tolist(), float(counts[~big].sum())]
+    exp = [*expected[big].tolist(), float(expected[~big].sum())]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
+    return float(chi2.sf(stat, len(obs) - 1))

@@ -125,12 +125,12 @@ def test_int4_target_greedy_equals_ar(trained):
 
 def test_sampled_tokens_follow_the_target(trained):
     """The second generated token (drafted, accepted or resampled) has the target's marginal."""
-    from tests.decoding.test_speculative import _chi2_pvalue, _exact_second_token
+    from tests.decoding.spec_helpers import chi2_pvalue, exact_second_token
 
     target, head = trained
     dec = make_decoder("eagle3", target, draft=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
     prompt = prompt_of(3, 7)  # a training prompt: the tiny head knows its continuation
-    exact = _exact_second_token(target, prompt, temperature=0.5).float()
+    exact = exact_second_token(target, prompt, temperature=0.5).float()
     n = 600
     counts = torch.zeros(exact.numel())
     accepted = 0
@@ -140,4 +140,4 @@ def test_sampled_tokens_follow_the_target(trained):
         accepted += sum(ev.accepted for ev in evs)
     assert accepted > 0  # some drafts are accepted (the tiny head rarely matches a sampled token;
     # the shared verifier's law under heavy acceptance is tested in test_speculative.py)
-    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3

@@ -12,7 +12,9 @@ from evospec.models.packing import pack_linears
 from evospec.models.step import StepGraph, supports_step_graph
 from tests.decoding.spec_helpers import (
     ar_tokens,
+    chi2_pvalue,
     eagle_drafter,
+    exact_second_token,
     perturbed_drafter,
     prompt_of,
     spec_events,
@@ -189,31 +191,6 @@ def test_seeded_sampling_repeats_exactly(target, drafters):
     assert first != other  # different seeds give different samples (peaked but not deterministic)
 
 
-def _exact_second_token(target, prompt: list[int], temperature: float) -> torch.Tensor:
-    """p(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1), computed from the target directly."""
-
-    def next_probs(ids: list[int]) -> torch.Tensor:
-        cache = target.new_cache(len(ids))
-        logits = target(torch.tensor([ids]), torch.arange(len(ids)), cache, logits="last").logits[0, -1]
-        return torch.softmax(logits.double() / temperature, -1)
-
-    p1 = next_probs(prompt)
-    return sum(p1[x] * next_probs([*prompt, x]) for x in range(p1.numel()) if p1[x] > 1e-7)
-
-
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson goodness of fit; bins expecting < 5 samples are pooled into one."""
-    from scipy.stats import chi2
-
-    n = float(counts.sum())
-    expected = probs * n
-    big = expected >= 5
-    obs = [*counts[big].tolist(), float(counts[~big].sum())]
-    exp = [*expected[big].tolist(), float(expected[~big].sum())]
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
-    return float(chi2.sf(stat, len(obs) - 1))
-
-
 @pytest.mark.parametrize(
     "fmt,chain,fused",
     [("fp32", False, False), ("int4", False, True), ("int4", True, True), ("int4", True, False)],
@@ -225,7 +202,7 @@ def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain, fused):
     drafter = perturbed_drafter(target, noise=0.3)
     tree = CHAIN if chain else TreeConfig(top_k=3, depth=3, total_tokens=8)
     prompt = prompt_of(8, 5)
-    exact = _exact_second_token(target, prompt, temperature=1.0).float()
+    exact = exact_second_token(target, prompt, temperature=1.0).float()
     n = 1500
     counts = torch.zeros(exact.numel())
     accepted = 0
@@ -235,11 +212,11 @@ def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain, fused):
         counts[[t for ev in evs for t in ev.tokens][1]] += 1
         accepted += sum(ev.accepted for ev in evs)
     assert accepted > n // 4  # drafts really were accepted, so acceptance is what is tested
-    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(counts, exact) > 1e-3
     # The same check rejects a distribution that is somewhat off (sharpened: p^1.35).
     sharpened = exact**1.35 / (exact**1.35).sum()
     assert (
-        _chi2_pvalue(
+        chi2_pvalue(
             torch.multinomial(sharpened, n, replacement=True, generator=torch.Generator().manual_seed(0))
             .bincount(minlength=exact.numel())
             .float(),

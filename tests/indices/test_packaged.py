@@ -16,12 +16,12 @@ import indices.default as default
 from evospec.common import DEFAULT_DATA
 from evospec.models.registry import DEFAULT_MODEL
 from indices.corpus import REDISTRIBUTABLE, TRAINING_SOURCES
-from indices.manifest import BIGRAM_FILE, VOCABTRIM_FILE, IndexLoadError
+from indices.manifest import BIGRAM_FILE, OPTIONAL_FILES, IndexLoadError
 from indices.packaged import NOTICE_FILE, PACKAGED_FILES, PACKAGED_ROOT, packaged_dirs, read_packaged
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = PACKAGED_ROOT / DEFAULT_MODEL
-MAX_BYTES = 2_000_000  # what the tables may weigh in the wheel, all files together
+MAX_BYTES = 10_000_000  # what the tables may weigh in the wheel, all files together
 REFUSED = ("SA", "NC", "ND", "unclear")  # license terms whose sets must never ship
 
 
@@ -30,7 +30,7 @@ def test_default_model_ships_intact_tables() -> None:
     tables = read_packaged(SHIPPED)  # checks every listed file's size and sha256
     m = tables.manifest
     assert m.model_name == DEFAULT_MODEL and m.vocab_size == tables.counts.size == 49152
-    assert m.hnsw is None and set(m.files) == {*PACKAGED_FILES, VOCABTRIM_FILE}  # HNSW: built on first use
+    assert m.hnsw is None and set(m.files) == {*PACKAGED_FILES, *OPTIONAL_FILES}  # HNSW: built on first use
     assert tables.graph.num_edges == m.num_edges > 50_000 and tables.counts.sum() == m.corpus.num_tokens
     size = sum(e.size for e in m.files.values()) + (SHIPPED / "manifest.json").stat().st_size
     assert size < MAX_BYTES
@@ -92,7 +92,8 @@ def test_rebuild_reproduces_the_shipped_tables(default_model, tmp_path: Path) ->
         model_name=DEFAULT_MODEL,
         progress=False,
     )
-    assert m.files == read_packaged(SHIPPED).manifest.files
+    shipped = read_packaged(SHIPPED).manifest.files  # the optional files are added to it later
+    assert m.files == {name: shipped[name] for name in PACKAGED_FILES}
 
 
 @pytest.mark.slow
@@ -134,3 +135,29 @@ def test_fresh_install_assembles_every_vocabulary_method(tmp_path: Path, monkeyp
     finally:
         for dec in stack.decoders.values():
             dec.close()
+
+
+def test_the_shipped_router_and_selector_fit_the_shipped_clusters_and_model() -> None:
+    """What the dynaspec / specvocab policies check at load time holds for what ships."""
+    import numpy as np
+
+    from evospec.vocab.router import load_router
+    from evospec.vocab.selector import load_selector
+    from indices.manifest import CLUSTERS_FILE, DYNASPEC_FILE, SPECVOCAB_FILE, load_optional_file
+
+    m = read_packaged(SHIPPED).manifest
+    clusters = np.load(SHIPPED / CLUSTERS_FILE).astype(np.int64)
+    assert clusters.shape == (m.vocab_size,) and set(np.unique(clusters)) == set(range(256))
+    router = load_router(
+        load_optional_file(SHIPPED / DYNASPEC_FILE), clusters=clusters, fingerprint=m.model_fingerprint
+    )
+    selector = load_selector(
+        load_optional_file(SHIPPED / SPECVOCAB_FILE),
+        vocab_size=m.vocab_size,
+        dim=m.hidden_size,
+        fingerprint=m.model_fingerprint,
+    )
+    assert router.clusters == 256 and selector.rank == 64
+    for name in (DYNASPEC_FILE, SPECVOCAB_FILE):  # each says how it was trained and what it reached
+        rec = m.extras[name]
+        assert rec["command"].startswith("evospec train-vocab") and rec["train_log"]["epochs"], name

@@ -35,6 +35,10 @@ PRESET_METHODS = {
     "nanospec-evospec-e3.yaml": "nanospec+evospec-e3",
     "vocabtrim.yaml": "vocabtrim",
     "vocabtrim-e3.yaml": "vocabtrim-e3",
+    "dynaspec.yaml": "dynaspec",
+    "dynaspec-e3.yaml": "dynaspec-e3",
+    "specvocab.yaml": "specvocab",
+    "specvocab-e3.yaml": "specvocab-e3",
 }
 
 
@@ -69,6 +73,10 @@ def test_every_method_has_a_preset() -> None:
         "nanospec-evospec-e3.yaml",
         "vocabtrim.yaml",
         "vocabtrim-e3.yaml",
+        "dynaspec.yaml",
+        "dynaspec-e3.yaml",
+        "specvocab.yaml",
+        "specvocab-e3.yaml",
     ],
 )
 def test_cpu_presets_use_a_small_tree(name: str) -> None:

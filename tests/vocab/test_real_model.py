@@ -11,7 +11,7 @@ from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import load_eagle
 from evospec.models.loading import LoadedModel
 from evospec.models.registry import DEFAULT_MODEL, default_head
-from evospec.vocab.factory import POLICIES, VocabConfig
+from evospec.vocab.factory import NEEDS_FILES, POLICIES, VocabConfig
 
 PROMPTS = ["Write a haiku about the ocean.", "What is the capital of Australia? Explain briefly."]
 
@@ -21,7 +21,8 @@ def test_every_policy_on_the_default_model_equals_ar(default_model: LoadedModel)
     from indices.default import ensure_indices  # builds on first use (~2 minutes on 2 cores)
 
     model, codec = default_model.model, default_model.codec
-    indices = ensure_indices(default_model, need_vocabtrim=True, progress=False)
+    needed = sorted({f for files in NEEDS_FILES.values() for f in files})  # the shipped ones
+    indices = ensure_indices(default_model, need_files=needed, progress=False)
     draft = load_eagle(default_head(DEFAULT_MODEL))
     params = SamplingParams(max_new_tokens=32)
     prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
