@@ -256,3 +256,21 @@ def test_a_backlog_still_updates_every_buffer(target):
     assert ad.stats.admitted == 36 and ad.stats.discarded == 0
     assert ad.stats.updates == 6  # B = 4: every second round fills the buffer
     assert ad.buffered() == 0
+
+
+def test_the_update_thread_leaves_the_decode_threads_cores_alone(target, head):
+    """The worker runs its updates on one intra-op thread; the decode thread keeps its own count."""
+    import threading
+
+    before = torch.get_num_threads()
+    dec = decoder(target, head, "clora", asynchronous=True)
+    seen = []
+    process = dec.adapt._process
+    dec.adapt._process = lambda batch: seen.append(torch.get_num_threads()) or process(batch)
+    for seed in range(3):
+        list(dec.generate(prompt_of(seed, 8), SamplingParams(max_new_tokens=24)))
+    assert dec.adapt.wait_idle()
+    assert seen and set(seen) == {1}  # updates ran, each on one intra-op thread
+    assert torch.get_num_threads() == before  # not the decode thread's
+    assert threading.current_thread() is threading.main_thread()
+    dec.close()
