@@ -34,6 +34,9 @@ from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 
 CANDIDATES = (
+    # one drafted token: a 2-row verify costs ~1.1 AR steps on a CPU (3 rows: ~1.4), so with a
+    # first-token acceptance of ~0.3 this is the shape closest to paying (docs/benchmarks.md, wave 6)
+    TreeConfig(top_k=1, depth=1, total_tokens=1),
     TreeConfig(top_k=1, depth=2, total_tokens=2),
     TreeConfig(top_k=1, depth=4, total_tokens=4),
     TreeConfig(top_k=2, depth=3, total_tokens=6),
@@ -147,7 +150,8 @@ class Tuner:
         if getattr(self.loaded.model, "fused_ops", False):
             kernels += "+fused-ops"  # cheaper still, and its own rounding
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
-        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v2"])  # v1 read training data
+        # v1 read training data; v3: the candidates gained the 1-token chain (older entries never tried it)
+        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v3"])
 
     def tuning(self, method: str) -> dict:
         """The cached (or freshly measured) calibration of ``method``: ``calibrate``'s result."""
