@@ -144,6 +144,18 @@ class TrainedFile:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
 
+    def check(self, kind: str, fingerprint: str, retrain: str) -> dict[str, str]:
+        """Its metadata, if it holds a ``kind`` trained for the LM head with this fingerprint;
+        else ``ValueError`` naming the mismatch and the ``retrain`` command."""
+        if self.metadata.get("kind") != kind:
+            raise ValueError(f"the file is not a {kind} (its kind: {self.metadata.get('kind')!r})")
+        if self.metadata.get("model_fingerprint") != fingerprint:
+            raise ValueError(
+                f"the {kind} was trained for another model (LM-head fingerprint differs); "
+                f"retrain it: {retrain}"
+            )
+        return self.metadata
+
 
 @dataclass
 class IndexBundle:

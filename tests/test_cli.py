@@ -185,3 +185,20 @@ def test_bench_writes_json(
 def test_bench_missing_data_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--data", str(tmp_path / "none.jsonl"), "--no-progress"]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_conversation_scenario_without_its_data_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--scenario", "conversation", "--methods", "ar", "--shared-data", str(tmp_path)]
+    assert main([*argv, "--no-progress"]) == 2
+    assert "topical_chat" in capsys.readouterr().err
+
+
+def test_train_vocab_refuses_a_rank_above_the_hidden_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train-vocab", "specvocab", "--out", str(tmp_path / "idx"), "--work", str(tmp_path / "w")]
+    assert main([*argv, "--rank", "1000", "--no-progress"]) == 2
+    assert "--rank must be at most 576" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # refused before any data work

@@ -81,6 +81,10 @@ def cmd_train_vocab(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     loaded = load_model(args.model, progress=progress, weights="fp32")
     weight = loaded.model.lm_head.weight  # [V, D]
+    if args.kind == "specvocab" and args.rank > min(weight.shape):  # before any data work
+        raise ValueError(
+            f"train-vocab: --rank must be at most {min(weight.shape)} (the hidden size), got {args.rank}"
+        )
     need = [CLUSTERS_FILE] if args.kind == "dynaspec" else []
     bundle = ensure_indices(loaded, directory=args.out, need_hnsw=False, need_files=need, progress=progress)
     work = args.work or evospec_home() / "train" / loaded.name

@@ -111,6 +111,30 @@ def _router_eval(router, rows, idx, greedy, clusters, budget, horizon) -> dict:
     return {"greedy_covered": round(hits / total, 4), "mean_active": round(float(active.mean()), 1)}
 
 
+def _fit(opt, train_i: torch.Tensor, loss_of, evaluate, *, epochs, batch, lr, name, progress) -> list[dict]:
+    """Epochs of shuffled mini-batches of ``train_i`` under a one-cycle schedule; per epoch the
+    mean training loss and ``evaluate()``'s held-out figures."""
+    steps = epochs * -(-train_i.numel() // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    out = []
+    for epoch in range(epochs):
+        perm = train_i[torch.randperm(train_i.numel())]
+        total = 0.0
+        for lo in tqdm(range(0, perm.numel(), batch), desc=f"{name} epoch {epoch + 1}", disable=not progress):
+            b = perm[lo : lo + batch]
+            loss = loss_of(b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += float(loss.detach()) * b.numel()
+        with torch.no_grad():
+            evaluation = evaluate()
+        out.append({"loss": round(total / train_i.numel(), 4), "holdout": evaluation})
+        tqdm.write(f"{name} epoch {epoch + 1}: holdout {evaluation}")
+    return out
+
+
 def train_router(
     rows: FeatureRows,
     lm_head: torch.Tensor,
@@ -132,27 +156,24 @@ def train_router(
     ok, target = _horizon_targets(rows, mass, horizon)
     train_i, hold_i = _split(ok.numel(), holdout, seed)
     router = ClusterRouter(rows.feats.shape[1], int(clusters.max()) + 1, hidden)
-    opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=0.01)
     log = {"rows": int(ok.numel()), "holdout_rows": int(hold_i.numel()), "epochs": []}
     log["initial"] = _router_eval(router, rows, ok[hold_i], greedy, clusters, budget, horizon)
-    steps = epochs * -(-train_i.numel() // batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    for epoch in range(epochs):
-        perm = train_i[torch.randperm(train_i.numel())]
-        total = 0.0
-        for lo in tqdm(range(0, perm.numel(), batch), desc=f"router epoch {epoch + 1}", disable=not progress):
-            b = perm[lo : lo + batch]
-            logp = torch.log_softmax(router(rows.feats[ok[b]].float()), -1)
-            loss = -(target[b] * logp).sum(-1).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += float(loss.detach()) * b.numel()
-        evaluation = _router_eval(router.eval(), rows, ok[hold_i], greedy, clusters, budget, horizon)
-        router.train()
-        log["epochs"].append({"loss": round(total / train_i.numel(), 4), "holdout": evaluation})
-        tqdm.write(f"router epoch {epoch + 1}: holdout {evaluation}")
+
+    def loss_of(b: torch.Tensor) -> torch.Tensor:  # b [n] indices into ok: soft CE on the cluster mass
+        return -(target[b] * torch.log_softmax(router(rows.feats[ok[b]].float()), -1)).sum(-1).mean()
+
+    opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=0.01)
+    log["epochs"] = _fit(
+        opt,
+        train_i,
+        loss_of,
+        lambda: _router_eval(router, rows, ok[hold_i], greedy, clusters, budget, horizon),
+        epochs=epochs,
+        batch=batch,
+        lr=lr,
+        name="router",
+        progress=progress,
+    )
     log["seconds"] = round(time.perf_counter() - t0, 1)
     return router.eval().requires_grad_(False), log
 
@@ -191,28 +212,26 @@ def train_selector(
     train_i, hold_i = _split(rows.feats.shape[0], holdout, seed)
     log = {"rows": int(rows.feats.shape[0]), "holdout_rows": int(hold_i.numel()), "epochs": []}
     log["svd"] = _selector_eval(selector, rows, hold_i, w, candidates)
+
+    def loss_of(b: torch.Tensor) -> torch.Tensor:  # b [n] rows: KL to the target + CE on its greedy token
+        x = rows.feats[b].float()
+        with torch.no_grad():
+            logits = x @ w.T  # [n, V] exact
+            p, greedy = logits.softmax(-1), logits.argmax(-1)
+        logq = torch.log_softmax(selector(x), -1)
+        return -(p * logq).sum(-1).mean() + aux_weight * nn.functional.nll_loss(logq, greedy)
+
     opt = torch.optim.Adam(selector.parameters(), lr=lr)
-    steps = epochs * -(-train_i.numel() // batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    for epoch in range(epochs):
-        perm = train_i[torch.randperm(train_i.numel())]
-        total = 0.0
-        for lo in tqdm(
-            range(0, perm.numel(), batch), desc=f"selector epoch {epoch + 1}", disable=not progress
-        ):
-            x = rows.feats[perm[lo : lo + batch]].float()
-            with torch.no_grad():
-                logits = x @ w.T  # [b, V] exact
-                p, greedy = logits.softmax(-1), logits.argmax(-1)
-            logq = torch.log_softmax(selector(x), -1)
-            loss = -(p * logq).sum(-1).mean() + aux_weight * nn.functional.nll_loss(logq, greedy)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += float(loss.detach()) * x.shape[0]
-        evaluation = _selector_eval(selector, rows, hold_i, w, candidates)
-        log["epochs"].append({"loss": round(total / train_i.numel(), 4), "holdout": evaluation})
-        tqdm.write(f"selector epoch {epoch + 1}: holdout {evaluation}")
+    log["epochs"] = _fit(
+        opt,
+        train_i,
+        loss_of,
+        lambda: _selector_eval(selector, rows, hold_i, w, candidates),
+        epochs=epochs,
+        batch=batch,
+        lr=lr,
+        name="selector",
+        progress=progress,
+    )
     log["seconds"] = round(time.perf_counter() - t0, 1)
     return selector.eval().requires_grad_(False), log

@@ -45,7 +45,7 @@ class DynaSpecVocab(StatelessPolicy):
         self.router = router.to(device)
         self.capacity = min(budget, clusters.shape[0])
         self.mask = torch.zeros(clusters.shape[0], dtype=torch.bool, device=device)  # [V]
-        self.chosen = torch.zeros(0, dtype=torch.long, device=device)  # [m] cluster ids
+        self.chosen = torch.zeros_like(self.sizes, dtype=torch.bool)  # [C] the active clusters
 
     @torch.inference_mode()
     def _route(self, hidden: torch.Tensor | None) -> None:
@@ -53,9 +53,8 @@ class DynaSpecVocab(StatelessPolicy):
             scores = -torch.arange(self.sizes.numel(), dtype=torch.float32, device=self.sizes.device)
         else:
             scores = self.router(hidden.reshape(1, -1).float())[0]  # [C]
-        chosen = budget_prefix(scores[None], self.sizes, self.capacity)[0]  # [C] bool
-        self.chosen = torch.nonzero(chosen).flatten()
-        self.mask = chosen[self.cluster_of]  # [V]
+        self.chosen = budget_prefix(scores[None], self.sizes, self.capacity)[0]  # [C] bool
+        self.mask = self.chosen[self.cluster_of]  # [V]
 
     def start(self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden=None) -> None:
         self._route(last_hidden)
@@ -70,7 +69,7 @@ class DynaSpecVocab(StatelessPolicy):
         return {
             "policy": self.name,
             "budget": self.capacity,
-            "clusters": sorted(self.chosen.tolist()),
+            "clusters": torch.nonzero(self.chosen).flatten().tolist(),
             "active_size": int(self.mask.sum()),
         }
 

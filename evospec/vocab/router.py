@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 DEFAULT_ROUTER_HIDDEN = 1024
+RETRAIN = "evospec train-vocab dynaspec --model MODEL"
 
 
 class ClusterRouter(nn.Module):
@@ -73,18 +74,11 @@ def save_router(router: ClusterRouter, path: Path, *, clusters: np.ndarray, fing
 def load_router(trained, *, clusters: np.ndarray, fingerprint: str, dtype=torch.float32, device="cpu"):
     """The :class:`ClusterRouter` of an index bundle's ``dynaspec`` file (``TrainedFile``);
     ``ValueError`` naming the mismatch when it was trained for other clusters or another model."""
-    meta = trained.metadata
-    if meta.get("kind") != "dynaspec-router":
-        raise ValueError("the dynaspec file is not a DynaSpec router")
-    if meta.get("model_fingerprint") != fingerprint:
-        raise ValueError(
-            "the DynaSpec router was trained for another model (LM-head fingerprint differs); "
-            "retrain it: evospec train-vocab dynaspec --model MODEL"
-        )
+    meta = trained.check("dynaspec-router", fingerprint, RETRAIN)
     if meta.get("clusters_sha256") != clusters_digest(clusters):
         raise ValueError(
             "the DynaSpec router was trained on other vocabulary clusters than the indices hold; "
-            "retrain it: evospec train-vocab dynaspec --model MODEL"
+            f"retrain it: {RETRAIN}"
         )
     router = ClusterRouter(int(meta["dim"]), int(meta["clusters"]), int(meta["hidden"]))
     router.load_state_dict({k: v.float() for k, v in trained.tensors.items()})

@@ -64,14 +64,7 @@ def save_selector(selector: LowRankSelector, path, *, fingerprint: str) -> None:
 
 def load_selector(trained, *, vocab_size: int, dim: int, fingerprint: str, dtype=torch.float32, device="cpu"):
     """The :class:`LowRankSelector` of an index bundle's ``specvocab`` file (``TrainedFile``)."""
-    meta = trained.metadata
-    if meta.get("kind") != "specvocab-selector":
-        raise ValueError("the specvocab file is not a SpecVocab selector")
-    if meta.get("model_fingerprint") != fingerprint:
-        raise ValueError(
-            "the SpecVocab selector was made for another model (LM-head fingerprint differs); "
-            "retrain it: evospec train-vocab specvocab --model MODEL"
-        )
+    trained.check("specvocab-selector", fingerprint, "evospec train-vocab specvocab --model MODEL")
     down, codes = trained.tensors["down"], trained.tensors["codes"]
     if down.shape[0] != dim or codes.shape[0] != vocab_size or down.shape[1] != codes.shape[1]:
         raise ValueError(

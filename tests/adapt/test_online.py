@@ -187,7 +187,7 @@ def test_a_full_queue_drops_rounds_without_blocking(target, head):
 def test_sampling_follows_the_target_while_the_draft_learns():
     """The second generated token keeps the target's marginal while updates land between
     requests (inline updates every few rounds, so the draft really changes during the run)."""
-    from tests.decoding.spec_helpers import chi2_pvalue, exact_second_token
+    from tests.decoding.spec_helpers import chi2_pvalue, exact_second_token, sampled_second_tokens
 
     target = tiny_target(4, sharp=3.0)
     head = new_eagle_for(target, seed=2)
@@ -202,13 +202,7 @@ def test_sampling_follows_the_target_while_the_draft_learns():
     )
     prompt = prompt_of(8, 5)
     exact = exact_second_token(target, prompt, temperature=1.0).float()
-    n = 800
-    counts = torch.zeros(exact.numel())
-    accepted = 0
-    for s in range(n):
-        evs = list(dec.generate(prompt, SamplingParams(max_new_tokens=2, temperature=1.0, seed=s)))
-        counts[[t for ev in evs for t in ev.tokens][1]] += 1
-        accepted += sum(ev.accepted for ev in evs)
+    counts, accepted = sampled_second_tokens(dec, prompt, 1.0, n=800)
     assert dec.adapt.stats.updates > 50  # the draft changed many times during the run
     assert accepted > 0
     assert chi2_pvalue(counts, exact) > 1e-3

@@ -112,3 +112,15 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     exp = [*expected[big].tolist(), float(expected[~big].sum())]
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
     return float(chi2.sf(stat, len(obs) - 1))
+
+
+def sampled_second_tokens(dec, prompt: list[int], temperature: float, n: int) -> tuple[torch.Tensor, int]:
+    """Counts [V] of the second generated token over ``n`` seeded requests of ``dec``, and the
+    draft tokens accepted over all of them (what :func:`chi2_pvalue` tests against the law)."""
+    counts = torch.zeros(dec.model.cfg.vocab_size)
+    accepted = 0
+    for s in range(n):
+        evs = list(dec.generate(prompt, SamplingParams(max_new_tokens=2, temperature=temperature, seed=s)))
+        counts[[t for ev in evs for t in ev.tokens][1]] += 1
+        accepted += sum(ev.accepted for ev in evs)
+    return counts, accepted

@@ -125,19 +125,13 @@ def test_int4_target_greedy_equals_ar(trained):
 
 def test_sampled_tokens_follow_the_target(trained):
     """The second generated token (drafted, accepted or resampled) has the target's marginal."""
-    from tests.decoding.spec_helpers import chi2_pvalue, exact_second_token
+    from tests.decoding.spec_helpers import chi2_pvalue, exact_second_token, sampled_second_tokens
 
     target, head = trained
     dec = make_decoder("eagle3", target, draft=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
     prompt = prompt_of(3, 7)  # a training prompt: the tiny head knows its continuation
     exact = exact_second_token(target, prompt, temperature=0.5).float()
-    n = 600
-    counts = torch.zeros(exact.numel())
-    accepted = 0
-    for s in range(n):
-        evs = list(dec.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0.5, seed=s)))
-        counts[[t for ev in evs for t in ev.tokens][1]] += 1
-        accepted += sum(ev.accepted for ev in evs)
+    counts, accepted = sampled_second_tokens(dec, prompt, 0.5, n=600)
     assert accepted > 0  # some drafts are accepted (the tiny head rarely matches a sampled token;
     # the shared verifier's law under heavy acceptance is tested in test_speculative.py)
     assert chi2_pvalue(counts, exact) > 1e-3

@@ -146,3 +146,15 @@ def test_package_counts_redistributable_sets_only(
     assert manifest.corpus.command == " ".join(["evospec-index", *argv[:-1]])
     assert "rebuild:  evospec-index package" in capsys.readouterr().out
     assert "license: Apache-2.0" in (out / packaged.NOTICE_FILE).read_text()
+
+
+def test_clusters_are_added_and_a_bad_k_is_a_clear_error(setup, tmp_path: Path, capsys) -> None:
+    model, _, corpus = setup
+    out = tmp_path / "idx"
+    argv = ["build", "--model", str(model), "--corpus", str(corpus), "--out", str(out), "--no-hnsw"]
+    assert main([*argv, "--no-progress"]) == 0
+    assert main(["clusters", "--model", str(model), "--out", str(out), "--k", "0", "--no-progress"]) == 2
+    assert "k must be in [1," in capsys.readouterr().err
+    assert main(["clusters", "--model", str(model), "--out", str(out), "--k", "4", "--no-progress"]) == 0
+    assert "4 clusters of" in capsys.readouterr().out
+    assert "clusters.npy" in json.loads((out / MANIFEST_NAME).read_text())["files"]

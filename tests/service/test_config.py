@@ -152,6 +152,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("vocab: {core_k: 2.5}\n", "vocab.core_k must be int or null"),
         ("vocab: {arc_ghost: -1}\n", "vocab.arc_ghost must be >= 0"),
         ("vocab: {max_pending: 0}\n", "vocab.max_pending must be >= 1"),
+        ("vocab: {cluster_budget: 0}\n", "vocab.cluster_budget must be >= 1"),
+        ("vocab: {candidates: 0}\n", "vocab.candidates must be >= 1"),
         ("method: nanospec+evospec\nvocab: {w_max: 256}\n", "it must exceed vocab.arc_capacity (256)"),
         ("- a\n- b\n", "expected a mapping"),
         ("port: [\n", "not valid YAML"),

@@ -15,7 +15,14 @@ from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 from evospec.vocab.factory import POLICIES, VocabConfig, make_policy, static_table
 from evospec.vocab.policy import NanoSpecConfig, NanoSpecVocab, RoundFeedback, frspec_size
-from tests.decoding.spec_helpers import ar_tokens, chi2_pvalue, exact_second_token, prompt_of, tiny_target
+from tests.decoding.spec_helpers import (
+    ar_tokens,
+    chi2_pvalue,
+    exact_second_token,
+    prompt_of,
+    sampled_second_tokens,
+    tiny_target,
+)
 from tests.vocab.helpers import SMALL, stand_in_indices
 
 V = 64
@@ -206,13 +213,7 @@ def test_sampled_tokens_follow_the_target_at_t07_under_every_policy(sampling_pai
     dec = make_decoder(method, target, draft=head, tree=TREES[1], vocab=roomy, indices=bundle(target))
     prompt = prompt_of(100, 6)  # a training prompt: the head knows its continuation
     exact = exact_second_token(target, prompt, temperature=0.7).float()
-    n = 600
-    counts = torch.zeros(exact.numel())
-    accepted = 0
-    for s in range(n):
-        evs = list(dec.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0.7, seed=s)))
-        counts[[t for ev in evs for t in ev.tokens][1]] += 1
-        accepted += sum(ev.accepted for ev in evs)
+    counts, accepted = sampled_second_tokens(dec, prompt, 0.7, n=600)
     assert accepted > 0  # drafts from the reduced vocabulary are accepted (the heavy-acceptance law of
     # the shared verifier is tested in tests/decoding/test_speculative.py)
     assert chi2_pvalue(counts, exact) > 1e-3
