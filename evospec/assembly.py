@@ -139,7 +139,8 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         candidates = [
             n
             for n in AUTO_CANDIDATES
-            if draft is not None and (indices is not None or not method_spec(n).needs_indices)
+            if method_spec(n).head is None
+            or (draft is not None and (indices is not None or not method_spec(n).needs_indices))
         ]
         resolved[AUTO], auto_tree, speedups = tuner.method(candidates)
         table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
@@ -168,9 +169,13 @@ def _record_steps(model, decoders) -> None:
     graph.record(1, "last")
     for dec in decoders:
         tree = dec.tree
-        if tree is not None and tree.top_k == 1:  # a chain: the root and its drafted tokens
-            aux = getattr(dec, "draft_layers", ())  # EAGLE-3 drafts read three target layers
+        if tree is None:
+            continue
+        aux = getattr(dec, "draft_layers", ())  # EAGLE-3 drafts read three target layers
+        if tree.top_k == 1:  # a chain: the root and its drafted tokens
             graph.record(min(tree.depth, tree.total_tokens) + 1, "all", aux)
+        for n in range(1, tree.lookup + 1):  # context lookup: the root and 1..lookup tokens
+            graph.record(n + 1, "all", aux)
 
 
 def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype, device, facts: list[str]):
@@ -179,15 +184,15 @@ def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype,
     from evospec.models.eagle import load_eagle
     from evospec.models.registry import default_head
 
-    if not any(s.speculative for s in settings.specs):
+    if not any(s.head == "eagle2" for s in settings.specs if s.speculative):
         return None, None
     path = Path(settings.draft).expanduser() if settings.draft else default_head(loaded.name)
     if path is None:
-        if any(s.speculative for s in named):
+        if any(s.speculative and s.head == "eagle2" for s in named):
             raise ValueError(
                 f"speculative methods need a draft head (--draft PATH): none ships for {loaded.name}"
             )
-        facts.append(f"no draft head ships for {loaded.name}: auto can only serve ar")
+        facts.append(f"no draft head ships for {loaded.name}: auto chooses between ar and ngram")
         return None, None
     facts.append(f"draft head: {path}")
     return load_eagle(path, dtype=dtype, device=device), path

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -87,9 +88,10 @@ def test_speculative_methods_need_a_head(folder) -> None:
 @pytest.mark.parametrize(
     ("speedups", "chosen"),
     [
-        ({"nanospec": 1.4, "eagle2": 1.1}, "nanospec"),
-        ({"nanospec": 0.9, "eagle2": 0.97}, "ar"),
-        ({"nanospec": 1.03, "eagle2": 0.97}, "ar"),  # within the calibration's noise margin
+        ({"nanospec": 1.4, "eagle2": 1.1, "ngram": 1.2}, "nanospec"),
+        ({"nanospec": 1.1, "eagle2": 1.1, "ngram": 1.2}, "ngram"),
+        ({"nanospec": 0.9, "eagle2": 0.97, "ngram": 0.99}, "ar"),
+        ({"nanospec": 1.03, "eagle2": 0.97, "ngram": 1.0}, "ar"),  # within the calibration's noise margin
     ],
 )
 def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, speedups, chosen) -> None:
@@ -114,11 +116,11 @@ def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, 
     monkeypatch.setattr(indices.default, "ensure_indices", no_indices)
     model, head = folder
     stack = assemble(StackSettings(model=str(model), methods=(AUTO,), draft=str(head)), progress=False)
-    assert seen == ["nanospec", "eagle2"]  # frspec and evospec need indices, unavailable here
+    assert seen == ["nanospec", "eagle2", "ngram"]  # frspec and evospec need indices, unavailable here
     assert stack.resolved == {AUTO: chosen} and stack.decoder(AUTO).name == chosen
     assert list(stack.decoders) == [chosen]
-    if chosen != "ar":
-        assert stack.decoder(AUTO).tree == TreeConfig(2, 2, 3)  # the shape the choice was measured with
+    if chosen != "ar":  # the shape the choice was measured with (ngram: with its default lookup)
+        assert dataclasses.replace(stack.decoder(AUTO).tree, lookup=0) == TreeConfig(2, 2, 3)
     assert any(f.startswith(f"method auto: {chosen} ") for f in stack.facts)
     assert any(f.startswith("indices unavailable") for f in stack.facts)
     stack.decoder(AUTO).close()
@@ -137,11 +139,28 @@ def test_a_retrained_head_is_tuned_afresh(folder, tmp_path) -> None:
     assert head_id(copy) != head_id(folder[1])
 
 
-def test_auto_without_a_head_serves_ar(folder, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize(("ngram", "chosen"), [(1.3, "ngram"), (0.98, "ar")])
+def test_auto_without_a_head_chooses_between_ar_and_ngram(
+    folder, tmp_path, monkeypatch, ngram, chosen
+) -> None:
+    from evospec.decoding import tune
+
     monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))  # the indices auto may build land here
+    seen = []
+
+    def fake_tuning(self, method):
+        seen.append(method)
+        return {
+            "tree": {"top_k": 1, "depth": 1, "total_tokens": 1, "lookup": 3},
+            "tok_per_s": ngram,
+            "ar_tok_per_s": 1.0,
+        }
+
+    monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
     stack = assemble(StackSettings(model=str(folder[0]), methods=(AUTO,)), progress=False)
-    assert stack.resolved == {AUTO: "ar"} and stack.decoder(AUTO).name == "ar"
-    assert any("auto can only serve ar" in f for f in stack.facts)
+    assert seen == ["ngram"]  # the methods with a draft need a head
+    assert stack.resolved == {AUTO: chosen} and stack.decoder(AUTO).name == chosen
+    assert any("auto chooses between ar and ngram" in f for f in stack.facts)
 
 
 def test_a_fresh_install_counts_the_users_corpus(folder, tmp_path, monkeypatch) -> None:

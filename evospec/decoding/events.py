@@ -31,6 +31,7 @@ class StepEvent:
     round_s: float = 0.0  # wall time of the whole round: draft, verify and bookkeeping (0 for AR)
     prefill: bool = False  # the prompt's forward produced this token (not a round; MAL skips it)
     vocab: VocabRoundStats | None = None  # active-vocabulary facts of the round (speculative only)
+    looked_up: bool = False  # the round verified a context lookup's tokens (or the root alone), not a draft
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,12 @@ class MethodSpec:
     """What one decoding method is made of (a row of :data:`METHOD_SPECS`)."""
 
     name: str
-    speculative: bool  # drafts a tree and verifies it: needs a draft head
+    speculative: bool  # proposes tokens and verifies them (a draft head's tree, or context lookup)
     policy: str | None  # active-vocabulary policy the draft proposes over; None: full vocabulary
     adapt: str | None  # online adaptation mode ("clora" | "osd"); None: the draft is frozen
-    head: str = "eagle2"  # the draft head's architecture: "eagle2" (--draft) or "eagle3" (--draft3)
+    # the draft head's architecture: "eagle2" (--draft) or "eagle3" (--draft3); None: no head
+    # (ngram: only context lookup proposes tokens)
+    head: str | None = "eagle2"
 
     @property
     def needs_counts(self) -> bool:  # the frequency table of the model's indices
@@ -89,7 +91,8 @@ class MethodSpec:
 
 
 def _table() -> dict[str, MethodSpec]:
-    rows = [MethodSpec("ar", False, None, None), MethodSpec("eagle2", True, None, None)]
+    rows = [MethodSpec("ar", False, None, None, head=None), MethodSpec("eagle2", True, None, None)]
+    rows += [MethodSpec("ngram", True, None, None, head=None)]  # context lookup alone, any model
     rows += [MethodSpec(p, True, p, None) for p in POLICIES]
     rows += [
         MethodSpec("clora", True, "frspec", "clora"),
@@ -158,13 +161,14 @@ class ARDecoder:
 
 
 class SpeculativeDecoder:
-    """Draft-tree speculative decoding with any :class:`Drafter`; lossless by construction."""
+    """Draft-tree speculative decoding with any :class:`Drafter` (None: context lookup only);
+    lossless by construction."""
 
     def __init__(
         self,
         name: str,
         model: Transformer,
-        drafter: Drafter,
+        drafter: Drafter | None,
         tree: TreeConfig,
         eos_ids: Sequence[int] = (),
         vocab: ActiveVocab | None = None,
@@ -234,6 +238,8 @@ def make_decoder(
     spec = method_spec(name)
     if not spec.speculative:
         return ARDecoder(model, eos_ids)
+    if spec.head is None:
+        return _ngram_decoder(spec, model, tree, eos_ids, verify_logits, prefetch)
     kind, flag = ("EAGLE-3", "--draft3") if spec.head == "eagle3" else ("EAGLE-2", "--draft")
     if draft is None:
         raise ValueError(f"method {name} needs a draft head: an {kind} head ({flag} PATH)")
@@ -261,6 +267,20 @@ def make_decoder(
     return SpeculativeDecoder(
         name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter, prefetch=threshold
     )
+
+
+NGRAM_LOOKUP = 3  # tokens an ngram round verifies after a match, unless the tree's lookup says
+
+
+def _ngram_decoder(spec, model, tree, eos_ids, verify_logits, prefetch) -> Decoder:
+    """Context lookup alone (vLLM's ``ngram``, llama.cpp's lookup decoding): a round verifies
+    the tokens that followed the context's last n-gram where it occurred before, else it is a
+    plain decode step. Needs no draft head, so it serves any model."""
+    tree = tree or TreeConfig()
+    if not tree.lookup:
+        tree = replace(tree, lookup=NGRAM_LOOKUP)
+    threshold = verify_prefetch(model, verify_logits, prefetch)
+    return SpeculativeDecoder(spec.name, model, None, tree, eos_ids, prefetch=threshold)
 
 
 def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch) -> Decoder:

@@ -7,6 +7,9 @@ target cache keeps only the root and the accepted path (``KVCache.compact``); th
 rewinds its tree slots. Yields one :class:`StepEvent` per round (the prefill's first token
 is its own event). Host synchronisation happens only at the accept boundary.
 
+With context lookup on (``TreeConfig.lookup``), a round whose context repeats an earlier
+n-gram verifies that n-gram's continuation instead of a drafted tree (``lookup.py``).
+
 Two optional observers ride along: ``vocab`` (the active vocabulary, which owns the
 drafter's head function) and ``adapt`` (the online adapter: it sees the committed pairs at
 the round start, where it may also publish new draft weights, and the verified path at the
@@ -24,9 +27,11 @@ from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.budget import Budget, cache_for, plan_budget
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
+from evospec.decoding.lookup import ContextLookup
 from evospec.decoding.node_logits import NodeLogits
 from evospec.decoding.sampling import SamplingParams, pick_token
-from evospec.decoding.tree import DraftTree, TreeConfig, build_tree
+from evospec.decoding.tree import DraftTree, TreeConfig, build_tree, chain_tree
+from evospec.decoding.tree_config import LOOKUP_MAX_N
 from evospec.decoding.verify import accept
 from evospec.models.kv_cache import KVCache
 from evospec.models.step import MAX_CHAIN
@@ -37,7 +42,7 @@ from evospec.vocab.active import ActiveVocab
 @torch.inference_mode()
 def generate_speculative(
     target: Transformer,
-    drafter: Drafter,
+    drafter: Drafter | None,
     prompt: Sequence[int],
     params: SamplingParams,
     tree_cfg: TreeConfig,
@@ -51,15 +56,22 @@ def generate_speculative(
     draft_layers: tuple[int, ...] = (),
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
-        loads each round's active ids at the round's first draft LM-head call and observes each
-        verified round. ``prefetch``: None projects every tree node onto the vocabulary in the
-        verify forward; a threshold projects rows on demand (``node_logits.py``). ``budget``: planned
+    loads each round's active ids at the round's first draft LM-head call and observes each
+    verified round. ``prefetch``: None projects every tree node onto the vocabulary in the
+    verify forward; a threshold projects rows on demand (``node_logits.py``). ``budget``: planned
     by the caller (``budget.plan_budget`` with the tree's slack), else here. ``draft_layers``:
     the target layers whose outputs, concatenated, are the draft's features (EAGLE-3); empty:
-    the target's final features (EAGLE-2)."""
+    the target's final features (EAGLE-2).
+
+    With ``tree_cfg.lookup`` a round whose context's last n-gram occurred before verifies the
+    tokens that followed it (``lookup.py``) instead of drafting: the drafter's catch-up waits
+    for the next drafted round, which commits every pair verified since, and the adapter
+    learns from drafted rounds only. ``drafter`` None (the ``ngram`` method): the other rounds
+    verify the root alone, a plain decode step."""
     budget = budget or plan_budget(target, len(prompt), params, eos_ids=eos_ids, slack=tree_cfg.max_nodes)
     cache = cache_for(target, cache, budget.slots)
-    drafter.start(prompt, budget.slots + tree_cfg.draft_slots)
+    if drafter is not None:
+        drafter.start(prompt, budget.slots + tree_cfg.draft_slots)
     rule = budget.rule
     device = target.embed_tokens.weight.device
     gen = params.make_generator(device)
@@ -73,39 +85,42 @@ def generate_speculative(
     yield StepEvent(tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True)
     if reason is not None:
         return
+    lookup = ContextLookup(tree_cfg.lookup_ngram, LOOKUP_MAX_N) if tree_cfg.lookup else None
+    if lookup is not None:
+        lookup.reset([*prompt, root])
     if vocab is not None:
         vocab.start(ids[0], out.hidden[0])
     if adapt is not None:
         adapt.start()
-    pending_features = _draft_features(out, draft_layers)  # [P, D'] of the pairs not yet in the draft cache
-    pending_tokens = [*ids[0, 1:].tolist(), root]  # [P] the token after each of them
+    pending = _Pending(_draft_features(out, draft_layers), [*ids[0, 1:].tolist(), root])
 
     while True:
         t0 = time.perf_counter()
-        if vocab is not None:
-            vocab.begin_round()
-        tok_t = torch.tensor(pending_tokens, dtype=torch.long, device=device)
-        if adapt is not None:
-            adapt.begin_round(pending_features, tok_t)
-        root_logp, root_ids = drafter.commit(pending_features, tok_t, tree_cfg.top_k)
         prefix = cache.length
-        tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg)
-        drafter.rewind()
+        guess = lookup.propose(tree_cfg.lookup) if lookup is not None else []
+        looked_up = bool(guess) or drafter is None
+        if looked_up:
+            tree = chain_tree(root, guess, prefix, device)
+        else:
+            tree = _draft_tree(drafter, root, pending.take(), prefix, tree_cfg, vocab, adapt)
         t1 = time.perf_counter()
         lazy = prefetch is not None and not recorded_chain(target, tree)
         vout = target(
             tree.tokens[None],
             tree.positions,
             cache,
-            tree_mask=tree.mask,
-            logits="none" if lazy else "all",
+            tree_mask=tree.mask if tree.size > 1 else None,  # the root alone: a plain decode step
+            logits="none" if lazy else ("last" if tree.size == 1 else "all"),
             aux_layers=draft_layers,
         )
         rows = NodeLogits(tree, vout.hidden[0], target.project_logits, prefetch) if lazy else vout.logits[0]
         path, bonus = accept(tree, rows, params, gen)  # path [a + 1] incl. the root
-        cache.compact(prefix + path, prefix)
+        if tree.chain:  # the accepted nodes already sit right behind the prefix
+            cache.trim(prefix + path.numel())
+        else:
+            cache.compact(prefix + path, prefix)
         t2 = time.perf_counter()
-        accepted = tree.tokens[path[1:]].tolist()
+        accepted = tree.tokens[1 : path.numel()].tolist() if tree.chain else tree.tokens[path[1:]].tolist()
         new, reason = rule.clip([*accepted, bonus], produced)
         produced += len(new)
         stats = None
@@ -114,7 +129,7 @@ def generate_speculative(
             path_logits = rows.stack(path.tolist()) if lazy else rows[path]  # [a + 1, V]
             if vocab is not None:
                 stats = vocab.end_round(tree.tokens, path, verified, path_logits, vout.hidden[0])
-            if adapt is not None:
+            if adapt is not None and not looked_up:
                 mask = vocab.mask if vocab is not None else None
                 adapt.end_round(tree.parents, path, verified, path_logits, mask)
         yield StepEvent(
@@ -127,12 +142,55 @@ def generate_speculative(
             finish_reason=reason,
             round_s=time.perf_counter() - t0,
             vocab=stats,
+            looked_up=looked_up,
         )
         if reason is not None:
             return
-        pending_features = _draft_features(vout, draft_layers)[path]  # [a + 1, D']
-        pending_tokens = [*accepted, bonus]
+        pending.add(_draft_features(vout, draft_layers)[path], [*accepted, bonus])  # [a + 1, D'], [a + 1]
+        if lookup is not None:
+            lookup.extend([*accepted, bonus])
         root = bonus
+
+
+def _draft_tree(
+    drafter: Drafter,
+    root: int,
+    pairs: tuple[torch.Tensor, torch.Tensor],  # the pairs verified since the last commit
+    prefix: int,
+    tree_cfg: TreeConfig,
+    vocab: ActiveVocab | None,
+    adapt: OnlineAdapter | None,
+) -> DraftTree:
+    """A drafted round's tree: commit the pending pairs, then expand from the root."""
+    if vocab is not None:
+        vocab.begin_round()
+    features, tokens = pairs
+    if adapt is not None:
+        adapt.begin_round(features, tokens)
+    root_logp, root_ids = drafter.commit(features, tokens, tree_cfg.top_k)
+    tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg)
+    drafter.rewind()
+    return tree
+
+
+class _Pending:
+    """Verified (feature, next token) pairs the drafter has not committed yet: one round's,
+    or several after lookup rounds (they are committed together)."""
+
+    def __init__(self, features: torch.Tensor, tokens: list[int]) -> None:
+        self.features = [features]  # pieces of [m_i, D']
+        self.tokens = list(tokens)  # [sum m_i]
+
+    def add(self, features: torch.Tensor, tokens: list[int]) -> None:
+        self.features.append(features)
+        self.tokens += tokens
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All pending pairs ([m, D'] features, [m] tokens), and none left."""
+        feats = self.features[0] if len(self.features) == 1 else torch.cat(self.features)
+        toks = torch.tensor(self.tokens, dtype=torch.long, device=feats.device)
+        self.features, self.tokens = [], []
+        return feats, toks
 
 
 def recorded_chain(target: Transformer, tree: DraftTree) -> bool:

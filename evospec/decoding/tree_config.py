@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from evospec.settings import setting
 
+LOOKUP_MAX_N = 5  # the longest n-gram context lookup tries first
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -16,18 +18,31 @@ class TreeConfig:
     top_k: int = setting(10, "tree: children per expanded node and frontier width", flag="--top-k-tree")
     depth: int = setting(5, "tree: draft levels per round (most accepted tokens)")
     total_tokens: int = setting(60, "tree: draft tokens verified per round")
+    lookup: int = setting(
+        0,
+        "context lookup: in rounds where the context's last n-gram occurred before, verify up to this "
+        "many of the tokens that followed it instead of drafting; 0: off (the ngram method: 3)",
+    )
+    lookup_ngram: int = setting(
+        2,
+        "context lookup: the shortest n-gram that counts as a match (longest: 5); n matched tokens "
+        "propose at most n",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("top_k", "depth", "total_tokens"):
+        for name in ("top_k", "depth", "total_tokens", "lookup", "lookup_ngram"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"tree.{name} must be an integer >= 1, got {v!r}")
+            least = 0 if name == "lookup" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"tree.{name} must be an integer >= {least}, got {v!r}")
+        if self.lookup_ngram > LOOKUP_MAX_N:
+            raise ValueError(f"tree.lookup_ngram must be <= {LOOKUP_MAX_N}, got {self.lookup_ngram}")
 
     @property
     def max_nodes(self) -> int:
         """Upper bound on nodes incl. the root (for preallocating caches)."""
         pool = self.top_k + (self.depth - 1) * self.top_k * self.top_k
-        return 1 + min(self.total_tokens, pool)
+        return 1 + max(min(self.total_tokens, pool), self.lookup)
 
     @property
     def draft_slots(self) -> int:

@@ -44,19 +44,41 @@ CANDIDATES = (
     TreeConfig(top_k=4, depth=4, total_tokens=16),
     TreeConfig(top_k=6, depth=5, total_tokens=30),
     TreeConfig(top_k=10, depth=5, total_tokens=60),
+    # the chains with context lookup: a round whose context repeats an n-gram verifies its
+    # continuation instead of a draft (decoding/lookup.py; docs/benchmarks.md, wave 7)
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3),
+    TreeConfig(top_k=1, depth=2, total_tokens=2, lookup=3),
+)
+# ngram has no draft: only the lookup's length and shortest match matter
+NGRAM_CANDIDATES = (
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=2),
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=1),
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=3),
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=2, lookup_ngram=2),
 )
 CALIBRATION_TEXTS = (
     "Explain in a few sentences why the sky looks blue during the day and red at sunset.",
     "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Show your working.",
     "Write a Python function that returns the n-th Fibonacci number, with a short docstring.",
+    # a request that answers from its context, as summaries, extraction and RAG do
+    'Here is a note from a customer: "I ordered the blue kettle on March 3 and it arrived on March 9 '
+    "with a cracked lid. The replacement lid I was sent does not fit the kettle. I would like a refund "
+    "for the kettle or a replacement kettle with a lid that fits.\" List the customer's problems and "
+    "what the customer asks for.",
 )
 CALIBRATION_PROMPTS = len(CALIBRATION_TEXTS)
 CALIBRATION_TOKENS = 48
-# methods --method auto considers: frozen drafts (an adaptive draft's speed drifts as it learns)
-AUTO_CANDIDATES = ("frspec", "evospec", "nanospec", "eagle2")
+# methods --method auto considers: frozen drafts (an adaptive draft's speed drifts as it learns),
+# and context lookup alone (it needs no head)
+AUTO_CANDIDATES = ("frspec", "evospec", "nanospec", "eagle2", "ngram")
 # --method auto switches away from ar only for a calibrated speedup above this: the calibration
-# is short (3 prompts x 48 tokens), and here a 1.03x calibration came out 0.94x in the full bench
+# is short (4 prompts x 48 tokens), and here a 1.03x calibration came out 0.94x in the full bench
 AUTO_MARGIN = 1.05
+
+
+def candidates_for(method: str) -> tuple[TreeConfig, ...]:
+    """The shapes ``--tree auto`` measures for ``method``."""
+    return NGRAM_CANDIDATES if method == "ngram" else CANDIDATES
 
 
 def machine_key() -> str:
@@ -150,8 +172,9 @@ class Tuner:
         if getattr(self.loaded.model, "fused_ops", False):
             kernels += "+fused-ops"  # cheaper still, and its own rounding
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
-        # v1 read training data; v3: the candidates gained the 1-token chain (older entries never tried it)
-        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v3"])
+        # v1 read training data; v3: the candidates gained the 1-token chain; v4: context lookup
+        # and a prompt that answers from its context (older entries never tried them)
+        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v4"])
 
     def tuning(self, method: str) -> dict:
         """The cached (or freshly measured) calibration of ``method``: ``calibrate``'s result."""
@@ -164,7 +187,13 @@ class Tuner:
                 raise ValueError("auto tuning needs a model with a tokenizer for its calibration prompts")
             ids = [codec.encode_chat([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
             ar = ARDecoder(self.loaded.model, self.eos)
-            result = calibrate(lambda t: self.build(method, t), ar, ids, progress=self.progress)
+            result = calibrate(
+                lambda t: self.build(method, t),
+                ar,
+                ids,
+                candidates=candidates_for(method),
+                progress=self.progress,
+            )
             cache = json.loads(path.read_text()) if path.exists() else {}
             cache[key] = result
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,9 +208,10 @@ class Tuner:
         tree = TreeConfig(**result["tree"])
         if self.progress:
             verdict = "beats" if result["beats_ar"] else "does NOT beat"
+            lookup = f" lookup={tree.lookup} lookup_ngram={tree.lookup_ngram}" if tree.lookup else ""
             print(
                 f"[evospec] --tree auto for {method}: top_k={tree.top_k} depth={tree.depth} "
-                f"total_tokens={tree.total_tokens} ({result['tok_per_s']:.2f} tok/s; {verdict} AR at "
+                f"total_tokens={tree.total_tokens}{lookup} ({result['tok_per_s']:.2f} tok/s; {verdict} AR at "
                 f"{result['ar_tok_per_s']:.2f} tok/s on this machine)",
                 file=sys.stderr,
             )

@@ -42,8 +42,11 @@ Rows = torch.Tensor | NodeLogits  # [N, V] logits of every node, or rows project
 def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
     """logits [N, V] -> (path [a + 1] node indices incl. the root, bonus token).
 
-    One host synchronisation: reading the chosen path's end.
+    One host synchronisation: reading the chosen path's end (a chain: reading its N argmaxes,
+    which decide it on the host).
     """
+    if tree.chain:
+        return _greedy_chain(tree, logits)
     pred = torch.argmax(logits, dim=-1)  # [N]
     parent = tree.parents.clamp(min=0)
     correct = tree.tokens == pred[parent]
@@ -54,6 +57,17 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
     reach = torch.where(ok, tree.depths, torch.full_like(tree.depths, -1))
     best = int(torch.argmax(reach))  # host sync (the accept boundary)
     return tree.path_to(best), int(pred[best])
+
+
+def _greedy_chain(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`greedy_accept` for a chain: node i is accepted while each token so far equals
+    the argmax of the row before it."""
+    pred = torch.argmax(logits, dim=-1).tolist()  # [N]
+    drafted = tree.tokens.tolist()
+    a = 0
+    while a + 1 < len(drafted) and drafted[a + 1] == pred[a]:
+        a += 1
+    return tree.depths[: a + 1], pred[a]  # a chain's depths are its node indices
 
 
 def greedy_walk(tree: DraftTree, rows: Rows) -> tuple[torch.Tensor, int]:

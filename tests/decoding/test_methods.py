@@ -64,7 +64,9 @@ def test_each_decoder_has_the_parts_its_spec_names(name: str) -> None:
     try:
         assert dec.name == name
         assert (dec.tree is not None) == spec.speculative
-        assert (dec.vocab is not None) == spec.speculative
+        assert (dec.vocab is not None) == (spec.head is not None)  # ar and ngram draft nothing
+        if spec.speculative and spec.head is None:
+            assert dec.drafter is None and dec.tree.lookup > 0
         if dec.vocab is not None:
             assert (dec.vocab.policy is None) == (spec.policy is None)
             assert spec.policy is None or dec.vocab.policy.name == spec.policy

@@ -112,3 +112,26 @@ def test_depth_one_tree_is_the_root_top_k():
     tree, exp = build(cfg)
     assert tree.size == 5 and exp.calls == []
     assert tree.tokens[1:].tolist() == root_topk(exp, 7, 4)[1].tolist()
+
+
+def test_a_top1_tree_is_the_drafts_greedy_chain():
+    """top_k = 1: min(depth, total_tokens) tokens, each the draft's argmax after the one before;
+    no expansion beyond them; the structure of a chain, marked as one."""
+    for depth, total in [(1, 1), (4, 4), (5, 3), (2, 6)]:
+        cfg = TreeConfig(top_k=1, depth=depth, total_tokens=total)
+        tree, exp = build(cfg)
+        n = min(depth, total)
+        want, scores, tok = [7], [0.0], 7
+        for _ in range(n):
+            nxt = int(torch.argmax(exp.table[tok]))
+            scores.append(scores[-1] + float(exp.table[tok, nxt]))
+            want.append(nxt)
+            tok = nxt
+        assert tree.chain and tree.tokens.tolist() == want
+        assert len(exp.calls) == n - 1
+        assert tree.parents.tolist() == list(range(-1, n))
+        assert tree.depths.tolist() == list(range(n + 1))
+        assert torch.equal(tree.mask, ancestor_mask(tree.parents, cfg.depth))
+        assert torch.equal(tree.positions, 20 + tree.depths)
+        assert torch.allclose(tree.scores, torch.tensor(scores), atol=1e-5)
+        assert not build(TreeConfig(top_k=2, depth=depth, total_tokens=total))[0].chain

@@ -158,3 +158,15 @@ def test_seeded_acceptance_repeats(seed):
     a = [sample_accept(TREE, LOGITS, PARAMS, torch.Generator().manual_seed(seed)) for _ in range(1)]
     b = [sample_accept(TREE, LOGITS, PARAMS, torch.Generator().manual_seed(seed)) for _ in range(1)]
     assert a[0][0].tolist() == b[0][0].tolist() and a[0][1] == b[0][1]
+
+
+@pytest.mark.parametrize("argmaxes", [[1, 2, 3, 4], [1, 2, 0, 0], [0, 2, 3, 4], [1, 5, 3, 1], [1, 2, 3, 0]])
+def test_a_chain_is_accepted_as_the_general_rule_accepts_it(argmaxes):
+    """The chain shortcut (decided on the host) takes the path and bonus the tensor rule takes."""
+    from dataclasses import replace
+
+    chain = replace(make_tree([0, 1, 2, 3], [-1, 0, 1, 2]), chain=True)
+    general = replace(chain, chain=False)
+    path, bonus = greedy_accept(chain, one_hot_logits(argmaxes))
+    ref_path, ref_bonus = greedy_accept(general, one_hot_logits(argmaxes))
+    assert path.tolist() == ref_path.tolist() and bonus == ref_bonus
