@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from evospec.models.draft_step import DraftStepGraph, supports_draft_graph
 from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
@@ -62,9 +63,15 @@ class _TreeDrafterBase:
         raise NotImplementedError
 
     def _run(
-        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool = False,
     ) -> torch.Tensor:
-        """Forward n inputs ([n, D] features, [n] tokens) into the cache; return [n, D]."""
+        """Forward n inputs ([n, D] features, [n] tokens) into the cache; return [n, D].
+        ``causal``: ``mask`` only says that each input sees the cache and the inputs before it."""
         raise NotImplementedError
 
     def start(self, prompt: Sequence[int], max_len: int) -> None:
@@ -88,7 +95,7 @@ class _TreeDrafterBase:
         mask = None
         if prefix and m > 1:
             mask = torch.ones(m, prefix + m, dtype=torch.bool, device=tokens.device).tril(prefix)
-        hidden = self._run(features, tokens, positions, mask)  # [m, D]
+        hidden = self._run(features, tokens, positions, mask, causal=True)  # [m, D]
         self.committed = self.cache.length
         self._frontier_hidden = hidden[-1:]
         self._anc = torch.zeros(1, 0, dtype=torch.bool, device=tokens.device)
@@ -109,7 +116,8 @@ class _TreeDrafterBase:
         mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=tokens.device), anc], dim=1)
         self._depth += 1
         positions = torch.full((n,), self._base_position() - 1 + self._depth, device=tokens.device)
-        hidden = self._run(parent_hidden, tokens, positions, mask)  # [k', D]
+        causal = n == 1 and bool(anc.all())  # a chain's next node: its ancestors are every tree slot
+        hidden = self._run(parent_hidden, tokens, positions, mask, causal)  # [k', D]
         self._frontier_hidden, self._anc = hidden, anc
         return self.head_fn(hidden, k)
 
@@ -119,15 +127,24 @@ class _TreeDrafterBase:
 
 
 class EagleDrafter(_TreeDrafterBase):
-    def __init__(self, head: EagleHead, head_fn: DraftHeadFn) -> None:
+    """``record``: run causal steps (chains, catch-ups) through recorded graphs where the head
+    allows (``models/draft_step.py``; CPU, a head whose weights do not move)."""
+
+    def __init__(self, head: EagleHead, head_fn: DraftHeadFn, *, record: bool = False) -> None:
         super().__init__(head_fn)
         self.head = head
+        on_cpu = head.layers[0].post_attention_layernorm.weight.device.type == "cpu"  # a norm stays dense
+        self.graph = DraftStepGraph(head) if record and on_cpu and supports_draft_graph(head) else None
 
     def _new_cache(self, max_len: int) -> KVCache:
         return self.head.new_cache(max_len)
 
     @torch.inference_mode()
-    def _run(self, features, tokens, positions, mask) -> torch.Tensor:
+    def _run(self, features, tokens, positions, mask, causal=False) -> torch.Tensor:
+        if causal and self.graph is not None:
+            out = self.graph(features, tokens, positions, self.cache)
+            if out is not None:
+                return out
         return self.head(features[None], tokens[None], positions, self.cache, mask)[0]
 
 
@@ -150,7 +167,7 @@ class TargetDrafter(_TreeDrafterBase):
         # The target cache holds x_0 in an extra slot; pair i corresponds to x_{i+1} at i + 1.
         return max(self.committed - 1, 0)
 
-    def _run(self, features, tokens, positions, mask) -> torch.Tensor:
+    def _run(self, features, tokens, positions, mask, causal=False) -> torch.Tensor:
         device = tokens.device
         if self.cache.length == 0:  # prepend x_0 so the context is complete
             tokens = torch.cat([torch.tensor([self._first], device=device), tokens])

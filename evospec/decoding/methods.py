@@ -262,7 +262,7 @@ def make_decoder(
         adapter = OnlineAdapter(draft.attach(model), weight, replace(adapt or AdaptConfig(), mode=spec.adapt))
     else:
         draft = drafting_head(draft, model, draft_weights)
-    drafter = EagleDrafter(draft.attach(model), active.draft_head)
+    drafter = EagleDrafter(draft.attach(model), active.draft_head, record=adapter is None)
     threshold = verify_prefetch(model, verify_logits, prefetch)
     return SpeculativeDecoder(
         name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter, prefetch=threshold

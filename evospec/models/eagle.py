@@ -38,9 +38,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 0.0)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 0.0) if input_norm else None
 
-    def forward(self, x, cos_sin, cache: KVCache, mask) -> torch.Tensor:
+    def forward(self, x, cos_sin, cache: KVCache, mask, rows=None) -> torch.Tensor:
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
-        x = x + self.self_attn(h, cos_sin, cache, mask)
+        x = x + self.self_attn(h, cos_sin, cache, mask, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -92,11 +92,16 @@ class EagleHead(nn.Module):
         cache: KVCache,
         mask: torch.Tensor | None,  # [n, cache.length + n] bool, or None for plain causal/no prefix
     ) -> torch.Tensor:  # [B, n, D] draft features, fed to the LM head
-        emb = self.embedding()(tokens).to(features.dtype)
-        x = self.fc(torch.cat((emb, features), dim=-1))
-        x = self.layers[0](x, self.rope(positions, x.dtype), cache, mask)
+        x = self.step(features, tokens, positions, cache, mask)
         cache.advance(tokens.shape[1])
         return x
+
+    def step(self, features, tokens, positions, cache, mask, rows=None) -> torch.Tensor:
+        """:meth:`forward` without advancing the cache (what a recorded draft step runs);
+        ``rows``: chain rows attending row by row (``models/step.py``) instead of ``mask``."""
+        emb = self.embedding()(tokens).to(features.dtype)
+        x = self.fc(torch.cat((emb, features), dim=-1))
+        return self.layers[0](x, self.rope(positions, x.dtype), cache, mask, rows)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return features  # the target's final features are the input as they are

@@ -1,0 +1,105 @@
+"""Recorded draft steps (CPU): an EAGLE-2 head's forward without Python's per-op cost.
+
+Owns: :class:`DraftStepGraph`, which records an :class:`~evospec.models.eagle.EagleHead`'s
+step (embedding, ``fc``, its decoder layer, the KV-cache write) with ``torch.jit.trace`` once
+per row count n <= ``MAX_CHAIN`` and runs later calls of that shape through the graph: one
+new pair (a chain's expansion, a round's catch-up after a rejection) or n pairs that attend
+causally behind the cache (a catch-up after accepted tokens; row j sees the cache and rows
+0..j, as ``models/step.py`` records chains). The cache length reaches the graph as the size of
+a slot tensor, so one graph serves every position.
+
+Why: a draft step is ~100 aten calls for one small layer; from Python they cost about as much
+as the layer's int8 weights take to read. Draft numbers only decide what is proposed, never
+what is emitted (the target verifies), so the graph's attention may round differently from
+the eager masked attention; the tests check that it proposes what the eager step proposes.
+
+Scope: heads whose modules the tracer can follow (the int8 drafting copy, or fp32 linears
+that are not oneDNN-packed); a head that adapts online keeps the eager path (its modules
+change). If recording fails, that is logged once and the eager step runs from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+from evospec.models.packing import PackedMatmul
+from evospec.models.step import MAX_CHAIN, _ChainRow, _SlotCache
+
+log = logging.getLogger(__name__)
+
+
+class _DraftStep(nn.Module):
+    """(features [1, n, D], tokens [1, n], positions [n], k, v, slots [length + n]) -> [1, n, D]."""
+
+    def __init__(self, head: nn.Module, n: int) -> None:
+        super().__init__()
+        self.head = head
+        self.embedding = head.embedding()  # the target's, shared: registered here so its weight is traced as one
+        self.rows = None if n == 1 else [_ChainRow(n - 1 - j) for j in range(n)]
+
+    def forward(self, features, tokens, positions, k, v, slots):
+        return self.head.step(features, tokens, positions, _SlotCache(k, v, slots), None, self.rows)
+
+
+def supports_draft_graph(head: nn.Module) -> bool:
+    """An EAGLE-2 head without oneDNN-packed linears (their weight is an opaque tensor)."""
+    if getattr(head, "arch", None) != "eagle2":
+        return False
+    return not any(isinstance(v, PackedMatmul) for mod in head.modules() for v in vars(mod).values())
+
+
+class DraftStepGraph:
+    """Runs a head's n-pair causal steps through graphs recorded on first use."""
+
+    def __init__(self, head: nn.Module) -> None:
+        if not supports_draft_graph(head):
+            raise ValueError("a recorded draft step needs an EAGLE-2 head without packed fp32 linears")
+        self.head = head
+        self._graphs: dict[int, torch.jit.ScriptModule] = {}
+        self._slots = torch.zeros(64)
+        self.failed = False
+
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache):
+        """Append n pairs (features [n, D], tokens [n]) at slot ``cache.length``, each attending
+        to the cache and the pairs before it; returns [n, D] and advances the cache, or None
+        where no graph serves (the caller runs the eager step)."""
+        n = tokens.shape[0]
+        end = cache.length + n
+        if self.failed or n > MAX_CHAIN or end > cache.max_len:
+            return None
+        if n not in self._graphs and not self._record(n, cache):
+            return None
+        if self._slots.shape[0] < end:
+            self._slots = torch.zeros(max(end, 2 * self._slots.shape[0]), device=cache.k.device)
+        out = self._graphs[n](features[None], tokens[None], positions, cache.k, cache.v, self._slots[:end])
+        cache.advance(n)
+        return out[0]
+
+    def _record(self, n: int, cache) -> bool:
+        # Record on scratch K/V after a 2-slot prefix, so that no length is taken for a constant.
+        device = cache.k.device
+        scratch_k = torch.zeros_like(cache.k[:, :, :, : n + 3])
+        scratch_v = torch.zeros_like(scratch_k)
+        dim = self.head.cfg.hidden_size
+        dtype = cache.k.dtype
+        example = (
+            torch.zeros(1, n, dim, dtype=dtype, device=device),
+            torch.zeros(1, n, dtype=torch.long, device=device),
+            torch.arange(2, 2 + n, device=device),
+            scratch_k,
+            scratch_v,
+            torch.zeros(2 + n, device=device),
+        )
+        try:
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace
+                self._graphs[n] = torch.jit.trace(_DraftStep(self.head, n), example, check_trace=False)
+        except Exception:  # any tracer failure means: stay eager
+            log.warning("could not record the draft step; drafting eagerly", exc_info=True)
+            self.failed = True
+        return not self.failed
