@@ -23,7 +23,8 @@ from evospec.vocab.config import VocabConfig
 SECTIONS = {"tree": TreeConfig, "vocab": VocabConfig, "adapt": AdaptConfig}  # flag groups by config section
 # Kept as text so --help does not import torch; tests/test_options.py checks it against METHODS.
 METHOD_HELP = (
-    "decoding method: ar | ngram (context lookup, no draft head: any model) | eagle2 | frspec | nanospec | evospec | nanospec+evospec | vocabtrim | dynaspec | "
+    "decoding method: ar | ngram (context lookup, no draft head: any model) | eagle2 | frspec | "
+    "nanospec | evospec | nanospec+evospec | vocabtrim | dynaspec | "
     "specvocab | clora | osd | evospec-full | eagle3 | frspec-e3 | nanospec-e3 | evospec-e3 | "
     "nanospec+evospec-e3 | vocabtrim-e3 | dynaspec-e3 | specvocab-e3 (the *3 ones: an "
     "EAGLE-3 head, --draft3) | auto (the fastest lossless method measured on this machine, ar if none "

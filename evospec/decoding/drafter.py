@@ -133,8 +133,10 @@ class EagleDrafter(_TreeDrafterBase):
     def __init__(self, head: EagleHead, head_fn: DraftHeadFn, *, record: bool = False) -> None:
         super().__init__(head_fn)
         self.head = head
-        on_cpu = head.layers[0].post_attention_layernorm.weight.device.type == "cpu"  # a norm stays dense
-        self.graph = DraftStepGraph(head) if record and on_cpu and supports_draft_graph(head) else None
+        self.graph = None
+        if record and supports_draft_graph(head):  # an EAGLE-2 head; on the CPU (a norm stays dense)
+            if head.layers[0].post_attention_layernorm.weight.device.type == "cpu":
+                self.graph = DraftStepGraph(head)
 
     def _new_cache(self, max_len: int) -> KVCache:
         return self.head.new_cache(max_len)

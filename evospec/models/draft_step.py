@@ -38,7 +38,7 @@ class _DraftStep(nn.Module):
     def __init__(self, head: nn.Module, n: int) -> None:
         super().__init__()
         self.head = head
-        self.embedding = head.embedding()  # the target's, shared: registered here so its weight is traced as one
+        self.embedding = head.embedding()  # the target's (shared): a submodule here, so traced as a weight
         self.rows = None if n == 1 else [_ChainRow(n - 1 - j) for j in range(n)]
 
     def forward(self, features, tokens, positions, k, v, slots):

@@ -39,6 +39,7 @@ PRESET_METHODS = {
     "dynaspec-e3.yaml": "dynaspec-e3",
     "specvocab.yaml": "specvocab",
     "specvocab-e3.yaml": "specvocab-e3",
+    "ngram.yaml": "ngram",
 }
 
 
