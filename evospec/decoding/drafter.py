@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from evospec.models.draft_step import DraftStepGraph, supports_draft_graph
+from evospec.models.draft_step import draft_graph_for, supports_draft_graph
 from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
@@ -134,9 +134,9 @@ class EagleDrafter(_TreeDrafterBase):
         super().__init__(head_fn)
         self.head = head
         self.graph = None
-        if record and supports_draft_graph(head):  # an EAGLE-2 head; on the CPU (a norm stays dense)
-            if head.layers[0].post_attention_layernorm.weight.device.type == "cpu":
-                self.graph = DraftStepGraph(head)
+        # an EAGLE-2 head, on the CPU (read off a norm: it stays dense in every weight format)
+        if record and supports_draft_graph(head) and head.layers[0].post_attention_layernorm.weight.is_cpu:
+            self.graph = draft_graph_for(head)
 
     def _new_cache(self, max_len: int) -> KVCache:
         return self.head.new_cache(max_len)

@@ -48,13 +48,21 @@ class ContextLookup:
                     table[tuple(ctx[i - n : i])] = i
             ctx.append(int(tok))
 
-    def propose(self, k: int) -> list[int]:
-        """The tokens that followed the latest earlier occurrence of the context's last n
-        tokens, for the longest n in [min_n, max_n] that occurred before: at most
-        ``min(k, n)`` of them (a longer match is trusted for longer); [] if none occurred."""
+    def find(self) -> tuple[int, int] | None:
+        """(n, index of the token that followed) for the latest earlier occurrence of the
+        context's last n tokens, the longest n in [min_n, max_n] that occurred; None if none."""
         ctx = self.tokens
         for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
             start = self._next[n].get(tuple(ctx[-n:]))
             if start is not None:
-                return ctx[start : start + min(k, n)]
-        return []
+                return n, start
+        return None
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``min(k, n)`` of the tokens after :meth:`find`'s match (a longer match is
+        trusted for longer); [] if there is none."""
+        match = self.find()
+        if match is None:
+            return []
+        n, start = match
+        return self.tokens[start : start + min(k, n)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -50,6 +51,17 @@ def supports_draft_graph(head: nn.Module) -> bool:
     if getattr(head, "arch", None) != "eagle2":
         return False
     return not any(isinstance(v, PackedMatmul) for mod in head.modules() for v in vars(mod).values())
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> its DraftStepGraph
+
+
+def draft_graph_for(head: nn.Module) -> DraftStepGraph:
+    """The one :class:`DraftStepGraph` of ``head``: decoders drafting with the same head (the
+    shared int8 copy; the tuner's candidate shapes) record each row count once."""
+    if head not in _SHARED:
+        _SHARED[head] = DraftStepGraph(head)
+    return _SHARED[head]
 
 
 class DraftStepGraph:

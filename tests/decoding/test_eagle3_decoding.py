@@ -135,3 +135,21 @@ def test_sampled_tokens_follow_the_target(trained):
     assert accepted > 0  # some drafts are accepted (the tiny head rarely matches a sampled token;
     # the shared verifier's law under heavy acceptance is tested in test_speculative.py)
     assert chi2_pvalue(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["eagle3", "frspec-e3"])
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_with_context_lookup_equals_ar(trained, method, seed):
+    """Lookup rounds defer an EAGLE-3 drafter's catch-up too: the pairs it commits later carry
+    the three target layers' features of every round verified since."""
+    target, head = trained
+    tree = TreeConfig(top_k=1, depth=2, total_tokens=2, lookup=3, lookup_ngram=1)
+    dec = make_decoder(method, target, draft=head, tree=tree, vocab=SMALL, indices=stand_in_indices(target))
+    phrase = prompt_of(seed, 5)
+    prompt = [*prompt_of(seed + 40, 3), *phrase, *prompt_of(seed + 80, 2), *phrase[:3]]
+    params = SamplingParams(max_new_tokens=32)
+    evs = list(dec.generate(prompt, params))
+    assert [t for ev in evs for t in ev.tokens] == ar_tokens(target, prompt, params)
+    kinds = {ev.looked_up for ev in evs[1:]}
+    assert kinds == {True, False}  # both kinds of round ran
+    dec.close()
