@@ -26,7 +26,8 @@ METHOD_HELP = (
     "decoding method: ar | ngram (context lookup, no draft head: any model) | eagle2 | frspec | "
     "nanospec | evospec | nanospec+evospec | vocabtrim | dynaspec | "
     "specvocab | clora | osd | evospec-full | eagle3 | frspec-e3 | nanospec-e3 | evospec-e3 | "
-    "nanospec+evospec-e3 | vocabtrim-e3 | dynaspec-e3 | specvocab-e3 (the *3 ones: an "
+    "nanospec+evospec-e3 | vocabtrim-e3 | dynaspec-e3 | specvocab-e3 | clora-e3 | osd-e3 | "
+    "evospec-full-e3 (the *3 ones: an "
     "EAGLE-3 head, --draft3) | auto (the fastest lossless method measured on this machine, ar if none "
     "beats it)"
 )

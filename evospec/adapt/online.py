@@ -40,7 +40,7 @@ import torch
 
 from evospec.adapt.adapter_file import adapter_bytes, parse_adapter, read_adapter, write_adapter
 from evospec.adapt.config import AdaptConfig
-from evospec.adapt.trainers import QV, OnlineTrainer, make_trainer, tensor_bytes
+from evospec.adapt.trainers import OnlineTrainer, make_trainer, qv_names, tensor_bytes
 from evospec.adapt.trajectory import Recorder, Trajectory, stores_nbytes
 from evospec.adapt.unroll import collate
 from evospec.kernels.streams import on_stream, record_event, side_stream, wait_event
@@ -121,7 +121,7 @@ class OnlineAdapter:
         self.lm_head = lm_head
         # the base weights of what this mode overwrites in the serving head (clora: q/v; osd:
         # every head parameter but the embedding), for new keys and resets
-        moved = QV if self.cfg.mode == "clora" else None
+        moved = qv_names(head) if self.cfg.mode == "clora" else None
         self.pristine = {
             n: p.detach().clone()
             for n, p in head.named_parameters()
@@ -135,7 +135,7 @@ class OnlineAdapter:
         self._serving: tuple[str, int] = (DEFAULT_KEY, 0)  # (key, version) loaded in the serving head
         self._round = 0  # rounds recorded so far (decode thread)
         self.recorder = Recorder(self.cfg.context, self.cfg.k_logit)
-        self._device = head.fc.weight.device
+        self._device = head.fc.weight.device  # fp32 heads only: the adapting copy is never quantised
         self._queue: queue.Queue[Trajectory | None] = queue.Queue(maxsize=self.cfg.max_pending)
         self._busy = threading.Event()  # the worker holds work taken from the queue
         self._thread: threading.Thread | None = None

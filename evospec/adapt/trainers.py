@@ -31,7 +31,13 @@ from evospec.adapt.loss import Admission, admit, curriculum_loss, retained_kl
 from evospec.adapt.unroll import TrajectoryBatch, draft_support_logits
 from evospec.models.eagle import EagleHead
 
-QV = ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight")
+
+def qv_names(head) -> tuple[str, str]:
+    """The parameter names of the draft attention's q and v projections (what CL-LoRA adapts)."""
+    return (f"{head.attention_path}.q_proj.weight", f"{head.attention_path}.v_proj.weight")
+
+
+QV = qv_names(EagleHead)  # an EAGLE-2 head's
 
 
 @dataclass
@@ -53,12 +59,11 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(owner, leaf, param)
 
 
-def build_shadow(serving: EagleHead, pristine: dict[str, torch.Tensor], owned: tuple[str, ...]) -> EagleHead:
-    """A head whose ``owned`` params are trainable copies of ``pristine``; the rest are the
-    serving head's tensors, shared and frozen. Its embedding is a frozen view of the
-    serving head's."""
-    shadow = EagleHead(serving.cfg, fc_bias=serving.fc.bias is not None, own_embedding=False)
-    shadow.to(serving.fc.weight.device)
+def build_shadow(serving, pristine: dict[str, torch.Tensor], owned: tuple[str, ...]):
+    """A head (EAGLE-2 or EAGLE-3) whose ``owned`` params are trainable copies of ``pristine``;
+    the rest are the serving head's tensors, shared and frozen. Its embedding (and a tied
+    LM head) are frozen views of the serving head's."""
+    shadow = serving.clone()
     served = dict(serving.named_parameters())
     for name, _ in list(shadow.named_parameters()):
         if name in owned:
@@ -80,13 +85,19 @@ class OnlineTrainer:
         self.lm_head = lm_head.detach()  # [V, D] the target's, frozen
         self.cfg = cfg
 
+    def _lm_weight(self) -> torch.Tensor:
+        """[V, D] the rows draft logits are read from: an EAGLE-3 head's own LM head (trained
+        along under OSD), else the frozen one given (the target's)."""
+        own = self.module._modules.get("lm_head")
+        return own.weight if own is not None else self.lm_head
+
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     @torch.no_grad()
     def gate(self, batch: TrajectoryBatch) -> tuple[Admission, torch.Tensor]:
         """Admission of every step under the current shadow weights -> (admission, kl [B, S])."""
-        logits = draft_support_logits(self.module, self.lm_head, batch)
+        logits = draft_support_logits(self.module, self._lm_weight(), batch)
         kl = retained_kl(batch.support_logits, logits, self.cfg.temperature)
         return admit(batch, kl, self.cfg.gate_kl), kl
 
@@ -101,7 +112,7 @@ class OnlineTrainer:
         loss_value = math.nan
         for _ in range(cfg.steps_per_update):
             self.opt.zero_grad(set_to_none=True)
-            logits = draft_support_logits(self.module, self.lm_head, batch)
+            logits = draft_support_logits(self.module, self._lm_weight(), batch)
             loss = curriculum_loss(batch, logits, admitted, temperature=cfg.temperature, beta=cfg.beta)
             loss_value = float(loss.detach())
             reason = None
@@ -171,7 +182,8 @@ class LoraTrainer(OnlineTrainer):
         from peft import LoraConfig, inject_adapter_in_model
 
         super().__init__(lm_head, cfg)
-        shadow = build_shadow(serving, pristine, owned=QV)
+        self._qv = qv_names(serving)
+        shadow = build_shadow(serving, pristine, owned=self._qv)
         for p in shadow.parameters():
             p.requires_grad_(False)
         lora = LoraConfig(
@@ -200,8 +212,8 @@ class LoraTrainer(OnlineTrainer):
             a.copy_(fresh)
 
     def _layers(self):
-        attn = self.module.layers[0].self_attn
-        return {QV[0]: attn.q_proj, QV[1]: attn.v_proj}
+        attn = self.module.get_submodule(self.module.attention_path)
+        return {self._qv[0]: attn.q_proj, self._qv[1]: attn.v_proj}
 
     def frozen_copies(self) -> list[torch.Tensor]:
         return [layer.base_layer.weight for layer in self._layers().values()]

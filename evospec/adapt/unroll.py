@@ -163,5 +163,6 @@ def support_logits(hidden: torch.Tensor, lm_head: torch.Tensor, support_ids: tor
 
 
 def draft_support_logits(head: EagleHead, lm_head: torch.Tensor, batch: TrajectoryBatch) -> torch.Tensor:
-    """[B, S, K] draft logits on each step's retained target support."""
-    return support_logits(unroll(head, batch), lm_head, batch.support_ids)
+    """[B, S, K] draft logits on each step's retained target support (through an EAGLE-3
+    head's final norm, ``logit_input``; an EAGLE-2 head's output goes to the LM head as is)."""
+    return support_logits(head.logit_input(unroll(head, batch)), lm_head, batch.support_ids)

@@ -86,7 +86,7 @@ class MethodSpec:
         """The method whose drafting cost this one has (an adaptive method drafts like its
         vocabulary policy): what the tree tuner measures and caches."""
         if self.head == "eagle3":
-            return self.name
+            return f"{self.policy}-e3" if self.policy else self.name
         return self.policy or self.name
 
 
@@ -102,6 +102,11 @@ def _table() -> dict[str, MethodSpec]:
     # the same drafting on an EAGLE-3 head (its own LM head; policies need a full-vocabulary one)
     rows += [MethodSpec("eagle3", True, None, None, head="eagle3")]
     rows += [MethodSpec(f"{p}-e3", True, p, None, head="eagle3") for p in POLICIES]
+    rows += [
+        MethodSpec("clora-e3", True, "frspec", "clora", head="eagle3"),
+        MethodSpec("osd-e3", True, "frspec", "osd", head="eagle3"),
+        MethodSpec("evospec-full-e3", True, "evospec", "clora", head="eagle3"),
+    ]
     return {r.name: r for r in rows}
 
 
@@ -249,10 +254,14 @@ def make_decoder(
     if tree.top_k > model.cfg.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({model.cfg.vocab_size})")
     if spec.head == "eagle3":
-        draft = drafting_head(
-            draft.attach(model), model, draft_weights
-        )  # a tied head needs the target's LM head
-        return _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch)
+        draft = draft.attach(model)  # a tied head needs the target's LM head
+        if spec.adapt is not None:
+            draft = clone_head(draft).attach(model)  # its weights will move: never share them
+        else:
+            draft = drafting_head(draft, model, draft_weights)
+        return _eagle3_decoder(
+            spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch, adapt
+        )
     weight = model.lm_head.weight
     policy = _policy(spec, model, vocab, indices, weight.device)
     active = ActiveVocab(policy, weight, always_ids=eos_ids, project=projection(model.lm_head))
@@ -283,9 +292,12 @@ def _ngram_decoder(spec, model, tree, eos_ids, verify_logits, prefetch) -> Decod
     return SpeculativeDecoder(spec.name, model, None, tree, eos_ids, prefetch=threshold)
 
 
-def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch) -> Decoder:
+def _eagle3_decoder(
+    spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch, adapt=None
+) -> Decoder:
     """A speculative decoder drafting with an EAGLE-3 head: its own LM head (after its final
-    norm), over the full vocabulary, a policy's active set, or its fixed d2t vocabulary."""
+    norm), over the full vocabulary, a policy's active set, or its fixed d2t vocabulary. An
+    adaptive spec tunes the head (a private fp32 copy) online, as for EAGLE-2 heads."""
     draft = draft.attach(model)
     lm = draft.lm_head
     weight = lm.weight  # [V or V_d, D]: kept dense in every drafting format (the reduced head gathers it)
@@ -304,6 +316,9 @@ def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_lo
         row_ids=draft.draft_ids(),
         vocab_size=model.cfg.vocab_size,
     )
+    adapter = None
+    if spec.adapt is not None:
+        adapter = OnlineAdapter(draft, weight, replace(adapt or AdaptConfig(), mode=spec.adapt))
     drafter = EagleDrafter(draft.attach(model), _NormedHead(draft, active.draft_head))
     threshold = verify_prefetch(model, verify_logits, prefetch)
     return SpeculativeDecoder(
@@ -313,6 +328,7 @@ def _eagle3_decoder(spec, model, draft, tree, eos_ids, vocab, indices, verify_lo
         tree,
         eos_ids,
         vocab=active,
+        adapt=adapter,
         prefetch=threshold,
         draft_layers=draft.aux_layers,
     )

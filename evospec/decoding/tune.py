@@ -82,6 +82,9 @@ def candidates_for(method: str) -> tuple[TreeConfig, ...]:
     return NGRAM_CANDIDATES if method == "ngram" else CANDIDATES
 
 
+PRUNE = 0.4  # later passes skip a shape whose best run is below this share of the leader's
+
+
 def machine_key() -> str:
     """The hardware a timing belongs to: the GPU's name, or the CPU model and thread count."""
     if torch.cuda.is_available():
@@ -119,7 +122,9 @@ def calibrate(
     calibration saw AR runs anywhere from 83 to 175 tok/s; the ratio of neighbouring runs
     swung from 0.66x to 2.08x for near-identical shapes). So each side keeps its best run: a
     candidate's speedup is its best tok/s over the best AR run, and AR, timed beside every
-    candidate, is measured at the machine's best state during the whole calibration.
+    candidate, is measured at the machine's best state during the whole calibration. Passes
+    after the first skip shapes slower than :data:`PRUNE` times the leader (big trees on a CPU:
+    they would take most of the calibration's time and cannot win).
     """
     from tqdm.auto import tqdm
 
@@ -131,8 +136,12 @@ def calibrate(
     speed = {key: 0.0 for key in decoders}
     ar_speed = 0.0
     with tqdm(total=passes * len(decoders), desc="tune tree", unit="shape", disable=not progress) as bar:
-        for _ in range(passes):
+        for p in range(passes):
+            leader = max(speed.values())
             for key, dec in decoders.items():
+                if p and speed[key] < PRUNE * leader:  # hopeless: noise only slows, never speeds up
+                    bar.update(1)
+                    continue
                 ar_speed = max(ar_speed, _tok_per_s(ar, prompts, params))
                 speed[key] = max(speed[key], _tok_per_s(dec, prompts, params))
                 bar.update(1)

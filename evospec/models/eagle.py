@@ -49,6 +49,7 @@ class EagleHead(nn.Module):
 
     arch = "eagle2"
     regresses = True  # trained to predict the target's next feature as well as its token
+    attention_path = "layers.0.self_attn"  # the draft layer's attention (CL-LoRA adapts its q/v)
     aux_layers: tuple[int, ...] = ()  # reads the target's final features, no other layers
 
     def __init__(self, cfg: ModelConfig, *, fc_bias: bool = True, own_embedding: bool = False) -> None:

@@ -80,6 +80,7 @@ class Eagle3Head(nn.Module):
 
     arch = "eagle3"
     regresses = False  # trained on the target's token distribution only (no feature loss)
+    attention_path = "midlayer.self_attn"  # the draft layer's attention (CL-LoRA adapts its q/v)
 
     def __init__(
         self,

@@ -25,7 +25,13 @@ FAST = AdaptConfig(buffer_size=4, lr=1e-2, context=8, k_logit=16, rank=4, alpha=
 
 
 def decoder(target, head, method, **cfg):
+    """``method``'s decoder with the fast adaptation settings; an EAGLE-3 method gets a random
+    full-vocabulary EAGLE-3 head for ``target`` instead of ``head``."""
+    from evospec.models.eagle3 import new_eagle3_for
+
     adapt = AdaptConfig(**{**FAST.__dict__, **cfg})
+    if METHOD_SPECS[method].head == "eagle3":
+        head = new_eagle3_for(target, seed=2)
     return make_decoder(
         method,
         target,

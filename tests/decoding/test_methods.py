@@ -19,6 +19,9 @@ def test_the_table_names_every_method_once() -> None:
         "clora": ("frspec", "clora"),
         "osd": ("frspec", "osd"),
         "evospec-full": ("evospec", "clora"),
+        "clora-e3": ("frspec", "clora"),
+        "osd-e3": ("frspec", "osd"),
+        "evospec-full-e3": ("evospec", "clora"),
     }
     assert [s.name for s in METHOD_SPECS.values() if s.has_arc] == [
         "evospec",
@@ -26,17 +29,18 @@ def test_the_table_names_every_method_once() -> None:
         "evospec-full",
         "evospec-e3",
         "nanospec+evospec-e3",
+        "evospec-full-e3",
     ]
     assert [s.name for s in METHOD_SPECS.values() if s.shares_budget] == [
         "nanospec+evospec",
         "nanospec+evospec-e3",
     ]
-    eagle3 = {s.name: s.policy for s in METHOD_SPECS.values() if s.head == "eagle3"}
+    eagle3 = {s.name: s.policy for s in METHOD_SPECS.values() if s.head == "eagle3" and not s.adapt}
     assert eagle3 == {"eagle3": None, **{f"{p}-e3": p for p in POLICIES}}
-    assert not any(s.adapt for s in METHOD_SPECS.values() if s.head == "eagle3")
     assert (
         method_spec("evospec-full").drafts_like == "evospec" and method_spec("eagle2").drafts_like == "eagle2"
     )
+    assert method_spec("evospec-full-e3").drafts_like == "evospec-e3"  # tuned like the head's own policy
     assert not method_spec("ar").speculative and not method_spec("ar").needs_indices
     assert method_spec("frspec").needs_counts and not method_spec("frspec").needs_hnsw
     assert method_spec("nanospec+evospec").needs_hnsw and not method_spec("nanospec").needs_indices

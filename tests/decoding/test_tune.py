@@ -70,6 +70,26 @@ def test_calibrate_keeps_each_sides_best_run_through_a_burst_of_noise():
     assert res["table"][0]["speedup"] > res["table"][1]["speedup"] > 1.0
 
 
+def test_later_passes_skip_hopeless_shapes():
+    """A shape at a fifth of the leader's speed is timed in the first pass only (PRUNE 0.4)."""
+    calls = {SLOW: 0, FAST: 0}
+
+    class Counted(_Sleepy):
+        def __init__(self, tree) -> None:
+            super().__init__({SLOW: 0.02, FAST: 0.004}[tree])
+            self.tree = tree
+
+        def generate(self, prompt, params):
+            calls[self.tree] += 1
+            yield from super().generate(prompt, params)
+
+    res = tune.calibrate(
+        Counted, _Sleepy(0.01), [[1]], candidates=[SLOW, FAST], max_new_tokens=3, progress=False
+    )
+    assert calls == {SLOW: 2, FAST: 3}  # a warm-up each; SLOW once, FAST twice
+    assert TreeConfig(**res["tree"]) == FAST
+
+
 def test_calibrate_reports_when_no_shape_beats_ar():
     res = tune.calibrate(
         lambda t: _Sleepy(0.01), _Sleepy(0.001), [[1]], candidates=[SLOW], max_new_tokens=4, progress=False
@@ -122,7 +142,8 @@ def test_machine_key_names_the_hardware():
 
 
 class _Flaky(_Sleepy):
-    """Slow during its first timed pass only (a noisy neighbour), fast afterwards."""
+    """Slow during its first timed pass only (a noisy neighbour: 2x slower than SLOW, as bursts
+    here were, so not pruned), fast afterwards."""
 
     def __init__(self) -> None:
         super().__init__(0.001)
@@ -130,7 +151,7 @@ class _Flaky(_Sleepy):
 
     def generate(self, prompt, params):
         self.calls += 1
-        self.delay = 0.03 if self.calls == 2 else 0.001  # call 1 is the warm-up
+        self.delay = 0.02 if self.calls == 2 else 0.001  # call 1 is the warm-up
         yield from super().generate(prompt, params)
 
 

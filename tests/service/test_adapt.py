@@ -1,4 +1,5 @@
-"""Online adaptation through the server: clora, osd and evospec-full answer exactly what greedy
+"""Online adaptation through the server: clora, osd and evospec-full (on EAGLE-2 and EAGLE-3
+heads) answer exactly what greedy
 decoding answers while their adapters learn; ``/admin/adapter`` reports and steers the adapter
 (save / load / reset / pause) on the engine thread; the OpenAI ``user`` field scopes adapters
 when ``adapt.scope`` is ``user``; ``/metrics`` counts updates."""
@@ -29,12 +30,15 @@ PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time"]
 @pytest.fixture
 def make(tiny, codec, head) -> Callable[..., SpeculativeDecoder]:
     def factory(name: str, **cfg) -> SpeculativeDecoder:
+        from evospec.models.eagle3 import new_eagle3_for
+
         adapt = AdaptConfig(**{**FAST.__dict__, **cfg})
+        draft = new_eagle3_for(tiny, seed=2) if method_spec(name).head == "eagle3" else head
         return make_decoder(
             name,
             tiny,
             eos_ids=codec.eos_ids,
-            draft=head,
+            draft=draft,
             tree=TREE,
             vocab=VOCAB,
             indices=stand_in_indices(tiny),

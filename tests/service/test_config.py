@@ -40,6 +40,9 @@ PRESET_METHODS = {
     "specvocab.yaml": "specvocab",
     "specvocab-e3.yaml": "specvocab-e3",
     "ngram.yaml": "ngram",
+    "clora-e3.yaml": "clora-e3",
+    "osd-e3.yaml": "osd-e3",
+    "evospec-full-e3.yaml": "evospec-full-e3",
 }
 
 
@@ -78,6 +81,9 @@ def test_every_method_has_a_preset() -> None:
         "dynaspec-e3.yaml",
         "specvocab.yaml",
         "specvocab-e3.yaml",
+        "clora-e3.yaml",
+        "osd-e3.yaml",
+        "evospec-full-e3.yaml",
     ],
 )
 def test_cpu_presets_use_a_small_tree(name: str) -> None:

@@ -172,7 +172,7 @@ def test_reset_needs_an_arc_buffer(name: str, serve, make) -> None:
     assert (
         state["arc"]["note"]
         == f"method {name} keeps no ARC buffer (only evospec, nanospec+evospec, evospec-full, evospec-e3, "
-        "nanospec+evospec-e3 do)"
+        "nanospec+evospec-e3, evospec-full-e3 do)"
     )
     assert state["arc"]["t1"] is None and state["vocabulary"]["policy"] == name
 
