@@ -104,21 +104,8 @@ def generate_speculative(
         else:
             tree = _draft_tree(drafter, root, pending.take(), prefix, tree_cfg, vocab, adapt)
         t1 = time.perf_counter()
-        lazy = prefetch is not None and not recorded_chain(target, tree)
-        vout = target(
-            tree.tokens[None],
-            tree.positions,
-            cache,
-            tree_mask=tree.mask if tree.size > 1 else None,  # the root alone: a plain decode step
-            logits="none" if lazy else ("last" if tree.size == 1 else "all"),
-            aux_layers=draft_layers,
-        )
-        rows = NodeLogits(tree, vout.hidden[0], target.project_logits, prefetch) if lazy else vout.logits[0]
-        path, bonus = accept(tree, rows, params, gen)  # path [a + 1] incl. the root
-        if tree.chain:  # the accepted nodes already sit right behind the prefix
-            cache.trim(prefix + path.numel())
-        else:
-            cache.compact(prefix + path, prefix)
+        vout, rows, path, bonus = _verify(target, tree, cache, params, gen, prefetch, draft_layers)
+        lazy = isinstance(rows, NodeLogits)
         t2 = time.perf_counter()
         accepted = tree.tokens[1 : path.numel()].tolist() if tree.chain else tree.tokens[path[1:]].tolist()
         new, reason = rule.clip([*accepted, bonus], produced)
@@ -150,6 +137,29 @@ def generate_speculative(
         if lookup is not None:
             lookup.extend([*accepted, bonus])
         root = bonus
+
+
+def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draft_layers):
+    """One target forward over the tree, acceptance, and the cache keeping the accepted path:
+    (forward output, rows -- [N, V] logits or lazily projected ``NodeLogits`` --, path [a + 1]
+    incl. the root, bonus token)."""
+    prefix = cache.length
+    lazy = prefetch is not None and not recorded_chain(target, tree)
+    vout = target(
+        tree.tokens[None],
+        tree.positions,
+        cache,
+        tree_mask=tree.mask if tree.size > 1 else None,  # the root alone: a plain decode step
+        logits="none" if lazy else ("last" if tree.size == 1 else "all"),
+        aux_layers=draft_layers,
+    )
+    rows = NodeLogits(tree, vout.hidden[0], target.project_logits, prefetch) if lazy else vout.logits[0]
+    path, bonus = accept(tree, rows, params, gen)
+    if tree.chain:  # the accepted nodes already sit right behind the prefix
+        cache.trim(prefix + path.numel())
+    else:
+        cache.compact(prefix + path, prefix)
+    return vout, rows, path, bonus
 
 
 def _draft_tree(
