@@ -88,7 +88,8 @@ def main() -> None:
                 model(tokens, torch.arange(start, start + rows), cache, tree_mask=mask, logits="all")
                 times[rows].append(time.perf_counter() - t0)
                 cache.trim(start)
-    print("\n| rows | " + " | ".join(str(r) for r in times) + " |\n|---" * (len(times) + 1) + "|")
+    print("\n| rows | " + " | ".join(str(r) for r in times) + " |")
+    print("|---" * (len(times) + 1) + "|")
     print("| ms | " + " | ".join(f"{statistics.median(v) * 1e3:.2f}" for v in times.values()) + " |")
 
 
