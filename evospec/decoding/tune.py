@@ -8,9 +8,8 @@ not free on a CPU (PERF_NOTES: a 60-token verify costs several AR steps), while 
 nearly is, so the best (top_k, depth, total_tokens) depends on the machine, the model, the
 draft head and the vocabulary method. The tuner measures instead of modelling: it decodes a
 few calibration prompts (:data:`CALIBRATION_TEXTS`, written for this purpose: no data set,
-so a fresh install can tune) with every candidate shape, each right after plain AR on the
-same prompts, in two passes (each side keeps its best run), keeps the fastest shape, and
-caches the choice in
+so a fresh install can tune) with every candidate shape and plain AR between them, in two
+passes (each keeps its best run), keeps the fastest shape, and caches the choice in
 ``$EVOSPEC_HOME/tuning/trees.json`` under a key naming all of those. If no shape beats AR the
 result says so (``beats_ar: false``) and the fastest shape is still returned.
 """
@@ -82,6 +81,7 @@ def candidates_for(method: str) -> tuple[TreeConfig, ...]:
     return NGRAM_CANDIDATES if method == "ngram" else CANDIDATES
 
 
+AR_EVERY = 3  # AR is timed before every third shape of a pass
 PRUNE = 0.4  # later passes skip a shape whose best run is below this share of the leader's
 
 
@@ -115,14 +115,14 @@ def calibrate(
     passes: int = 2,
     progress: bool = True,
 ) -> dict:
-    """Time every candidate on ``prompts`` (greedy), each right after an AR run on the same
-    prompts; the shape with the best speedup over AR, and the table.
+    """Time every candidate on ``prompts`` (greedy), with AR timed on the same prompts before
+    every :data:`AR_EVERY`-th of them; the shape with the best speedup over AR, and the table.
 
     Noise on a shared machine only ever slows a run down, and here it comes in bursts (one
     calibration saw AR runs anywhere from 83 to 175 tok/s; the ratio of neighbouring runs
     swung from 0.66x to 2.08x for near-identical shapes). So each side keeps its best run: a
-    candidate's speedup is its best tok/s over the best AR run, and AR, timed beside every
-    candidate, is measured at the machine's best state during the whole calibration. Passes
+    candidate's speedup is its best tok/s over the best AR run, and AR, timed all through the
+    calibration, is measured at the machine's best state during it. Passes
     after the first skip shapes slower than :data:`PRUNE` times the leader (big trees on a CPU:
     they would take most of the calibration's time and cannot win).
     """
@@ -138,11 +138,12 @@ def calibrate(
     with tqdm(total=passes * len(decoders), desc="tune tree", unit="shape", disable=not progress) as bar:
         for p in range(passes):
             leader = max(speed.values())
-            for key, dec in decoders.items():
+            for i, (key, dec) in enumerate(decoders.items()):
                 if p and speed[key] < PRUNE * leader:  # hopeless: noise only slows, never speeds up
                     bar.update(1)
                     continue
-                ar_speed = max(ar_speed, _tok_per_s(ar, prompts, params))
+                if i % AR_EVERY == 0:
+                    ar_speed = max(ar_speed, _tok_per_s(ar, prompts, params))
                 speed[key] = max(speed[key], _tok_per_s(dec, prompts, params))
                 bar.update(1)
     table = [
