@@ -51,6 +51,7 @@ class _TreeDrafterBase:
     """Cache and mask bookkeeping shared by drafters; subclasses supply :meth:`_run`."""
 
     cache: KVCache
+    graph = None  # a recorded causal step (EagleDrafter on the CPU); None: every step is eager
 
     def __init__(self, head_fn: DraftHeadFn) -> None:
         self.head_fn = head_fn
@@ -116,7 +117,9 @@ class _TreeDrafterBase:
         mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=tokens.device), anc], dim=1)
         self._depth += 1
         positions = torch.full((n,), self._base_position() - 1 + self._depth, device=tokens.device)
-        causal = n == 1 and bool(anc.all())  # a chain's next node: its ancestors are every tree slot
+        # a chain's next node (its ancestors are every tree slot): checked only where a recorded
+        # step could use it, so a GPU drafter never reads the mask back
+        causal = self.graph is not None and n == 1 and bool(anc.all())
         hidden = self._run(parent_hidden, tokens, positions, mask, causal)  # [k', D]
         self._frontier_hidden, self._anc = hidden, anc
         return self.head_fn(hidden, k)

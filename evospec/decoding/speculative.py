@@ -92,7 +92,8 @@ def generate_speculative(
         vocab.start(ids[0], out.hidden[0])
     if adapt is not None:
         adapt.start()
-    pending = _Pending(_draft_features(out, draft_layers), [*ids[0, 1:].tolist(), root])
+    # pairs the drafter has yet to commit (ngram: no drafter, nothing to keep)
+    pending = _Pending(_draft_features(out, draft_layers), [*ids[0, 1:].tolist(), root]) if drafter else None
 
     while True:
         t0 = time.perf_counter()
@@ -133,7 +134,8 @@ def generate_speculative(
         )
         if reason is not None:
             return
-        pending.add(_draft_features(vout, draft_layers)[path], [*accepted, bonus])  # [a + 1, D'], [a + 1]
+        if pending is not None:
+            pending.add(_draft_features(vout, draft_layers)[path], [*accepted, bonus])  # [a + 1, D'], [a + 1]
         if lookup is not None:
             lookup.extend([*accepted, bonus])
         root = bonus
