@@ -34,6 +34,9 @@ class StackSettings:
     methods: tuple[str, ...] = ("ar",)  # decoders to build, by method name (or "auto")
     draft: str | None = None  # EAGLE-2 head folder; None: the head shipped for the model
     draft3: str | None = None  # EAGLE-3 head folder (the *-e3 methods); None: the one shipped, if any
+    # n-gram table file (tree.table_lookup); None: the one built for the model, else the one
+    # shipped, if any; "none": no table
+    ngrams: str | None = None
     tree: TreeConfig = field(default_factory=TreeConfig)  # the shape when not tuned
     tune_tree: bool = False  # True: the fastest shape measured on this machine (``--tree auto``)
     vocab: VocabConfig = field(default_factory=VocabConfig)
@@ -112,6 +115,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     draft3, draft3_path = _load_draft3(settings, loaded, named, dtype, device, facts)
     needed = draft is not None or any(s.needs_indices for s in named)  # auto without a head: ar only
     indices = _load_indices(settings, loaded, named, facts, progress) if needed else None
+    ngrams, ngrams_path = _load_ngrams(settings, loaded, facts)
 
     def build(name: str, tree: TreeConfig) -> Decoder:
         return make_decoder(
@@ -125,6 +129,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
             adapt=settings.adapt,
             verify_logits=settings.verify_logits,
             draft_weights=settings.draft_weights,
+            ngrams=ngrams,
         )
 
     resolved: dict[str, str] = {}
@@ -134,7 +139,9 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights)}"
     if draft3_path is not None:  # the *-e3 methods' shapes depend on the EAGLE-3 head
         drafts += f"|e3-{head_id(draft3_path)}"
-    tuner = Tuner(build, loaded, drafts, eos, settings.verify_logits, progress)
+    if ngrams_path is not None:  # the table's shapes join the candidates
+        drafts += f"|ngrams-{head_id(ngrams_path)}"
+    tuner = Tuner(build, loaded, drafts, eos, settings.verify_logits, progress, table=ngrams is not None)
     if AUTO in settings.methods:
         candidates = [
             n
@@ -174,7 +181,7 @@ def _record_steps(model, decoders) -> None:
         aux = getattr(dec, "draft_layers", ())  # EAGLE-3 drafts read three target layers
         if tree.top_k == 1:  # a chain: the root and its drafted tokens
             graph.record(min(tree.depth, tree.total_tokens) + 1, "all", aux)
-        for n in range(1, tree.lookup + 1):  # context lookup: the root and 1..lookup tokens
+        for n in range(1, tree.lookup_rows + 1):  # a model-free round: the root and 1..lookup tokens
             graph.record(n + 1, "all", aux)
 
 
@@ -214,6 +221,26 @@ def _load_draft3(settings: StackSettings, loaded, named: list[MethodSpec], dtype
     vocab = "full vocabulary" if head.draft_ids() is None else f"{head.draft_vocab}-id draft vocabulary"
     facts.append(f"EAGLE-3 head: {path} (target layers {list(head.aux_layers)}, {vocab})")
     return head, path
+
+
+def _load_ngrams(settings: StackSettings, loaded, facts: list[str]):
+    """(the model's n-gram table, its file) -- the one named, else the one ``build-ngrams`` made
+    for the model, else the one shipped -- or (None, None): "none", or no table at all."""
+    from evospec.decoding.ngram_table import load_ngram_table
+    from evospec.train.ngram_command import shipped_table_path, user_table_path
+
+    if settings.ngrams == "none":
+        return None, None
+    if settings.ngrams:
+        path = Path(settings.ngrams).expanduser()
+    else:
+        built = user_table_path(loaded.name)
+        path = built if built.is_file() else shipped_table_path(loaded.name)
+        if path is None:
+            return None, None
+    table = load_ngram_table(path, vocab_size=loaded.model.cfg.vocab_size)
+    facts.append(f"n-gram table: {path} ({len(table):,} contexts from {table.info.tokens:,} answer tokens)")
+    return table, path
 
 
 def _load_indices(settings: StackSettings, loaded, named: list[MethodSpec], facts: list[str], progress: bool):

@@ -1,4 +1,4 @@
-"""The ``evospec`` command line: generate, bench, train-draft, serve, models.
+"""The ``evospec`` command line: generate, bench, train-draft, train-vocab, build-ngrams, serve, models.
 
 Owns: the top-level parser and the dispatch. Each command module registers its own
 sub-parser (``add_*_parser``) and handler; shared knobs live in ``options.py``; what the
@@ -14,6 +14,7 @@ from evospec.bench.command import add_bench_parser
 from evospec.generate import add_generate_parser
 from evospec.models.command import add_models_parser
 from evospec.train.command import add_train_draft_parser
+from evospec.train.ngram_command import add_build_ngrams_parser
 from evospec.train.vocab_command import add_train_vocab_parser
 from service.command import add_serve_parser
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser,
         add_train_draft_parser,
         add_train_vocab_parser,
+        add_build_ngrams_parser,
         add_serve_parser,
         add_models_parser,
     ):

@@ -88,6 +88,12 @@ def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> No
         help="EAGLE-3 head folder in the public layout (config.json with draft_vocab_size + weights) for "
         "the eagle3 and *-e3 methods; default: the EAGLE-3 head shipped for the model, if any",
     )
+    p.add_argument(
+        "--ngrams",
+        default=None,
+        help="the model's n-gram table for --table-lookup (evospec build-ngrams makes one); 'none': "
+        "no table; default: the table built for the model, else the one shipped, if any",
+    )
     add_section_flags(p.add_argument_group("draft tree"), TreeConfig, "tree")
     p.add_argument(
         "--tree",
@@ -179,6 +185,7 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         methods=tuple(methods),
         draft=str(args.draft) if args.draft else None,
         draft3=str(args.draft3) if args.draft3 else None,
+        ngrams=args.ngrams,
         tree=tree_config(args),
         tune_tree=args.tree == "auto",
         vocab=vocab_config(args),

@@ -75,7 +75,7 @@ def serve_config(args: argparse.Namespace):
     from service.config import ServeConfig, load_config
 
     base = load_config(args.config) if args.config else ServeConfig()
-    names = ("model", "draft", "draft3", "method", "host", "port", "device", "dtype", "weights")
+    names = ("model", "draft", "draft3", "ngrams", "method", "host", "port", "device", "dtype", "weights")
     names += ("verify_logits", "draft_weights")
     names += ("max_body_bytes", "body_read_timeout")
     names += ("adapter_dir", "persist_state", "state_dir", "snapshot_minutes")

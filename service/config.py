@@ -41,6 +41,7 @@ class ServeConfig:
     method: str = "ar"  # decoding method: one of evospec.decoding.methods.METHODS, or "auto"
     draft: str | None = None  # EAGLE-2 head folder (default: the head shipped for the model)
     draft3: str | None = None  # EAGLE-3 head folder for eagle3 / *-e3 (default: the one shipped, if any)
+    ngrams: str | None = None  # n-gram table for tree.table_lookup ("none": none; default: built/shipped)
     tree: TreeConfig = field(default_factory=TreeConfig)  # ignored by ar
     tune_tree: bool = False  # true: the fastest tree shape measured on this machine (--tree auto)
     vocab: VocabConfig = field(default_factory=VocabConfig)  # read by the vocabulary methods only
@@ -99,6 +100,7 @@ class ServeConfig:
             methods=(self.method,),
             draft=self.draft,
             draft3=self.draft3,
+            ngrams=self.ngrams,
             tree=self.tree,
             tune_tree=self.tune_tree,
             vocab=self.vocab,
@@ -136,6 +138,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "method": (str,),
     "draft": (str, type(None)),
     "draft3": (str, type(None)),
+    "ngrams": (str, type(None)),
     "device": (str,),
     "dtype": (str,),
     "weights": (str,),

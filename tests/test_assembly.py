@@ -193,3 +193,32 @@ def test_a_fresh_install_counts_the_users_corpus(folder, tmp_path, monkeypatch) 
         assert any(f.startswith("indices: ") and "corpus files" in f for f in stack.facts)
     finally:
         stack.decoder("frspec").close()
+
+
+def test_the_models_ngram_table_is_found_named_or_turned_off(folder, tmp_path, monkeypatch) -> None:
+    """``build-ngrams``' output for the model is read by default and ngram verifies its guesses;
+    ``ngrams="none"`` serves without it; a table of another vocabulary is refused by name."""
+    from evospec.decoding.ngram_table import NgramTable
+    from evospec.train.ngram_command import user_table_path
+
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    model, _ = folder
+    plain = assemble(StackSettings(model=str(model), methods=("ar", "ngram")), progress=False)
+    assert plain.decoder("ngram").ngrams is None  # no table built, none ships for a tiny model
+    ids = plain.codec.encode("The quick brown fox")
+    answers = [_tokens(plain.decoder("ar"), plain.codec.encode(t), 24) for t in ("A cat", "One dog", "Hi")]
+    vocab = plain.loaded.model.cfg.vocab_size
+    NgramTable.count(answers, model="tiny-model", vocab_size=vocab, min_count=1).save(
+        user_table_path("tiny-model")
+    )
+    stack = assemble(StackSettings(model=str(model), methods=("ar", "ngram")), progress=False)
+    dec = stack.decoder("ngram")
+    assert dec.ngrams is not None and dec.tree.table_lookup == 1
+    assert any(f.startswith(f"n-gram table: {user_table_path('tiny-model')}") for f in stack.facts)
+    assert _tokens(dec, ids, 24) == _tokens(stack.decoder("ar"), ids, 24)
+    off = assemble(StackSettings(model=str(model), methods=("ngram",), ngrams="none"), progress=False)
+    assert off.decoder("ngram").ngrams is None
+    other = tmp_path / "other.safetensors"
+    NgramTable.count([[1, 2, 3]], model="x", vocab_size=vocab + 1, min_count=1).save(other)
+    with pytest.raises(ValueError, match="vocab_size"):
+        assemble(StackSettings(model=str(model), methods=("ngram",), ngrams=str(other)), progress=False)

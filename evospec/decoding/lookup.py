@@ -3,10 +3,13 @@
 Owns: :class:`ContextLookup`, an index of one request's tokens (prompt, then every verified
 token) by the n-grams that end before each position, and :meth:`ContextLookup.propose`, which
 finds the most recent earlier occurrence of the context's last n tokens (longest n first,
-down to ``min_n``) and returns the tokens that followed it. This is the "prompt lookup" /
-n-gram drafting of vLLM's ``ngram`` method and llama.cpp's lookup decoding: it costs no model
-call, and where answers copy from their context (summaries, extraction, RAG, code edits,
-translations that keep names) it is right more often than a small draft head.
+down to ``min_n``) and returns the tokens that followed it; :class:`LookupDraft`, a round's
+model-free proposal: the context's, else the model's n-gram table's (``ngram_table.py``).
+
+Context lookup is the "prompt lookup" / n-gram drafting of vLLM's ``ngram`` method and
+llama.cpp's lookup decoding: it costs no model call, and where answers copy from their
+context (summaries, extraction, RAG, code edits, translations that keep names) it is right
+more often than a small draft head.
 
 Measured on the default model (SmolLM2-135M, the AR answers to 39 Spec-Bench prompts, 96
 tokens; ``scripts/lookup_study.py``): at 19% of positions the last 5 tokens had occurred
@@ -17,7 +20,10 @@ token (``docs/benchmarks.md``, wave 7). Knows token ids only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from evospec.decoding.ngram_table import MAX_ORDER, NgramTable
+from evospec.decoding.tree_config import LOOKUP_MAX_N, TreeConfig
 
 
 class ContextLookup:
@@ -66,3 +72,39 @@ class ContextLookup:
             return []
         n, start = match
         return self.tokens[start : start + min(k, n)]
+
+
+class LookupDraft:
+    """One request's model-free proposals: context lookup first (up to ``tree.lookup`` tokens),
+    else the model's n-gram table (up to ``tree.table_lookup``); [] where neither has a guess."""
+
+    def __init__(self, tree: TreeConfig, table: NgramTable | None) -> None:
+        if tree.table_lookup and table is None:
+            raise ValueError("tree.table_lookup needs the model's n-gram table (--ngrams PATH)")
+        self.tree = tree
+        self.context = ContextLookup(tree.lookup_ngram, LOOKUP_MAX_N) if tree.lookup else None
+        self.table = table if tree.table_lookup else None
+        self._tail: list[int] = []  # the last tokens, when no context index keeps them all
+
+    @property
+    def active(self) -> bool:
+        return self.context is not None or self.table is not None
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        if self.context is not None:
+            self.context.reset(tokens)
+        self._tail = list(tokens[-MAX_ORDER:])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if self.context is not None:
+            self.context.extend(tokens)
+        self._tail = [*self._tail, *tokens][-MAX_ORDER:]
+
+    def propose(self) -> list[int]:
+        if self.context is not None:
+            guess = self.context.propose(self.tree.lookup)
+            if guess:
+                return guess
+        if self.table is not None:
+            return self.table.propose(self._tail, self.tree.table_lookup)
+        return []

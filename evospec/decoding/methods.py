@@ -23,6 +23,7 @@ from evospec.decoding.autoregressive import generate_ar
 from evospec.decoding.budget import cache_for, plan_budget
 from evospec.decoding.drafter import Drafter, EagleDrafter
 from evospec.decoding.events import StepEvent
+from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import calibrate_prefetch
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.speculative import generate_speculative
@@ -180,8 +181,14 @@ class SpeculativeDecoder:
         adapt: OnlineAdapter | None = None,
         prefetch: float | None = None,
         draft_layers: tuple[int, ...] = (),
+        ngrams: NgramTable | None = None,
     ) -> None:
+        if tree.table_lookup and ngrams is None:
+            raise ValueError(
+                f"tree.table_lookup {tree.table_lookup} needs the model's n-gram table (--ngrams PATH)"
+            )
         self.name = name
+        self.ngrams = ngrams  # the model's n-gram table (tree.table_lookup)
         self.draft_layers = draft_layers  # target layers the draft reads (EAGLE-3); (): final features
         self.prefetch = prefetch  # None: project every tree node; else lazy rows (node_logits.py)
         self.vocab = vocab  # owns the drafter's head function when given
@@ -214,6 +221,7 @@ class SpeculativeDecoder:
             prefetch=self.prefetch,
             budget=budget,
             draft_layers=self.draft_layers,
+            ngrams=self.ngrams,
         )
 
 
@@ -230,6 +238,7 @@ def make_decoder(
     verify_logits: str = "auto",
     prefetch: float | None = None,
     draft_weights: str = "auto",
+    ngrams: NgramTable | None = None,
 ) -> Decoder:
     """``ar``; or a speculative method (needs ``draft``, an EAGLE-2 head for ``model``):
     ``eagle2`` drafts over the full vocabulary, the others over a policy's active vocabulary
@@ -239,12 +248,13 @@ def make_decoder(
     ``prefetch`` (a fixed threshold in [0, 1]; default: calibrated once per target) choose how
     verification projects tree nodes onto the vocabulary; the output is the same either way.
     ``draft_weights`` (:func:`drafting_head`): ``auto`` drafts with int8 linears where the
-    target's are quantised, ``fp32`` keeps the head's own; adapting methods always keep fp32."""
+    target's are quantised, ``fp32`` keeps the head's own; adapting methods always keep fp32.
+    ``ngrams``: the model's n-gram table, which ``tree.table_lookup`` reads (``ngram_table.py``)."""
     spec = method_spec(name)
     if not spec.speculative:
         return ARDecoder(model, eos_ids)
     if spec.head is None:
-        return _ngram_decoder(spec, model, tree, eos_ids, verify_logits, prefetch)
+        return _ngram_decoder(spec, model, tree, eos_ids, verify_logits, prefetch, ngrams)
     kind, flag = ("EAGLE-3", "--draft3") if spec.head == "eagle3" else ("EAGLE-2", "--draft")
     if draft is None:
         raise ValueError(f"method {name} needs a draft head: an {kind} head ({flag} PATH)")
@@ -260,7 +270,7 @@ def make_decoder(
         else:
             draft = drafting_head(draft, model, draft_weights)
         return _eagle3_decoder(
-            spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch, adapt
+            spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch, adapt, ngrams
         )
     weight = model.lm_head.weight
     policy = _policy(spec, model, vocab, indices, weight.device)
@@ -274,26 +284,30 @@ def make_decoder(
     drafter = EagleDrafter(draft.attach(model), active.draft_head, record=adapter is None)
     threshold = verify_prefetch(model, verify_logits, prefetch)
     return SpeculativeDecoder(
-        name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter, prefetch=threshold
+        name, model, drafter, tree, eos_ids, vocab=active, adapt=adapter, prefetch=threshold, ngrams=ngrams
     )
 
 
 NGRAM_LOOKUP = 3  # tokens an ngram round verifies after a match, unless the tree's lookup says
+NGRAM_TABLE = 1  # ... and after a guess of the model's n-gram table, where it has one
 
 
-def _ngram_decoder(spec, model, tree, eos_ids, verify_logits, prefetch) -> Decoder:
+def _ngram_decoder(spec, model, tree, eos_ids, verify_logits, prefetch, ngrams=None) -> Decoder:
     """Context lookup alone (vLLM's ``ngram``, llama.cpp's lookup decoding): a round verifies
-    the tokens that followed the context's last n-gram where it occurred before, else it is a
-    plain decode step. Needs no draft head, so it serves any model."""
+    the tokens that followed the context's last n-gram where it occurred before, else the n-gram
+    table's guess where the model has a table, else it is a plain decode step. Needs no draft
+    head, so it serves any model."""
     tree = tree or TreeConfig()
     if not tree.lookup:
         tree = replace(tree, lookup=NGRAM_LOOKUP)
+    if ngrams is not None and not tree.table_lookup:
+        tree = replace(tree, table_lookup=NGRAM_TABLE)
     threshold = verify_prefetch(model, verify_logits, prefetch)
-    return SpeculativeDecoder(spec.name, model, None, tree, eos_ids, prefetch=threshold)
+    return SpeculativeDecoder(spec.name, model, None, tree, eos_ids, prefetch=threshold, ngrams=ngrams)
 
 
 def _eagle3_decoder(
-    spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch, adapt=None
+    spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch, adapt=None, ngrams=None
 ) -> Decoder:
     """A speculative decoder drafting with an EAGLE-3 head: its own LM head (after its final
     norm), over the full vocabulary, a policy's active set, or its fixed d2t vocabulary. An
@@ -331,6 +345,7 @@ def _eagle3_decoder(
         adapt=adapter,
         prefetch=threshold,
         draft_layers=draft.aux_layers,
+        ngrams=ngrams,
     )
 
 

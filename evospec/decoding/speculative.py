@@ -8,7 +8,9 @@ rewinds its tree slots. Yields one :class:`StepEvent` per round (the prefill's f
 is its own event). Host synchronisation happens only at the accept boundary.
 
 With context lookup on (``TreeConfig.lookup``), a round whose context repeats an earlier
-n-gram verifies that n-gram's continuation instead of a drafted tree (``lookup.py``).
+n-gram verifies that n-gram's continuation instead of a drafted tree (``lookup.py``); with the
+n-gram table on (``TreeConfig.table_lookup``), a round where the context finds nothing verifies
+the table's guesses (``ngram_table.py``).
 
 Two optional observers ride along: ``vocab`` (the active vocabulary, which owns the
 drafter's head function) and ``adapt`` (the online adapter: it sees the committed pairs at
@@ -27,11 +29,11 @@ from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.budget import Budget, cache_for, plan_budget
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
-from evospec.decoding.lookup import ContextLookup
+from evospec.decoding.lookup import LookupDraft
+from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import NodeLogits
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.decoding.tree import DraftTree, TreeConfig, build_tree, chain_tree
-from evospec.decoding.tree_config import LOOKUP_MAX_N
 from evospec.decoding.verify import accept
 from evospec.models.kv_cache import KVCache
 from evospec.models.step import MAX_CHAIN
@@ -54,6 +56,7 @@ def generate_speculative(
     prefetch: float | None = None,
     budget: Budget | None = None,
     draft_layers: tuple[int, ...] = (),
+    ngrams: NgramTable | None = None,
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
     loads each round's active ids at the round's first draft LM-head call and observes each
@@ -61,13 +64,15 @@ def generate_speculative(
     verify forward; a threshold projects rows on demand (``node_logits.py``). ``budget``: planned
     by the caller (``budget.plan_budget`` with the tree's slack), else here. ``draft_layers``:
     the target layers whose outputs, concatenated, are the draft's features (EAGLE-3); empty:
-    the target's final features (EAGLE-2).
+    the target's final features (EAGLE-2). ``ngrams``: the model's n-gram table, read where
+    ``tree_cfg.table_lookup`` is on.
 
     With ``tree_cfg.lookup`` a round whose context's last n-gram occurred before verifies the
     tokens that followed it (``lookup.py``) instead of drafting: the drafter's catch-up waits
     for the next drafted round, which commits every pair verified since, and the adapter
     learns from drafted rounds only. ``drafter`` None (the ``ngram`` method): the other rounds
-    verify the root alone, a plain decode step."""
+    verify the root alone, a plain decode step. A round where the context finds nothing may
+    verify the n-gram table's guesses instead (``tree_cfg.table_lookup``), the same way."""
     budget = budget or plan_budget(target, len(prompt), params, eos_ids=eos_ids, slack=tree_cfg.max_nodes)
     cache = cache_for(target, cache, budget.slots)
     if drafter is not None:
@@ -85,7 +90,8 @@ def generate_speculative(
     yield StepEvent(tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True)
     if reason is not None:
         return
-    lookup = ContextLookup(tree_cfg.lookup_ngram, LOOKUP_MAX_N) if tree_cfg.lookup else None
+    lookup = LookupDraft(tree_cfg, ngrams)
+    lookup = lookup if lookup.active else None
     if lookup is not None:
         lookup.reset([*prompt, root])
     if vocab is not None:
@@ -98,7 +104,7 @@ def generate_speculative(
     while True:
         t0 = time.perf_counter()
         prefix = cache.length
-        guess = lookup.propose(tree_cfg.lookup) if lookup is not None else []
+        guess = lookup.propose() if lookup is not None else []
         looked_up = bool(guess) or drafter is None
         if looked_up:
             tree = chain_tree(root, guess, prefix, device)

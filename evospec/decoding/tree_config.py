@@ -28,11 +28,17 @@ class TreeConfig:
         "context lookup: the shortest n-gram that counts as a match (longest: 5); n matched tokens "
         "propose at most n",
     )
+    table_lookup: int = setting(
+        0,
+        "n-gram table: in rounds where context lookup finds nothing, verify up to this many tokens "
+        "the model's n-gram table (built from its own answers; --ngrams) predicts instead of drafting; "
+        "0: off",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("top_k", "depth", "total_tokens", "lookup", "lookup_ngram"):
+        for name in ("top_k", "depth", "total_tokens", "lookup", "lookup_ngram", "table_lookup"):
             v = getattr(self, name)
-            least = 0 if name == "lookup" else 1
+            least = 0 if name in ("lookup", "table_lookup") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"tree.{name} must be an integer >= {least}, got {v!r}")
         if self.lookup_ngram > LOOKUP_MAX_N:
@@ -42,7 +48,12 @@ class TreeConfig:
     def max_nodes(self) -> int:
         """Upper bound on nodes incl. the root (for preallocating caches)."""
         pool = self.top_k + (self.depth - 1) * self.top_k * self.top_k
-        return 1 + max(min(self.total_tokens, pool), self.lookup)
+        return 1 + max(min(self.total_tokens, pool), self.lookup, self.table_lookup)
+
+    @property
+    def lookup_rows(self) -> int:
+        """The most tokens a model-free round verifies after its root."""
+        return max(self.lookup, self.table_lookup)
 
     @property
     def draft_slots(self) -> int:

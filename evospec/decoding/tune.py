@@ -56,6 +56,18 @@ NGRAM_CANDIDATES = (
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=3),
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=2, lookup_ngram=2),
 )
+# where the model has an n-gram table (decoding/ngram_table.py; docs/benchmarks.md, wave 8): a
+# round whose context finds nothing verifies the table's guesses instead of drafting
+TABLE_CANDIDATES = (
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, table_lookup=1),
+    TreeConfig(top_k=1, depth=2, total_tokens=2, lookup=3, table_lookup=1),
+)
+NGRAM_TABLE_CANDIDATES = (
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=2, table_lookup=1),
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=2, table_lookup=2),
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=3, table_lookup=1),
+    TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=2),
+)
 CALIBRATION_TEXTS = (
     "Explain in a few sentences why the sky looks blue during the day and red at sunset.",
     "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Show your working.",
@@ -76,9 +88,11 @@ AUTO_CANDIDATES = ("frspec", "evospec", "nanospec", "eagle2", "ngram")
 AUTO_MARGIN = 1.05
 
 
-def candidates_for(method: str) -> tuple[TreeConfig, ...]:
-    """The shapes ``--tree auto`` measures for ``method``."""
-    return NGRAM_CANDIDATES if method == "ngram" else CANDIDATES
+def candidates_for(method: str, table: bool = False) -> tuple[TreeConfig, ...]:
+    """The shapes ``--tree auto`` measures for ``method``; ``table``: the model has an n-gram table."""
+    if method == "ngram":
+        return NGRAM_TABLE_CANDIDATES if table else NGRAM_CANDIDATES
+    return CANDIDATES + TABLE_CANDIDATES if table else CANDIDATES
 
 
 AR_EVERY = 3  # AR is timed before every third shape of a pass
@@ -179,6 +193,7 @@ class Tuner:
     eos: Sequence[int] = ()
     verify_logits: str = "auto"
     progress: bool = True
+    table: bool = False  # the model has an n-gram table: the candidates include its shapes
 
     def _key(self, method: str) -> str:
         from evospec.models.packing import PackedLinear
@@ -195,7 +210,7 @@ class Tuner:
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
         # v1 read training data; v3: the candidates gained the 1-token chain; v4: context lookup
         # and a prompt that answers from its context (older entries never tried them); v6: AR timed
-        # beside every shape
+        # beside every shape; the n-gram table's shapes are in the candidates where draft_id names one
         return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v6"])
 
     def tuning(self, method: str) -> dict:
@@ -213,7 +228,7 @@ class Tuner:
                 lambda t: self.build(method, t),
                 ar,
                 ids,
-                candidates=candidates_for(method),
+                candidates=candidates_for(method, self.table),
                 progress=self.progress,
             )
             cache = json.loads(path.read_text()) if path.exists() else {}
@@ -231,6 +246,7 @@ class Tuner:
         if self.progress:
             verdict = "beats" if result["beats_ar"] else "does NOT beat"
             lookup = f" lookup={tree.lookup} lookup_ngram={tree.lookup_ngram}" if tree.lookup else ""
+            lookup += f" table_lookup={tree.table_lookup}" if tree.table_lookup else ""
             print(
                 f"[evospec] --tree auto for {method}: top_k={tree.top_k} depth={tree.depth} "
                 f"total_tokens={tree.total_tokens}{lookup} ({result['tok_per_s']:.2f} tok/s; {verdict} AR at "

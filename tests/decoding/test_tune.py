@@ -165,3 +165,28 @@ def test_each_shape_keeps_its_best_pass():
         progress=False,
     )
     assert TreeConfig(**res["tree"]) == FAST and res["beats_ar"]
+
+
+def test_a_models_ngram_table_adds_its_shapes_to_the_candidates(tmp_path, monkeypatch):
+    assert not any(t.table_lookup for m in ("ngram", "frspec") for t in tune.candidates_for(m))
+    for method in ("ngram", "frspec"):
+        with_table = tune.candidates_for(method, table=True)
+        assert any(t.table_lookup for t in with_table) and any(t.lookup for t in with_table)
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    seen = []
+
+    def fake_calibrate(build, ar, prompts, candidates, **kw):
+        seen.append(candidates)
+        return {
+            "tree": {"top_k": 1, "depth": 1, "total_tokens": 1, "lookup": 3, "table_lookup": 1},
+            "tok_per_s": 2.0,
+            "ar_tok_per_s": 1.0,
+            "beats_ar": True,
+            "table": [],
+        }
+
+    monkeypatch.setattr(tune, "calibrate", fake_calibrate)
+    codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
+    loaded = SimpleNamespace(name="tiny", model=None, codec=codec, weights="fp32")
+    tree = tune.Tuner(lambda m, t: None, loaded, "h|ngrams-t", progress=False, table=True).tree("ngram")
+    assert tree.table_lookup == 1 and seen == [tune.NGRAM_TABLE_CANDIDATES]
