@@ -153,3 +153,60 @@ def test_greedy_with_context_lookup_equals_ar(trained, method, seed):
     kinds = {ev.looked_up for ev in evs[1:]}
     assert kinds == {True, False}  # both kinds of round ran
     dec.close()
+
+
+class _CheckingTargetDrafter:
+    """The target drafting for itself (a perfect draft) that also checks every committed pair's
+    features: the three draft layers' outputs of the target at that pair's position, concatenated."""
+
+    def __init__(self, target, layers) -> None:
+        from evospec.decoding.drafter import TargetDrafter
+
+        self.inner, self.target, self.layers = TargetDrafter(target), target, layers
+        self.checked = 0
+
+    def start(self, prompt, max_len):
+        self.seq = list(prompt[:1])  # x_0, then the token of every committed pair
+        self.inner.start(prompt, max_len)
+
+    def commit(self, features, tokens, k):
+        m = tokens.numel()
+        self.seq += tokens.tolist()
+        n = len(self.seq) - 1  # pairs committed so far: features of positions 0..n-1
+        ids = torch.tensor([self.seq[:n]])
+        out = self.target(
+            ids, torch.arange(n), self.target.new_cache(n), logits="none", aux_layers=self.layers
+        )
+        want = torch.cat(out.aux_hidden, dim=-1)[0, n - m : n]  # [m, 3 D]
+        assert features.shape == want.shape
+        torch.testing.assert_close(features, want, atol=1e-4, rtol=1e-4)
+        self.checked += m
+        return self.inner.commit(features, tokens, k)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("lookup", [0, 3], ids=["drafted", "with-lookup"])
+def test_a_perfect_draft_accepts_everything_and_reads_the_three_layers(trained, lookup):
+    """A drafter that is the target itself proposes exactly the greedy tokens, so every drafted
+    token is accepted -- and every (feature, token) pair it is handed, in drafted rounds and
+    after deferred lookup rounds, carries the three layers' outputs at its own position."""
+    from evospec.decoding.speculative import generate_speculative
+
+    target, head = trained
+    tree = TreeConfig(top_k=1, depth=3, total_tokens=3, lookup=lookup, lookup_ngram=1)
+    params = SamplingParams(max_new_tokens=30)
+    drafted = 0
+    for seed in range(3):
+        phrase = prompt_of(seed, 5)
+        prompt = [*prompt_of(seed + 40, 3), *phrase, *prompt_of(seed + 80, 2), *phrase[:3]]
+        drafter = _CheckingTargetDrafter(target, head.aux_layers)
+        evs = list(generate_speculative(target, drafter, prompt, params, tree, draft_layers=head.aux_layers))
+        assert [t for ev in evs for t in ev.tokens] == ar_tokens(target, prompt, params)
+        for ev in evs[1:]:
+            if not ev.looked_up and ev.finish_reason is None:
+                drafted += 1
+                assert ev.accepted == ev.tree_size == 3
+        assert drafter.checked >= len(prompt) - 1
+    assert drafted > 0
