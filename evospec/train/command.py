@@ -92,6 +92,17 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         "size; policies apply) or 'own' trains the head's own full-vocabulary LM head, initialised from "
         "the target's (default: target)",
     )
+    t.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="eagle3: give the head its own LM head over a reduced draft vocabulary of the K target ids "
+        "the target predicts most often in the training data (plus its EOS ids), saved as the public "
+        "d2t/t2d buffers; the loss is the target's distribution restricted to those ids. Such a head "
+        "drafts with the eagle3 method only (the vocabulary policies need a full-vocabulary head) "
+        "(default: the full vocabulary)",
+    )
     t.add_argument("--epochs", type=positive_int, default=4, help="training epochs (default 4)")
     t.add_argument(
         "--steps",
@@ -176,6 +187,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     from evospec.common import evospec_home
     from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
+    from evospec.models.eagle3 import new_eagle3_for
     from evospec.models.loading import load_model, resolve_device
     from evospec.train.conversations import training_conversations
     from evospec.train.datagen import feature_shards, generate_responses, teacher_force
@@ -183,6 +195,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.train.support import resolve_support
     from evospec.train.trainer import TrainConfig, load_sequences, train_head
 
+    if args.draft_vocab and (args.arch != "eagle3" or args.lm_head != "own"):
+        raise ValueError("--draft-vocab K needs --arch eagle3 --lm-head own (a reduced LM head of its own)")
     if args.out is None and not args.generate_only:
         raise ValueError("train-draft: --out is required (the head's folder) unless --generate-only")
     _stop_cleanly_on_sigterm()  # `kill` / `docker stop`: finished answers are flushed, not lost
@@ -246,9 +260,14 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         if init is None:
             raise ValueError(f"--init shipped: no {args.arch} head ships for {loaded.name}")
     if args.arch == "eagle3":
-        head = _eagle3_head(loaded.model, init, device, tied=args.lm_head == "target")
+        head = _eagle3_head(
+            loaded.model, init, device, tied=args.lm_head == "target", draft_vocab=args.draft_vocab
+        )
         aux = _aux_shards(loaded.model, shards, head.aux_layers, progress)
         seqs = load_sequences(shards, cfg.max_seq_len, aux)
+        if args.draft_vocab and init is None:  # its rows: the ids the target predicts most often here
+            ids = frequent_targets(seqs, args.draft_vocab, loaded.model.cfg.vocab_size, eos_ids(loaded))
+            head = new_eagle3_for(loaded.model, aux_layers=head.aux_layers, draft_ids=ids)
     else:
         seqs = load_sequences(shards, cfg.max_seq_len)
         head = (
@@ -294,14 +313,40 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eagle3_head(target, init, device: str, tied: bool):
+def _eagle3_head(target, init, device: str, tied: bool, draft_vocab: int | None = None):
     """A new EAGLE-3 head for ``target`` (its LM head the target's, or its own initialised from
-    the target's rows), or ``init``'s."""
+    the target's rows), or ``init``'s (its draft vocabulary must be ``draft_vocab`` ids when given)."""
     from evospec.models.eagle3 import load_eagle3, new_eagle3_for
 
     if init is None:
         return new_eagle3_for(target, tied=tied)
-    return load_eagle3(init, target_layers=target.cfg.num_layers, device=device).attach(target)
+    head = load_eagle3(init, target_layers=target.cfg.num_layers, device=device).attach(target)
+    have = head.draft_vocab if head.draft_ids() is not None else None
+    if draft_vocab is not None and have != draft_vocab:
+        raise ValueError(
+            f"--init {init}: its draft vocabulary is {have or 'the full one'}, "
+            f"not --draft-vocab {draft_vocab}"
+        )
+    return head
+
+
+def frequent_targets(seqs, k: int, vocab_size: int, always: tuple[int, ...] = ()):
+    """The ``k`` target ids that are most often the target's next token over ``seqs`` (its greedy
+    token where stored, else the data's next token), ``always`` included; sorted [k] int64."""
+    import torch
+
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in seqs:  # the answer rows' next tokens: what a draft must propose
+        labels = s.greedy if s.greedy is not None else s.tokens[s.prompt_len :]
+        counts += torch.bincount(labels.long(), minlength=vocab_size).double()
+    counts[list(always)] = float("inf")  # EOS ends answers: a draft must be able to propose it
+    k = min(k, vocab_size)
+    return counts.topk(k).indices.sort().values
+
+
+def eos_ids(loaded) -> tuple[int, ...]:
+    codec = loaded.codec
+    return tuple((codec.eos_ids if codec is not None else ()) or loaded.model.cfg.eos_token_ids)
 
 
 def _aux_shards(target, shards: list[Path], layers: tuple[int, ...], progress: bool) -> list[Path]:

@@ -130,15 +130,16 @@ def sampled_soft_ce(
     taken over the support and the negatives).
     """
     vocab = lm_head.shape[0]
+    valid = support_logp > float("-inf")  # [N, K]; False: an entry ``restrict_support`` dropped
     z_s = torch.einsum("nd,nkd->nk", out, lm_head[support_ids])  # [N, K]
-    parts = [z_s]
+    parts = [z_s.masked_fill(~valid, float("-inf"))]
     if negatives.numel():
         z_n = out @ lm_head[negatives].T + math.log(vocab / negatives.numel())  # [N, M]
-        clash = (negatives[None, None, :] == support_ids[:, :, None]).any(1)  # [N, M]
+        clash = ((negatives[None, None, :] == support_ids[:, :, None]) & valid[:, :, None]).any(1)  # [N, M]
         parts.append(z_n.masked_fill(clash, float("-inf")))
     z = torch.cat(parts, dim=-1)  # [N, K + M]
     log_z = torch.logsumexp(z, dim=-1, keepdim=True)
-    loss = -(support_logp.exp() * (z_s - log_z)).sum(-1).mean()
+    loss = -(support_logp.exp() * (z_s - log_z).masked_fill(~valid, 0.0)).sum(-1).mean()
     with torch.no_grad():
         cand = torch.cat([support_ids, negatives.expand(out.shape[0], -1)], dim=-1)  # [N, K + M]
         best = cand.gather(1, z.argmax(-1, keepdim=True)).squeeze(1)  # [N]
@@ -159,3 +160,21 @@ def full_soft_ce(
         p_tgt = torch.softmax(tgt @ lm_head.T, dim=-1)
     loss = -(p_tgt * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
     return loss, logits.detach().argmax(-1)
+
+
+def restrict_support(
+    support_ids: torch.Tensor,  # [N, K] int64 target ids
+    support_logp: torch.Tensor,  # [N, K]
+    in_draft: torch.Tensor,  # [V] bool: the target ids a reduced (d2t) draft vocabulary covers
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's support seen from a reduced draft vocabulary: ids become draft rows, entries
+    outside the vocabulary are dropped (log-prob -inf, row 0), and each row's remaining mass is
+    renormalised -- the target's distribution conditioned on the draft vocabulary, which is all
+    a reduced head can put mass on. A row with no entry left has no loss."""
+    slot = torch.cumsum(in_draft.long(), 0) - 1  # [V] draft row of each covered target id
+    keep = in_draft[support_ids]  # [N, K]
+    ids = torch.where(keep, slot[support_ids], torch.zeros_like(support_ids))
+    logp = support_logp.masked_fill(~keep, float("-inf"))
+    mass = torch.logsumexp(logp, dim=-1, keepdim=True)  # [N, 1]; -inf: nothing covered
+    logp = torch.where(keep, logp - mass.clamp(min=-1e4), logp)
+    return ids, logp

@@ -46,6 +46,7 @@ from evospec.train.support import (
     dataset_supports,
     full_soft_ce,
     resolve_support,
+    restrict_support,
     sampled_soft_ce,
 )
 
@@ -249,6 +250,9 @@ def pair_losses(
     "reg"/"cls"/"top1" are step 1's and "top1@s" step s's agreement.
     """
     steps = steps or cfg.steps
+    draft_ids = head.draft_ids() if head.arch == "eagle3" else None  # a reduced (d2t) vocabulary
+    if draft_ids is not None and support is not None:  # its LM head's rows: the support in them
+        support = restrict_support(support[0], support[1], head.t2d)
     inp = feats[:, :-2]
     if train and cfg.noise:
         inp = inp + (torch.rand_like(inp) - 0.5) * cfg.noise * feat_std
@@ -270,6 +274,8 @@ def pair_losses(
         )
         if vocab_ids is not None and support is None:
             best = vocab_ids[best]  # compare in target-id space
+        elif draft_ids is not None:
+            best = draft_ids[best]
         top1 = (best == labels[m]).float().mean()
         w = cfg.step_decay ** (s - 1)
         total = total + w * (cfg.w_reg * reg + cfg.w_cls * cls)

@@ -152,3 +152,16 @@ def test_a_quantised_teacher_keeps_its_data_in_its_own_folder(
     folders = [p.name for p in (tmp_path / "home" / "train").iterdir()]
     assert folders == ["model+int8"]  # fp32 teachers' data (train/model) is never mixed in
     assert json.loads((out / "training.json").read_text())["teacher_weights"] == "int8"
+
+
+def test_an_eagle3_head_with_a_draft_vocabulary_end_to_end(model: Path, tmp_path: Path, capsys) -> None:
+    from evospec.models.eagle3 import load_eagle3
+
+    out = tmp_path / "e3"
+    argv = _argv(model, tmp_path, "--arch", "eagle3", "--loss-support", "topk+neg", "--epochs", "1")
+    assert main([*argv, "--draft-vocab", "30", "--out", str(out)]) == 2  # the tied LM head has no rows
+    assert "--lm-head own" in capsys.readouterr().err
+    assert main([*argv, "--lm-head", "own", "--draft-vocab", "30", "--out", str(out)]) == 0
+    head = load_eagle3(out)
+    assert head.draft_vocab == 30 and head.draft_ids() is not None
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 30
