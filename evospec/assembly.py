@@ -78,6 +78,7 @@ class Stack:
     decoders: dict[str, Decoder]  # by method name; "auto" is resolved (see ``resolved``)
     facts: list[str]  # one line per loaded part
     resolved: dict[str, str] = field(default_factory=dict)  # "auto" -> the method it chose
+    ngrams: Any | None = None  # the model's n-gram table (decoding/ngram_table.py), if one was found
 
     @property
     def codec(self):
@@ -162,11 +163,11 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
             tree = tuner.tree(spec.drafts_like)  # an adaptive method drafts like its vocabulary policy
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
-    _record_steps(loaded.model, decoders.values())
-    return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved)
+    record_steps(loaded.model, decoders.values())
+    return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved, ngrams)
 
 
-def _record_steps(model, decoders) -> None:
+def record_steps(model, decoders) -> None:
     """Record the decode-step graphs the decoders will run (``models/step.py``: ~1 s each for
     SmolLM2 here) now, so that no request waits for one: the one-token step, and each chain
     tree's verification."""

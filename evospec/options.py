@@ -91,6 +91,7 @@ def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> No
     p.add_argument(
         "--ngrams",
         default=None,
+        metavar="PATH",
         help="the model's n-gram table for --table-lookup (evospec build-ngrams makes one); 'none': "
         "no table; default: the table built for the model, else the one shipped, if any",
     )

@@ -5,7 +5,10 @@ For each position of the AR answers to Spec-Bench prompts: the longest n <= 5 su
 context's last n tokens occurred earlier, and how many of the tokens that followed that
 occurrence are the target's next ones (``decoding/lookup.py``'s proposal). Then the target
 forward over 1..6 chained rows after a 300-token prefix (median of ``--reps``), the cost an
-extra verified row adds. Prints two markdown tables (docs/benchmarks.md, wave 7).
+extra verified row adds. Prints two markdown tables (docs/benchmarks.md, wave 7), and where
+the model has an n-gram table (``decoding/ngram_table.py``), a third: at the positions where
+context lookup (n >= 2) finds nothing, how often the table has a guess and how often it is
+right, by the guess's share (wave 8).
 
     .venv/bin/python scripts/lookup_study.py --data ../shared/data/spec_bench/question.jsonl \
         --per-category 3 --max-new-tokens 96
@@ -40,6 +43,13 @@ def longest_match(ctx: list[int], k: int) -> tuple[int, list[int]]:
     return n, ctx[start : start + k]
 
 
+SHARE_BUCKETS = ("< 0.3 (not proposed)", "0.3-0.5", ">= 0.5")
+
+
+def share_bucket(share: float) -> str:
+    return SHARE_BUCKETS[0] if share < 0.3 else SHARE_BUCKETS[1] if share < 0.5 else SHARE_BUCKETS[2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or prompts JSONL)")
@@ -54,6 +64,8 @@ def main() -> None:
     prompts = load_prompts(args.data, per_category=args.per_category)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     right = collections.defaultdict(lambda: [0] * 4)  # n -> [positions, >=1, >=2, >=3 right]
+    table_hits = collections.defaultdict(lambda: [0, 0])  # share bucket -> [guesses, right]
+    misses = 0  # positions context lookup (n >= 2) has nothing for
     total = 0
     for p in tqdm(prompts, desc="answers", unit="prompt"):
         ids = codec.encode_chat([{"role": "user", "content": p.text}])
@@ -67,12 +79,26 @@ def main() -> None:
                 if j + i >= len(out) or tok != out[j + i]:
                     break
                 row[i + 1] += 1
+            if n < 2 and stack.ngrams is not None:
+                misses += 1
+                hit = stack.ngrams.guess(ids + out[:j])
+                if hit is not None:
+                    bucket = share_bucket(hit[1])
+                    table_hits[bucket][0] += 1
+                    table_hits[bucket][1] += hit[0] == out[j]
     print("| longest match n | share of positions | P(>= 1 right) | P(>= 2) | P(>= 3) |")
     print("|---|---|---|---|---|")
     for n in range(MAX_N, -1, -1):
         row = right[n]
         shares = " | ".join(f"{row[i] / row[0]:.2f}" if n and row[0] else "" for i in (1, 2, 3))
         print(f"| {n or 'none'} | {row[0] / total:.2f} | {shares} |")
+
+    if stack.ngrams is not None and misses:
+        print("\n| n-gram table guess, where context lookup has none | share of those positions | right |")
+        print("|---|---|---|")
+        for bucket in SHARE_BUCKETS:
+            guesses, hits = table_hits[bucket]
+            print(f"| share {bucket} | {guesses / misses:.2f} | {hits / max(guesses, 1):.2f} |")
 
     cache = model.new_cache(400)
     prefix = torch.tensor([(ids * 300)[:300]])

@@ -60,8 +60,8 @@ def add_build_ngrams_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--include-dataset",
         action="store_true",
-        help="also count the datasets' own (teacher-forced) answers; the target's own answers "
-        "predict it better (docs/benchmarks.md, wave 8)",
+        help="also count the datasets' own (teacher-forced) answers (default: only the target's own "
+        "answers, which are what it will write)",
     )
     t.add_argument("--max-order", type=int, default=4, help="longest context counted (default: 4)")
     t.add_argument(

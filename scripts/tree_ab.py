@@ -1,0 +1,107 @@
+"""Interleaved A/B of decoder variants against plain decoding, prompt by prompt.
+
+Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH`` (a 1-wide chain of DEPTH
+drafted tokens; TABLE_LOOKUP 0 also means no n-gram table). Every prompt runs AR and every
+variant back to back, the order flipping between prompts, so that this machine's bursts of
+noise hit all sides alike; the report is the median of per-prompt speed ratios (decode only,
+prefill excluded), MAL, and the share of rounds that verified model-free proposals. Every
+output is checked equal to AR's. Used for docs/benchmarks.md, wave 8:
+
+    .venv/bin/python scripts/tree_ab.py --data ../shared/data/spec_bench/question.jsonl \\
+        ngram:3:2:0:1 ngram:3:2:1:1 frspec:3:2:0:1 frspec:3:2:1:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+from evospec.assembly import StackSettings, assemble, record_steps
+from evospec.bench.prompts import load_prompts
+from evospec.decoding.methods import make_decoder
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.tree_config import TreeConfig
+
+
+def variant_tree(spec: str) -> tuple[str, TreeConfig]:
+    method, lookup, ngram, table, depth = spec.split(":")
+    d = int(depth)
+    tree = TreeConfig(1, d, d, lookup=int(lookup), lookup_ngram=int(ngram), table_lookup=int(table))
+    return method, tree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH")
+    ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or prompts JSONL)")
+    ap.add_argument("--model", default=None, help="target model (default: the default model)")
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--weights", default="int4")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    methods = tuple(dict.fromkeys(variant_tree(v)[0] for v in args.variants))
+    model = {"model": args.model} if args.model else {}
+    stack = assemble(StackSettings(methods=("ar", *methods), weights=args.weights, **model), progress=False)
+    decoders = {"ar": stack.decoder("ar")}
+    for v in args.variants:
+        method, tree = variant_tree(v)
+        table = stack.ngrams if tree.table_lookup else None
+        decoders[v] = make_decoder(
+            method,
+            stack.loaded.model,
+            eos_ids=stack.eos_ids,
+            draft=stack.draft,
+            tree=tree,
+            indices=stack.indices,
+            ngrams=table,
+        )
+    record_steps(stack.loaded.model, decoders.values())
+    prompts = [
+        stack.codec.encode_chat([{"role": "user", "content": p.text}])
+        for p in load_prompts(args.data, per_category=args.per_category)
+    ]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+
+    def run(name: str, ids: list[int]):
+        out, rounds, accepted, free, t0 = [], 0, 0, 0, time.perf_counter()
+        for ev in decoders[name].generate(ids, params):
+            if ev.prefill:
+                t0 = time.perf_counter()
+            else:
+                rounds, accepted, free = rounds + 1, accepted + ev.accepted, free + ev.looked_up
+            out += ev.tokens
+        return out, (len(out) - 1) / (time.perf_counter() - t0), accepted, rounds, free
+
+    for name in decoders:  # warm-up
+        run(name, prompts[0])
+    names = list(decoders)
+    ratios, speed = collections.defaultdict(list), collections.defaultdict(list)
+    totals = collections.defaultdict(lambda: [0, 0, 0])
+    for i, ids in enumerate(prompts):
+        res = {n: run(n, ids) for n in (names if i % 2 == 0 else names[::-1])}
+        for n in names:
+            speed[n].append(res[n][1])
+            if n == "ar":
+                continue
+            if res[n][0] != res["ar"][0]:
+                raise SystemExit(f"{n}: output differs from AR on prompt {i}")
+            ratios[n].append(res[n][1] / res["ar"][1])
+            for j in range(3):
+                totals[n][j] += res[n][2 + j]
+    print(
+        f"{len(prompts)} prompts x {args.max_new_tokens} tokens; "
+        f"AR median {statistics.median(speed['ar']):.1f} tok/s"
+    )
+    print("| variant | median ratio vs AR | MAL | model-free rounds |\n|---|---|---|---|")
+    for n in names[1:]:
+        acc, rounds, free = totals[n]
+        print(f"| {n} | {statistics.median(ratios[n]):.3f} | {1 + acc / rounds:.3f} | {free / rounds:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
