@@ -272,16 +272,18 @@ def _load_indices(settings: StackSettings, loaded, named: list[MethodSpec], fact
 
 def head_id(path: Path | None) -> str:
     """A draft head's identity for tuning caches: its folder name and a hash of its weights (a
-    retrained head, shipped under the same name, is tuned afresh)."""
+    retrained head, shipped under the same name, is tuned afresh); of a file (an n-gram table),
+    its name and a hash of its bytes."""
     import hashlib
 
     if path is None:
         return "none"
-    weights = sorted(Path(path).glob("*.safetensors")) or sorted(Path(path).glob("*.bin"))
+    path = Path(path)
+    weights = [path] if path.is_file() else sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     digest = hashlib.sha1()
     for w in weights:
         digest.update(w.read_bytes())
-    return f"{Path(path).name}@{digest.hexdigest()[:12]}"
+    return f"{path.name}@{digest.hexdigest()[:12]}"
 
 
 def _decoder_facts(spec: MethodSpec, decoder: Decoder, adapt: AdaptConfig) -> list[str]:

@@ -222,3 +222,14 @@ def test_the_models_ngram_table_is_found_named_or_turned_off(folder, tmp_path, m
     NgramTable.count([[1, 2, 3]], model="x", vocab_size=vocab + 1, min_count=1).save(other)
     with pytest.raises(ValueError, match="vocab_size"):
         assemble(StackSettings(model=str(model), methods=("ngram",), ngrams=str(other)), progress=False)
+
+
+def test_a_rebuilt_table_is_tuned_afresh(tmp_path) -> None:
+    """The tuning key names a table file by a hash of its bytes, as it names a head's weights."""
+    from evospec.assembly import head_id
+    from evospec.decoding.ngram_table import NgramTable
+
+    a, b = tmp_path / "a" / "t.safetensors", tmp_path / "b" / "t.safetensors"
+    NgramTable.count([[1, 2, 3]], model="m", vocab_size=8, min_count=1).save(a)
+    NgramTable.count([[1, 2, 4]], model="m", vocab_size=8, min_count=1).save(b)
+    assert head_id(a).startswith("t.safetensors@") and head_id(a) != head_id(b)

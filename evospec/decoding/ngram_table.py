@@ -14,8 +14,8 @@ often still predictable. Measured on the default model (the AR answers to 39 Spe
 prompts, a table from its 517k-token answers to training prompts; ``docs/benchmarks.md``,
 wave 8): at the positions where context lookup finds nothing, a guess with share >= 0.3 exists
 at 65% and is right 39% of the time (45% where the share is >= 0.5), against ~32% for the
-shipped EAGLE head's first token, which costs a draft forward. A wrong guess costs one extra verified row; the output never depends on the
-table. Knows token ids only.
+shipped EAGLE head's first token, which costs a draft forward. A wrong guess costs one extra
+verified row; the output never depends on the table. Knows token ids only.
 """
 
 from __future__ import annotations
@@ -162,10 +162,20 @@ def load_ngram_table(path: str | Path, vocab_size: int | None = None) -> NgramTa
         raise ValueError(f"{path} is not an n-gram table: {exc}") from exc
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not an n-gram table (format {meta.get('format')!r}, expected {FORMAT})")
-    info = TableInfo(**json.loads(meta["info"]))
+    try:
+        info = TableInfo(**json.loads(meta["info"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: the n-gram table's build record is unreadable: {exc}") from exc
+    keys, next_ids, shares = tensors["keys"], tensors["next_ids"], tensors["shares"]
+    if (keys.dtype, next_ids.dtype, shares.dtype) != (torch.int64, torch.int32, torch.float16) or not (
+        keys.dim() == next_ids.dim() == shares.dim() == 1
+    ):
+        raise ValueError(f"{path}: keys, next_ids and shares must be 1-D int64, int32 and float16")
+    if next_ids.numel() and not (int(next_ids.min()) >= 0 and int(next_ids.max()) < info.vocab_size):
+        raise ValueError(f"{path}: next_ids outside the table's vocabulary ({info.vocab_size})")
     if vocab_size is not None and info.vocab_size != vocab_size:
         raise ValueError(
             f"n-gram table {path}: vocab_size {info.vocab_size} (built for {info.model}) does not match "
             f"the served model's {vocab_size}"
         )
-    return NgramTable(tensors["keys"], tensors["next_ids"], tensors["shares"], info)
+    return NgramTable(keys, next_ids, shares, info)

@@ -76,10 +76,23 @@ def test_the_file_round_trips_and_is_checked(tmp_path):
         load_ngram_table(path, vocab_size=50)
     with pytest.raises(FileNotFoundError):
         load_ngram_table(tmp_path / "missing.safetensors")
+    from safetensors.torch import save_file
+
+    bad = {"keys": table.keys, "next_ids": table.next_ids + 100, "shares": table.shares}  # ids >= 100
+    save_file(bad, str(tmp_path / "bad.safetensors"), metadata=dict(table_metadata(path)))
+    with pytest.raises(ValueError, match="next_ids outside"):
+        load_ngram_table(tmp_path / "bad.safetensors", vocab_size=100)
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="is not an n-gram table"):
         load_ngram_table(junk)
+
+
+def table_metadata(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
 
 
 def test_context_lookup_comes_first_then_the_table():
