@@ -126,6 +126,10 @@ def _summarise(
         "tokens": total.tokens,
         "seconds": seconds,
         "rounds": total.rounds,
+        # the rounds a draft model proposed for, and those verifying model-free proposals
+        # (context lookup, the n-gram table); the rest verified the root alone
+        "drafted_share": total.drafted / total.rounds if total.rounds else 0.0,
+        "model_free_share": total.model_free / total.rounds if total.rounds else 0.0,
         "draft_s": total.draft_s,
         "verify_s": total.verify_s,
         "round_verify_s": total.verify_s - total.prefill_s,  # the rounds' target forwards only
@@ -228,6 +232,8 @@ SPEED_COLS = (
     "mal_vs_frspec",
     "speedup_vs_frspec",
     "prefill_s_median",
+    "drafted_share",
+    "model_free_share",
     "matches_ar",
 )
 VOCAB_COLS = (

@@ -39,6 +39,8 @@ class RequestStats:
     round_s: float = 0.0  # whole-round wall time, summed (0 for ar)
     vocab: VocabTotals = field(default_factory=VocabTotals)  # speculative rounds only
     depth_counts: list[int] = field(default_factory=list)  # [max accepted] [d-1]: rounds accepting >= d
+    drafted: int = 0  # rounds whose tokens a draft model proposed
+    model_free: int = 0  # rounds that verified a context lookup's or the n-gram table's tokens
 
     def add(self, ev: StepEvent) -> None:
         """Fold one event in."""
@@ -51,6 +53,9 @@ class RequestStats:
         self.rounds += 1
         self.accepted += ev.accepted
         self.round_s += ev.round_s
+        if ev.tree_size:
+            self.model_free += ev.looked_up
+            self.drafted += not ev.looked_up
         if ev.accepted > len(self.depth_counts):
             self.depth_counts.extend([0] * (ev.accepted - len(self.depth_counts)))
         for d in range(ev.accepted):
@@ -67,6 +72,8 @@ class RequestStats:
         self.verify_s += other.verify_s
         self.prefill_s += other.prefill_s
         self.round_s += other.round_s
+        self.drafted += other.drafted
+        self.model_free += other.model_free
         self.vocab.merge(other.vocab)
         if len(other.depth_counts) > len(self.depth_counts):
             self.depth_counts.extend([0] * (len(other.depth_counts) - len(self.depth_counts)))

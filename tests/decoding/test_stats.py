@@ -97,3 +97,21 @@ def test_copy_shares_nothing_mutable() -> None:
     st.add(StepEvent([1, 2, 3, 4, 5], accepted=4, vocab=_vocab(5, 5, [0.02])))
     assert snap.depth_counts == [3, 2, 2] and snap.vocab.rounds == 3 and snap.vocab.latencies == [0.01]
     assert st.depth_counts == [4, 3, 3, 1] and st.vocab.latencies == [0.01, 0.02]
+
+
+def test_rounds_are_counted_by_who_proposed_their_tokens() -> None:
+    """Drafted (a draft model proposed), model-free (context lookup / n-gram table), or the root
+    alone (an ngram round with no guess, an AR step): neither count."""
+    events = [
+        StepEvent([1], verify_s=0.1, prefill=True),
+        StepEvent([2, 3], accepted=1, tree_size=2),  # drafted
+        StepEvent([4, 5, 6], accepted=2, tree_size=3, looked_up=True),  # a lookup's chain
+        StepEvent([7], tree_size=1, looked_up=True),  # a table guess, rejected
+        StepEvent([8], looked_up=True),  # nothing proposed: the root alone
+        StepEvent([9]),  # an AR step
+    ]
+    st = _fold(events)
+    assert (st.rounds, st.drafted, st.model_free) == (5, 1, 2)
+    half = _fold(events[:3])
+    half.merge(_fold(events[3:]))
+    assert (half.drafted, half.model_free) == (1, 2)
