@@ -44,7 +44,8 @@ def test_calibrate_picks_the_fastest_shape_and_compares_with_ar():
 
 def test_calibrate_keeps_each_sides_best_run_through_a_burst_of_noise():
     """One AR run and one FAST run fall into a burst at a third of the speed: the best runs
-    still say FAST is 1.25x AR and SLOW 1.11x; AR was timed in every pass."""
+    still say FAST is 1.67x AR and SLOW 1.11x; AR was timed in every pass. (The gap between
+    the two is wide so that sleep jitter on a loaded CI machine cannot swap them.)"""
     phase = iter([1, 1, 1, 3, 1, 1, 1, 3, 1])  # 3 warm-ups, then (AR, FAST, SLOW) per pass
     runs = []
 
@@ -56,17 +57,17 @@ def test_calibrate_keeps_each_sides_best_run_through_a_burst_of_noise():
                 time.sleep(self.delay * factor)
                 yield StepEvent(tokens=[1])
 
-    delays = {FAST: 0.008, SLOW: 0.009}  # vs AR 0.01: FAST 1.25x, SLOW 1.11x
+    delays = {FAST: 0.006, SLOW: 0.009}  # vs AR 0.01: FAST 1.67x, SLOW 1.11x
     res = tune.calibrate(
         lambda t: Bursty(delays[t]),
         Bursty(0.01),
         [[1]],
         candidates=[FAST, SLOW],
-        max_new_tokens=4,
+        max_new_tokens=6,
         progress=False,
     )
-    assert runs[3:] == [0.01, 0.008, 0.009] * 2
-    assert TreeConfig(**res["tree"]) == FAST and 1.1 < res["speedup"] < 1.4
+    assert runs[3:] == [0.01, 0.006, 0.009] * 2
+    assert TreeConfig(**res["tree"]) == FAST and 1.3 < res["speedup"] < 2.0
     assert res["table"][0]["speedup"] > res["table"][1]["speedup"] > 1.0
 
 
