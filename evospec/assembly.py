@@ -227,8 +227,8 @@ def _load_draft3(settings: StackSettings, loaded, named: list[MethodSpec], dtype
 def _load_ngrams(settings: StackSettings, loaded, facts: list[str]):
     """(the model's n-gram table, its file) -- the one named, else the one ``build-ngrams`` made
     for the model, else the one shipped -- or (None, None): "none", or no table at all."""
-    from evospec.decoding.ngram_table import load_ngram_table
-    from evospec.train.ngram_command import shipped_table_path, user_table_path
+    from evospec.decoding.ngram_table import load_ngram_table, user_table_path
+    from evospec.models.registry import default_ngrams
 
     if settings.ngrams == "none":
         return None, None
@@ -236,7 +236,7 @@ def _load_ngrams(settings: StackSettings, loaded, facts: list[str]):
         path = Path(settings.ngrams).expanduser()
     else:
         built = user_table_path(loaded.name)
-        path = built if built.is_file() else shipped_table_path(loaded.name)
+        path = built if built.is_file() else default_ngrams(loaded.name)
         if path is None:
             return None, None
     table = load_ngram_table(path, vocab_size=loaded.model.cfg.vocab_size)

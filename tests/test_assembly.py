@@ -198,8 +198,7 @@ def test_a_fresh_install_counts_the_users_corpus(folder, tmp_path, monkeypatch) 
 def test_the_models_ngram_table_is_found_named_or_turned_off(folder, tmp_path, monkeypatch) -> None:
     """``build-ngrams``' output for the model is read by default and ngram verifies its guesses;
     ``ngrams="none"`` serves without it; a table of another vocabulary is refused by name."""
-    from evospec.decoding.ngram_table import NgramTable
-    from evospec.train.ngram_command import user_table_path
+    from evospec.decoding.ngram_table import NgramTable, user_table_path
 
     monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
     model, _ = folder

@@ -6,7 +6,9 @@ every context of 1..``max_order`` tokens seen at least ``min_count`` times, its 
 next token and that token's share. :meth:`NgramTable.propose` chains guesses from the longest
 context the table holds while each guess's share is at least ``min_share``. Saved as one
 safetensors file (hashed contexts, next ids, shares) with the build record in its metadata;
-:func:`load_ngram_table` checks it against the served model's vocabulary.
+:func:`load_ngram_table` checks it against the served model's vocabulary. Where a user's
+table lives: :func:`user_table_path` (the package's own: ``models/registry.py:
+default_ngrams``).
 
 This is llama.cpp's static lookup cache: where context lookup (``lookup.py``) finds no earlier
 occurrence, the phrasing the model keeps using ("Here is a", "step by step", list markup) is
@@ -46,6 +48,13 @@ class TableInfo:
     min_count: int = 2  # contexts seen fewer times are left out
     min_share: float = 0.3  # propose() guesses only where the next token had at least this share
     source: str = ""  # what was counted (a path, a description)
+
+
+def user_table_path(model_name: str) -> Path:
+    """Where ``evospec build-ngrams`` saves a model's table by default, and serving looks first."""
+    from evospec.common import evospec_home
+
+    return evospec_home() / "ngrams" / f"{model_name}.safetensors"
 
 
 def context_keys(tail: Sequence[int], max_order: int) -> list[int]:

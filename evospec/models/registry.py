@@ -123,6 +123,13 @@ def default_head(model_name: str, arch: str = "eagle2") -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+def default_ngrams(model_name: str) -> Path | None:
+    """The n-gram table shipped in the package for a registered model, if there is one:
+    ``heads/<model>-ngrams/ngrams.safetensors`` (``decoding/ngram_table.py``)."""
+    path = HEADS_DIR / f"{model_name}-ngrams" / "ngrams.safetensors"
+    return path if path.is_file() else None
+
+
 def sha256_of(paths: list[Path], progress: bool = True) -> str:
     h = hashlib.sha256()
     total = sum(p.stat().st_size for p in paths)

@@ -1,10 +1,9 @@
 """``evospec build-ngrams``: count the target's own answers into its n-gram table.
 
-Owns the sub-parser, where a model's table lives (:func:`user_table_path`:
-``$EVOSPEC_HOME/ngrams/<model>.safetensors``; the package ships one for the default model in
-``heads/<model>-ngrams``, :func:`shipped_table_path`), and the build: read the answers
+Owns the sub-parser and the build: read the answers
 ``train-draft`` generated (``<work>/generations.jsonl``), count them
-(``decoding/ngram_table.py``) and save the table with its build record.
+(``decoding/ngram_table.py``) and save the table with its build record, by default where
+serving looks first (``ngram_table.user_table_path``).
 """
 
 from __future__ import annotations
@@ -16,20 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from evospec.common import evospec_home
-from evospec.models.registry import DEFAULT_MODEL, HEADS_DIR
+from evospec.models.registry import DEFAULT_MODEL
 
 PROMPT_TAIL = 3  # prompt tokens kept before each answer: the chat template's assistant header
-
-
-def user_table_path(model_name: str) -> Path:
-    """Where ``build-ngrams`` saves a model's table by default (and where serving looks first)."""
-    return evospec_home() / "ngrams" / f"{model_name}.safetensors"
-
-
-def shipped_table_path(model_name: str) -> Path | None:
-    """The table shipped in the package for a registered model, if there is one."""
-    path = HEADS_DIR / f"{model_name}-ngrams" / "ngrams.safetensors"
-    return path if path.is_file() else None
 
 
 def add_build_ngrams_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +78,7 @@ def answers(path: Path, include_dataset: bool) -> Iterator[list[int]]:
 def cmd_build_ngrams(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from evospec.decoding.ngram_table import NgramTable
+    from evospec.decoding.ngram_table import NgramTable, user_table_path
     from evospec.models.loading import load_model
 
     loaded = load_model(args.target, progress=not args.no_progress)
