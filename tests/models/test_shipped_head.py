@@ -63,3 +63,26 @@ def test_eagle3_with_shipped_head_equals_ar(default_model: LoadedModel) -> None:
     events = list(dec.generate(ids, params))
     assert [t for ev in events for t in ev.tokens] == ar
     assert sum(ev.accepted for ev in events if not ev.prefill) > 0
+
+
+def test_the_shipped_ngram_table_fits_the_model_and_ngram_with_it_equals_ar(
+    default_model: LoadedModel,
+) -> None:
+    """The default model's n-gram table loads against its vocabulary, proposes in many rounds of
+    a real answer, gets guesses accepted, and the output is still plain decoding's."""
+    from evospec.decoding.ngram_table import load_ngram_table
+    from evospec.models.registry import default_ngrams
+
+    path = default_ngrams(DEFAULT_MODEL)
+    assert path is not None and path.stat().st_size <= 8 * 2**20
+    model, codec = default_model.model, default_model.codec
+    table = load_ngram_table(path, vocab_size=model.cfg.vocab_size)
+    assert table.info.model == DEFAULT_MODEL and len(table) > 100_000
+    ids = codec.encode_chat([{"role": "user", "content": "Explain step by step how to boil an egg."}])
+    params = SamplingParams(max_new_tokens=32)
+    eos = codec.eos_ids
+    ar = [t for ev in make_decoder("ar", model, eos_ids=eos).generate(ids, params) for t in ev.tokens]
+    events = list(make_decoder("ngram", model, eos_ids=eos, ngrams=table).generate(ids, params))
+    assert [t for ev in events for t in ev.tokens] == ar
+    rounds = [ev for ev in events if not ev.prefill]
+    assert sum(ev.tree_size > 0 for ev in rounds) > len(rounds) / 3 and sum(ev.accepted for ev in rounds) > 0
