@@ -86,3 +86,5 @@ def test_the_shipped_ngram_table_fits_the_model_and_ngram_with_it_equals_ar(
     assert [t for ev in events for t in ev.tokens] == ar
     rounds = [ev for ev in events if not ev.prefill]
     assert sum(ev.tree_size > 0 for ev in rounds) > len(rounds) / 3 and sum(ev.accepted for ev in rounds) > 0
+    alone = list(make_decoder("ngram", model, eos_ids=eos).generate(ids, params))  # context lookup only
+    assert sum(ev.accepted for ev in alone) < sum(ev.accepted for ev in events)
