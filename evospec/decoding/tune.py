@@ -17,6 +17,7 @@ result says so (``beats_ar: false``) and the fastest shape is still returned.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -112,10 +113,17 @@ def machine_key() -> str:
     return f"cpu:{cpu}:{torch.get_num_threads()}t"
 
 
-def _tok_per_s(decoder: Decoder, prompts: Sequence[list[int]], params: SamplingParams) -> float:
+def _tok_per_s(
+    decoder: Decoder, prompts: Sequence[list[int]], params: SamplingParams, deadline: float = math.inf
+) -> float:
+    """Tokens per second over ``prompts``; a run still going after ``deadline`` seconds stops
+    there (its rate so far is what it returns: it is known to be too slow to matter)."""
     tokens, t0 = 0, time.perf_counter()
     for ids in prompts:
-        tokens += sum(len(ev.tokens) for ev in decoder.generate(ids, params))
+        for ev in decoder.generate(ids, params):
+            tokens += len(ev.tokens)
+            if time.perf_counter() - t0 > deadline:
+                return tokens / (time.perf_counter() - t0)
     return tokens / (time.perf_counter() - t0)
 
 
@@ -138,7 +146,9 @@ def calibrate(
     candidate's speedup is its best tok/s over the best AR run, and AR, timed all through the
     calibration, is measured at the machine's best state during it. Passes
     after the first skip shapes slower than :data:`PRUNE` times the leader (big trees on a CPU:
-    they would take most of the calibration's time and cannot win).
+    they would take most of the calibration's time and cannot win), and any run is stopped
+    once it has taken 1 / :data:`PRUNE` times the leader's time (every candidate writes the
+    same greedy tokens, so it cannot reach PRUNE x the leader's speed any more).
     """
     from tqdm.auto import tqdm
 
@@ -147,8 +157,12 @@ def calibrate(
     decoders = {i: build(tree) for i, tree in enumerate(candidates)}
     for dec in [ar, *decoders.values()]:
         list(dec.generate(prompts[0], warm))
+    # a first AR run: the tokens every full run writes (every decoder writes AR's), the unit a
+    # leader's time is counted in
+    t0 = time.perf_counter()
+    total_tokens = sum(len(ev.tokens) for ids in prompts for ev in ar.generate(ids, params))
+    ar_speed = total_tokens / max(time.perf_counter() - t0, 1e-9)
     speed = {key: 0.0 for key in decoders}
-    ar_speed = 0.0
     with tqdm(total=passes * len(decoders), desc="tune tree", unit="shape", disable=not progress) as bar:
         for p in range(passes):
             leader = max(speed.values())
@@ -158,7 +172,11 @@ def calibrate(
                     continue
                 if i % AR_EVERY == 0:
                     ar_speed = max(ar_speed, _tok_per_s(ar, prompts, params))
-                speed[key] = max(speed[key], _tok_per_s(dec, prompts, params))
+                # every candidate writes the same tokens (greedy), so one that is still running
+                # after 1 / PRUNE times the leader's time is below PRUNE x its speed: stop it there
+                leader = max(speed.values())
+                deadline = total_tokens / (PRUNE * leader) if leader > 0 and total_tokens else math.inf
+                speed[key] = max(speed[key], _tok_per_s(dec, prompts, params, deadline))
                 bar.update(1)
     table = [
         {"tree": asdict(tree), "tok_per_s": speed[i], "speedup": speed[i] / ar_speed}

@@ -46,7 +46,7 @@ def test_calibrate_keeps_each_sides_best_run_through_a_burst_of_noise():
     """One AR run and one FAST run fall into a burst at a third of the speed: the best runs
     still say FAST is 1.67x AR and SLOW 1.11x; AR was timed in every pass. (The gap between
     the two is wide so that sleep jitter on a loaded CI machine cannot swap them.)"""
-    phase = iter([1, 1, 1, 3, 1, 1, 1, 3, 1])  # 3 warm-ups, then (AR, FAST, SLOW) per pass
+    phase = iter([1, 1, 1, 1, 3, 1, 1, 1, 3, 1])  # 3 warm-ups, AR's first run, (AR, FAST, SLOW) per pass
     runs = []
 
     class Bursty(_Sleepy):
@@ -66,7 +66,7 @@ def test_calibrate_keeps_each_sides_best_run_through_a_burst_of_noise():
         max_new_tokens=6,
         progress=False,
     )
-    assert runs[3:] == [0.01, 0.006, 0.009] * 2
+    assert runs[3:] == [0.01] + [0.01, 0.006, 0.009] * 2
     assert TreeConfig(**res["tree"]) == FAST and 1.3 < res["speedup"] < 2.0
     assert res["table"][0]["speedup"] > res["table"][1]["speedup"] > 1.0
 
@@ -191,3 +191,28 @@ def test_a_models_ngram_table_adds_its_shapes_to_the_candidates(tmp_path, monkey
     loaded = SimpleNamespace(name="tiny", model=None, codec=codec, weights="fp32")
     tree = tune.Tuner(lambda m, t: None, loaded, "h|ngrams-t", progress=False, table=True).tree("ngram")
     assert tree.table_lookup == 1 and seen == [tune.NGRAM_TABLE_CANDIDATES]
+
+
+def test_a_run_still_going_after_the_leaders_time_over_prune_is_stopped():
+    """Every candidate writes AR's tokens, so a run that has taken 1 / PRUNE x the leader's time
+    cannot reach PRUNE x its speed: it is stopped there, and scored below PRUNE x the leader."""
+    emitted = {SLOW: 0}
+
+    class Counted(_Sleepy):
+        def __init__(self, tree) -> None:
+            super().__init__({SLOW: 0.05, FAST: 0.002}[tree])
+            self.tree = tree
+
+        def generate(self, prompt, params):
+            for ev in super().generate(prompt, params):
+                emitted[self.tree] = emitted.get(self.tree, 0) + 1
+                yield ev
+
+    res = tune.calibrate(
+        Counted, _Sleepy(0.004), [[1], [2]], candidates=[FAST, SLOW], max_new_tokens=10, progress=False
+    )
+    # SLOW: 4 warm-up tokens, then the first pass stops it after ~(20 tokens x 2 ms) / 0.4 =
+    # 100 ms, i.e. ~2-3 of its 20 tokens (unstopped: all 20); no second pass (pruned)
+    assert emitted[SLOW] - 4 < 10
+    slow = next(row for row in res["table"] if TreeConfig(**row["tree"]) == SLOW)
+    assert slow["tok_per_s"] < tune.PRUNE * res["tok_per_s"] and TreeConfig(**res["tree"]) == FAST
