@@ -240,7 +240,9 @@ def _load_ngrams(settings: StackSettings, loaded, facts: list[str]):
         if path is None:
             return None, None
     table = load_ngram_table(path, vocab_size=loaded.model.cfg.vocab_size)
-    facts.append(f"n-gram table: {path} ({len(table):,} contexts from {table.info.tokens:,} answer tokens)")
+    facts.append(
+        f"n-gram table: {path} ({len(table):,} contexts from {table.info.tokens:,} tokens of answers)"
+    )
     return table, path
 
 

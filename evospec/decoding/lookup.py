@@ -84,6 +84,7 @@ class LookupDraft:
         self.tree = tree
         self.context = ContextLookup(tree.lookup_ngram, LOOKUP_MAX_N) if tree.lookup else None
         self.table = table if tree.table_lookup else None
+        self._keep = table.info.max_order if table is not None else MAX_ORDER  # the table's longest context
         self._tail: list[int] = []  # the last tokens, when no context index keeps them all
 
     @property
@@ -93,12 +94,12 @@ class LookupDraft:
     def reset(self, tokens: Sequence[int]) -> None:
         if self.context is not None:
             self.context.reset(tokens)
-        self._tail = list(tokens[-MAX_ORDER:])
+        self._tail = list(tokens[-self._keep :])
 
     def extend(self, tokens: Sequence[int]) -> None:
         if self.context is not None:
             self.context.extend(tokens)
-        self._tail = [*self._tail, *tokens][-MAX_ORDER:]
+        self._tail = [*self._tail, *tokens][-self._keep :]
 
     def propose(self) -> list[int]:
         if self.context is not None:

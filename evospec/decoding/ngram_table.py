@@ -42,7 +42,7 @@ class TableInfo:
 
     model: str  # the target whose answers were counted
     vocab_size: int
-    tokens: int  # answer tokens counted
+    tokens: int  # tokens counted: the answers and the few prompt tokens before each
     sequences: int
     max_order: int = MAX_ORDER
     min_count: int = 2  # contexts seen fewer times are left out

@@ -241,3 +241,13 @@ def test_a_perfect_draft_still_accepts_everything_after_table_rounds(target):
                 drafted += 1
                 assert ev.accepted == ev.tree_size == 2
     assert drafted > 0 and looked > 0
+
+
+def test_a_table_of_longer_contexts_sees_them():
+    """A table counted with max_order 6 gets the last 6 tokens from the round's proposer."""
+    seqs = [[1, 2, 3, 4, 5, 6, 7]] * 2 + [[9, 2, 3, 4, 5, 6, 8]] * 3  # "2..6" -> 8 more often
+    table = _table(seqs, max_order=6, min_count=2)
+    assert table.guess([1, 2, 3, 4, 5, 6]) == (7, 1.0)  # only the 6-token context tells them apart
+    draft = LookupDraft(TreeConfig(table_lookup=1), table)
+    draft.reset([1, 2, 3, 4, 5, 6])
+    assert draft.propose() == [7]
