@@ -79,13 +79,12 @@ class LookupDraft:
     else the model's n-gram table (up to ``tree.table_lookup``); [] where neither has a guess."""
 
     def __init__(self, tree: TreeConfig, table: NgramTable | None) -> None:
-        if tree.table_lookup and table is None:
-            raise ValueError("tree.table_lookup needs the model's n-gram table (--ngrams PATH)")
+        check_table(tree, table)
         self.tree = tree
         self.context = ContextLookup(tree.lookup_ngram, LOOKUP_MAX_N) if tree.lookup else None
         self.table = table if tree.table_lookup else None
         self._keep = table.info.max_order if table is not None else MAX_ORDER  # the table's longest context
-        self._tail: list[int] = []  # the last tokens, when no context index keeps them all
+        self._tail: list[int] = []  # the last tokens, kept only when no context index holds them all
 
     @property
     def active(self) -> bool:
@@ -94,12 +93,14 @@ class LookupDraft:
     def reset(self, tokens: Sequence[int]) -> None:
         if self.context is not None:
             self.context.reset(tokens)
-        self._tail = list(tokens[-self._keep :])
+        else:
+            self._tail = list(tokens[-self._keep :])
 
     def extend(self, tokens: Sequence[int]) -> None:
         if self.context is not None:
             self.context.extend(tokens)
-        self._tail = [*self._tail, *tokens][-self._keep :]
+        else:
+            self._tail = [*self._tail, *tokens][-self._keep :]
 
     def propose(self) -> list[int]:
         if self.context is not None:
@@ -107,5 +108,14 @@ class LookupDraft:
             if guess:
                 return guess
         if self.table is not None:
-            return self.table.propose(self._tail, self.tree.table_lookup)
+            tail = self.context.tokens if self.context is not None else self._tail  # propose() slices it
+            return self.table.propose(tail, self.tree.table_lookup)
         return []
+
+
+def check_table(tree: TreeConfig, table: NgramTable | None) -> None:
+    """ValueError where ``tree`` reads the n-gram table and there is none."""
+    if tree.table_lookup and table is None:
+        raise ValueError(
+            f"tree.table_lookup {tree.table_lookup} needs the model's n-gram table (--ngrams PATH)"
+        )

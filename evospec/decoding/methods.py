@@ -23,6 +23,7 @@ from evospec.decoding.autoregressive import generate_ar
 from evospec.decoding.budget import cache_for, plan_budget
 from evospec.decoding.drafter import Drafter, EagleDrafter
 from evospec.decoding.events import StepEvent
+from evospec.decoding.lookup import check_table
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import calibrate_prefetch
 from evospec.decoding.sampling import SamplingParams
@@ -183,10 +184,7 @@ class SpeculativeDecoder:
         draft_layers: tuple[int, ...] = (),
         ngrams: NgramTable | None = None,
     ) -> None:
-        if tree.table_lookup and ngrams is None:
-            raise ValueError(
-                f"tree.table_lookup {tree.table_lookup} needs the model's n-gram table (--ngrams PATH)"
-            )
+        check_table(tree, ngrams)  # at construction, not at a request
         self.name = name
         self.ngrams = ngrams  # the model's n-gram table (tree.table_lookup)
         self.draft_layers = draft_layers  # target layers the draft reads (EAGLE-3); (): final features

@@ -165,8 +165,8 @@ def calibrate(
     speed = {key: 0.0 for key in decoders}
     with tqdm(total=passes * len(decoders), desc="tune tree", unit="shape", disable=not progress) as bar:
         for p in range(passes):
-            leader = max(speed.values())
             for i, (key, dec) in enumerate(decoders.items()):
+                leader = max(speed.values())  # the best run so far, of any shape
                 if p and speed[key] < PRUNE * leader:  # hopeless: noise only slows, never speeds up
                     bar.update(1)
                     continue
@@ -174,7 +174,6 @@ def calibrate(
                     ar_speed = max(ar_speed, _tok_per_s(ar, prompts, params))
                 # every candidate writes the same tokens (greedy), so one that is still running
                 # after 1 / PRUNE times the leader's time is below PRUNE x its speed: stop it there
-                leader = max(speed.values())
                 deadline = total_tokens / (PRUNE * leader) if leader > 0 and total_tokens else math.inf
                 speed[key] = max(speed[key], _tok_per_s(dec, prompts, params, deadline))
                 bar.update(1)

@@ -187,7 +187,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     from evospec.common import evospec_home
     from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
-    from evospec.models.eagle3 import new_eagle3_for
+    from evospec.models.eagle3 import default_aux_layers, new_eagle3_for
     from evospec.models.loading import load_model, resolve_device
     from evospec.train.conversations import training_conversations
     from evospec.train.datagen import feature_shards, generate_responses, teacher_force
@@ -260,14 +260,19 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         if init is None:
             raise ValueError(f"--init shipped: no {args.arch} head ships for {loaded.name}")
     if args.arch == "eagle3":
-        head = _eagle3_head(
-            loaded.model, init, device, tied=args.lm_head == "target", draft_vocab=args.draft_vocab
+        # a new reduced-vocabulary head is made once its data is read: its rows come from it
+        later = args.draft_vocab is not None and init is None
+        head = (
+            None
+            if later
+            else _eagle3_head(loaded.model, init, device, args.lm_head == "target", args.draft_vocab)
         )
-        aux = _aux_shards(loaded.model, shards, head.aux_layers, progress)
-        seqs = load_sequences(shards, cfg.max_seq_len, aux)
-        if args.draft_vocab and init is None:  # its rows: the ids the target predicts most often here
-            ids = frequent_targets(seqs, args.draft_vocab, loaded.model.cfg.vocab_size, eos_ids(loaded))
-            head = new_eagle3_for(loaded.model, aux_layers=head.aux_layers, draft_ids=ids)
+        layers = default_aux_layers(loaded.model.cfg.num_layers) if later else head.aux_layers
+        seqs = load_sequences(shards, cfg.max_seq_len, _aux_shards(loaded.model, shards, layers, progress))
+        if later:  # its rows: the ids the target predicts most often here
+            eos = tuple(codec.eos_ids or loaded.model.cfg.eos_token_ids)
+            ids = frequent_targets(seqs, args.draft_vocab, loaded.model.cfg.vocab_size, eos)
+            head = new_eagle3_for(loaded.model, aux_layers=layers, draft_ids=ids)
     else:
         seqs = load_sequences(shards, cfg.max_seq_len)
         head = (
@@ -342,11 +347,6 @@ def frequent_targets(seqs, k: int, vocab_size: int, always: tuple[int, ...] = ()
     counts[list(always)] = float("inf")  # EOS ends answers: a draft must be able to propose it
     k = min(k, vocab_size)
     return counts.topk(k).indices.sort().values
-
-
-def eos_ids(loaded) -> tuple[int, ...]:
-    codec = loaded.codec
-    return tuple((codec.eos_ids if codec is not None else ()) or loaded.model.cfg.eos_token_ids)
 
 
 def _aux_shards(target, shards: list[Path], layers: tuple[int, ...], progress: bool) -> list[Path]:

@@ -1,9 +1,8 @@
 """``evospec build-ngrams``: count the target's own answers into its n-gram table.
 
-Owns the sub-parser and the build: read the answers
-``train-draft`` generated (``<work>/generations.jsonl``), count them
-(``decoding/ngram_table.py``) and save the table with its build record, by default where
-serving looks first (``ngram_table.user_table_path``).
+Owns the sub-parser and the build: read the answers ``train-draft`` generated
+(``<work>/generations.jsonl``), count them (``decoding/ngram_table.py``) and save the table
+with its build record, by default where serving looks first (``ngram_table.user_table_path``).
 """
 
 from __future__ import annotations

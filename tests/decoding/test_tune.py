@@ -98,23 +98,27 @@ def test_calibrate_reports_when_no_shape_beats_ar():
     assert not res["beats_ar"]
 
 
+def _calibrated(tree: dict) -> dict:
+    """What ``calibrate`` returns, for a fake that picked ``tree`` at 2x AR."""
+    return {"tree": tree, "tok_per_s": 2.0, "ar_tok_per_s": 1.0, "beats_ar": True, "table": []}
+
+
+def _loaded() -> SimpleNamespace:
+    """A loaded model as the tuner reads it: name, no weights, a codec for the prompts."""
+    codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
+    return SimpleNamespace(name="tiny", model=None, codec=codec, weights="fp32")
+
+
 def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
     monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
     calls = []
 
     def fake_calibrate(build, ar, prompts, **kw):
         calls.append(len(prompts))
-        return {
-            "tree": {"top_k": 3, "depth": 4, "total_tokens": 10},
-            "tok_per_s": 2.0,
-            "ar_tok_per_s": 1.0,
-            "beats_ar": True,
-            "table": [],
-        }
+        return _calibrated({"top_k": 3, "depth": 4, "total_tokens": 10})
 
     monkeypatch.setattr(tune, "calibrate", fake_calibrate)
-    codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
-    loaded = SimpleNamespace(name="tiny", model=None, codec=codec, weights="fp32")
+    loaded = _loaded()
     for _ in range(2):
         tree = tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
         assert tree == TreeConfig(top_k=3, depth=4, total_tokens=10)
@@ -178,17 +182,10 @@ def test_a_models_ngram_table_adds_its_shapes_to_the_candidates(tmp_path, monkey
 
     def fake_calibrate(build, ar, prompts, candidates, **kw):
         seen.append(candidates)
-        return {
-            "tree": {"top_k": 1, "depth": 1, "total_tokens": 1, "lookup": 3, "table_lookup": 1},
-            "tok_per_s": 2.0,
-            "ar_tok_per_s": 1.0,
-            "beats_ar": True,
-            "table": [],
-        }
+        return _calibrated({"top_k": 1, "depth": 1, "total_tokens": 1, "lookup": 3, "table_lookup": 1})
 
     monkeypatch.setattr(tune, "calibrate", fake_calibrate)
-    codec = SimpleNamespace(encode_chat=lambda msgs: [1, 2, 3])
-    loaded = SimpleNamespace(name="tiny", model=None, codec=codec, weights="fp32")
+    loaded = _loaded()
     tree = tune.Tuner(lambda m, t: None, loaded, "h|ngrams-t", progress=False, table=True).tree("ngram")
     assert tree.table_lookup == 1 and seen == [tune.NGRAM_TABLE_CANDIDATES]
 
