@@ -47,6 +47,7 @@ class StackSettings:
     dtype: str = "float32"  # one of DTYPES
     weights: str = "fp32"  # linear weight format: models/quant.py WEIGHT_FORMATS or "auto"
     pack_weights: bool = True  # CPU fp32: oneDNN-packed linears
+    prefix_reuse: bool = True  # decoders keep the slots a prompt shares with the last request
 
     def __post_init__(self) -> None:
         for spec in self.specs:  # unknown names: ValueError listing the methods
@@ -131,6 +132,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
             verify_logits=settings.verify_logits,
             draft_weights=settings.draft_weights,
             ngrams=ngrams,
+            reuse_prefix=settings.prefix_reuse,
         )
 
     resolved: dict[str, str] = {}

@@ -51,6 +51,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_weights_arg(p)
     add_pack_arg(p)
+    add_prefix_arg(p)
 
 
 def add_weights_arg(p: argparse.ArgumentParser, default: str | None = "auto", *, note: str = "") -> None:
@@ -70,6 +71,17 @@ def add_pack_arg(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep plain fp32 CPU weights (default: reorder them once for oneDNN, which decodes "
         "and verifies faster at the cost of one extra copy of the weights)",
+    )
+
+
+def add_prefix_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-prefix-reuse",
+        action="store_true",
+        help="prefill every prompt whole (default: a prompt that starts like the previous request's "
+        "prompt and answer -- a chat's next turn, a shared system prompt -- keeps those cached slots "
+        "and prefills the rest; output is bitwise the same either way; on where the model's forwards "
+        "are row-exact: CPU, int4/int8/bf16 Llama-style models)",
     )
 
 
@@ -197,4 +209,5 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         dtype=args.dtype,
         weights=args.weights,
         pack_weights=not args.no_pack,
+        prefix_reuse=not args.no_prefix_reuse,
     )

@@ -67,6 +67,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     options.add_adapt_args(s, debug=False)
     s.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options.add_pack_arg(s)
+    options.add_prefix_arg(s)
     s.set_defaults(func=cmd_serve)
 
 
@@ -84,6 +85,8 @@ def serve_config(args: argparse.Namespace):
         flags["tune_tree"] = args.tree == "auto"
     if args.no_pack:
         flags["pack_weights"] = False
+    if args.no_prefix_reuse:
+        flags["prefix_reuse"] = False
     return base.with_overrides(**flags)
 
 

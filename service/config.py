@@ -50,6 +50,7 @@ class ServeConfig:
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16
     weights: str = "auto"  # linear weight format: auto (int4 on a CPU) | int4 | int8 | bf16 | fp32
     pack_weights: bool = True  # CPU fp32: reorder linear weights once for oneDNN (faster, +1 weight copy)
+    prefix_reuse: bool = True  # keep the slots a prompt shares with the last request (decoding/prefix.py)
     verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
     draft_weights: str = "auto"  # non-adapting draft linears: auto (int8 if target quantised) | fp32 | int8
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
@@ -111,6 +112,7 @@ class ServeConfig:
             dtype=self.dtype,
             weights=self.weights,
             pack_weights=self.pack_weights,
+            prefix_reuse=self.prefix_reuse,
         )
 
     def with_overrides(self, **overrides: Any) -> ServeConfig:
@@ -143,6 +145,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "weights": (str,),
     "pack_weights": (bool,),
+    "prefix_reuse": (bool,),
     "tune_tree": (bool,),
     "verify_logits": (str,),
     "draft_weights": (str,),

@@ -80,6 +80,11 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "evospec_prompt_tokens", "Prompt tokens of ended requests", value=s.prompt_tokens
         )
+        yield CounterMetricFamily(
+            "evospec_prompt_tokens_cached",
+            "Prompt tokens whose K/V were reused from the previous request (prefix reuse)",
+            value=s.stats.cached_tokens,
+        )
         yield CounterMetricFamily("evospec_generated_tokens", "Tokens generated", value=s.stats.tokens)
         yield CounterMetricFamily(
             "evospec_rounds",

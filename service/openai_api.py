@@ -280,9 +280,16 @@ def spec_fields(method: str, stats: RequestStats) -> dict[str, Any]:
     }
 
 
-def _usage(job: _Job) -> dict[str, int]:
+def _usage(job: _Job) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V
+    the engine reused from its last request instead of computing them (prefix reuse)."""
     p, c = len(job.request.prompt_ids), job.text.tokens_used
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": job.stats.cached_tokens},
+    }
 
 
 async def _respond(

@@ -89,6 +89,18 @@ def test_weights_flag_reaches_the_stack_and_the_serve_config():
     assert cfg.weights == "fp32" and cfg.stack_settings().weights == "fp32"
 
 
+def test_prefix_reuse_flag_reaches_the_stack_and_the_serve_config():
+    from evospec.cli import build_parser
+    from service.command import serve_config
+
+    parser = build_parser()
+    assert stack_settings(parser.parse_args(["generate", "x"]), ["ar"]).prefix_reuse
+    assert not stack_settings(parser.parse_args(["bench", "--no-prefix-reuse"]), ["ar"]).prefix_reuse
+    assert serve_config(parser.parse_args(["serve"])).prefix_reuse
+    cfg = serve_config(parser.parse_args(["serve", "--no-prefix-reuse"]))
+    assert not cfg.prefix_reuse and not cfg.stack_settings().prefix_reuse
+
+
 def test_draft_weights_flag_reaches_the_stack_and_the_serve_config(capsys):
     from evospec.cli import build_parser
     from service.command import serve_config

@@ -63,6 +63,7 @@ class ConversationRecord:
     seconds: float = 0.0  # wall time of its turns (prefill included)
     stats: RequestStats = field(default_factory=RequestStats)
     context_tokens: int = 0  # prompt length of the last turn
+    prompt_tokens: int = 0  # prompt tokens over all its turns (each turn re-sends the conversation)
 
 
 def reset_learnt(dec) -> None:
@@ -119,6 +120,7 @@ def run_conversations(
                 settle(dec)  # an adapter's queued updates finish before the next method is timed
                 recs[name].turns += 1
                 recs[name].context_tokens = len(ids)
+                recs[name].prompt_tokens += len(ids)
                 messages.append({"role": "assistant", "content": codec.decode(out)})
                 first = out if first is None else first
                 mismatches[name] += out != first
@@ -145,7 +147,17 @@ def summarise_conversations(records: list[ConversationRecord], config: dict) -> 
     for name in names:
         mal = [by[name, i].stats.mal or 1.0 for i in indices]
         tps = [by[name, i].stats.tokens / by[name, i].seconds for i in indices if by[name, i].seconds]
-        entry = {"mal": _mean_std(mal), "tok_per_s": _mean_std(tps), "per_conversation_mal": mal}
+        recs = [by[name, i] for i in indices]
+        entry = {
+            "mal": _mean_std(mal),
+            "tok_per_s": _mean_std(tps),
+            "per_conversation_mal": mal,
+            # the prompts' prefills, per turn, and the share of prompt tokens reused from the cache
+            "prefill_s_per_turn": _mean_std([r.stats.prefill_s / r.turns for r in recs if r.turns]),
+            "cached_share": _mean_std(
+                [r.stats.cached_tokens / r.prompt_tokens for r in recs if r.prompt_tokens]
+            ),
+        }
         if "ar" in names and by["ar", indices[0]].seconds:
             ratios = [
                 by["ar", i].seconds
@@ -166,8 +178,8 @@ def format_conversation_table(result: dict) -> str:
         f"conversation scenario: {cfg['conversations']} conversations, up to {cfg['max_turns']} user turns, "
         f"answers capped at {cfg['max_new_tokens']} tokens (mean ± std across conversations)",
         "",
-        "| method | MAL | tok/s | speedup vs ar |",
-        "|---|---|---|---|",
+        "| method | MAL | tok/s | speedup vs ar | prefill s / turn | prompt tokens reused |",
+        "|---|---|---|---|---|---|",
     ]
     for name, m in result["methods"].items():
         sp = m.get("speedup_vs_ar")
@@ -175,6 +187,12 @@ def format_conversation_table(result: dict) -> str:
             f"{m['mal']['mean']:.3f} ± {m['mal']['std']:.3f}",
             f"{m['tok_per_s']['mean']:.1f} ± {m['tok_per_s']['std']:.1f}" if m["tok_per_s"]["mean"] else "-",
             f"{sp['mean']:.3f} ± {sp['std']:.3f}" if sp else "-",
+            _cell(m.get("prefill_s_per_turn"), "{:.3f}"),
+            _cell(m.get("cached_share"), "{:.2f}"),
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(stat: dict | None, fmt: str) -> str:
+    return "-" if not stat or stat["mean"] is None else fmt.format(stat["mean"])

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from evospec.decoding.budget import Budget, cache_for, plan_budget
+from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.events import StepEvent
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.models.kv_cache import KVCache
@@ -27,16 +27,19 @@ def generate_ar(
     eos_ids: Sequence[int] = (),
     cache: KVCache | None = None,
     budget: Budget | None = None,
+    reuse: int = 0,
 ) -> Iterator[StepEvent]:
     """Yield one event per generated token until a stop id or the length budget (``budget``:
-    planned by the caller, else here)."""
+    planned by the caller, else here). ``reuse``: the first slots of ``cache`` already hold
+    the K/V of that many prompt tokens (``prefix.py``); the prefill runs on the rest."""
     budget = budget or plan_budget(model, len(prompt), params, eos_ids=eos_ids)
-    cache = cache_for(model, cache, budget.slots)
+    check_reuse(cache, reuse, len(prompt))
+    cache = cache_for(model, cache, budget.slots, keep=reuse)
     rule = budget.rule
     device = model.embed_tokens.weight.device
     gen = params.make_generator(device)
-    tokens = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    positions = torch.arange(len(prompt), device=device)
+    tokens = torch.tensor([list(prompt[reuse:])], dtype=torch.long, device=device)
+    positions = torch.arange(reuse, len(prompt), device=device)
     produced = 0
     while True:
         t0 = time.perf_counter()
@@ -46,7 +49,9 @@ def generate_ar(
         first = produced == 0
         new, reason = rule.clip([tok], produced)
         produced += len(new)
-        yield StepEvent(tokens=new, verify_s=dt, finish_reason=reason, prefill=first)
+        yield StepEvent(
+            tokens=new, verify_s=dt, finish_reason=reason, prefill=first, cached_tokens=reuse if first else 0
+        )
         if reason is not None:
             return
         tokens = torch.tensor([[tok]], dtype=torch.long, device=device)

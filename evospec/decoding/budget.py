@@ -4,7 +4,7 @@ stops -- computed once per request, by the decoder, and handed to the loop.
 Owns: :class:`Budget` and :func:`plan_budget` (``max_new_tokens`` clipped to the context
 window; slots = prompt + new tokens + the tree's ``slack``), the :class:`StopRule` of a request
 (EOS / stop ids / length; ``ignore_eos`` drops EOS), and :func:`cache_for` (reuse a decoder's
-KV cache, growing it when a request needs more). The HTTP layer validates a request's
+KV cache, growing it when a request needs more, keeping a reused prefix). The HTTP layer validates a request's
 ``max_tokens`` against the context window before it is queued, with OpenAI's messages; what
 reaches a decoder is already valid, and this module is the decoding side's one copy of the
 arithmetic. Knows nothing about tokenizers.
@@ -54,9 +54,24 @@ def stop_rule(
     return StopRule(frozenset(eos) | params.stop_ids, max_new)
 
 
-def cache_for(model: Transformer, cache: KVCache | None, slots: int) -> KVCache:
-    """``cache`` when it holds ``slots``, else a new one that does (reset either way)."""
+def cache_for(model: Transformer, cache: KVCache | None, slots: int, keep: int = 0) -> KVCache:
+    """``cache`` when it holds ``slots``, else a new one that does, with its first ``keep``
+    slots committed (copied over when the cache grows; prefix reuse) and nothing after."""
     if cache is None or cache.max_len < slots:
-        cache = model.new_cache(slots)
-    cache.reset()
+        grown = model.new_cache(slots)
+        if keep:
+            grown.k[:, :, :, :keep] = cache.k[:, :, :, :keep]
+            grown.v[:, :, :, :keep] = cache.v[:, :, :, :keep]
+        cache = grown
+    cache.length = keep
     return cache
+
+
+def check_reuse(cache: KVCache | None, reuse: int, prompt_len: int) -> None:
+    """A loop told that ``reuse`` prompt slots are cached: they must be, and one prompt token
+    must be left to prefill."""
+    if reuse and (cache is None or cache.length < reuse or reuse >= prompt_len):
+        have = 0 if cache is None else cache.length
+        raise ValueError(
+            f"cannot reuse {reuse} slots: the cache holds {have}, the prompt has {prompt_len} tokens"
+        )

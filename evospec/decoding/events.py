@@ -32,6 +32,7 @@ class StepEvent:
     prefill: bool = False  # the prompt's forward produced this token (not a round; MAL skips it)
     vocab: VocabRoundStats | None = None  # active-vocabulary facts of the round (speculative only)
     looked_up: bool = False  # the round verified a context lookup's tokens (or the root alone), not a draft
+    cached_tokens: int = 0  # prefill event: prompt tokens whose K/V were reused, not computed
 
 
 @dataclass(frozen=True)

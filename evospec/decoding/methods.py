@@ -26,6 +26,7 @@ from evospec.decoding.events import StepEvent
 from evospec.decoding.lookup import check_table
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import calibrate_prefetch
+from evospec.decoding.prefix import PrefixCache
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.speculative import generate_speculative
 from evospec.decoding.tree import TreeConfig
@@ -138,6 +139,7 @@ class Decoder(Protocol):
     tree: TreeConfig | None  # the draft tree's shape; None: no drafting (ar)
     vocab: ActiveVocab | None  # the active draft vocabulary (eagle2: the full one); None for ar
     adapt: OnlineAdapter | None  # the online adapter of the adaptive methods; else None
+    prefix: PrefixCache  # what its KV cache keeps between requests (prefix reuse)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]: ...
 
@@ -157,14 +159,19 @@ class ARDecoder:
         self.model = model
         self.eos_ids = tuple(eos_ids)
         self.cache: KVCache | None = None
+        self.prefix = PrefixCache(model)  # what the cache holds between requests
 
     def close(self) -> None:
         pass
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
         budget = plan_budget(self.model, len(prompt), params, eos_ids=self.eos_ids)
-        self.cache = cache_for(self.model, self.cache, budget.slots)
-        return generate_ar(self.model, prompt, params, eos_ids=self.eos_ids, cache=self.cache, budget=budget)
+        reuse = self.prefix.reusable(prompt)
+        self.cache = cache_for(self.model, self.cache, budget.slots, keep=reuse)
+        events = generate_ar(
+            self.model, prompt, params, eos_ids=self.eos_ids, cache=self.cache, budget=budget, reuse=reuse
+        )
+        return self.prefix.track(prompt, events)
 
 
 class SpeculativeDecoder:
@@ -196,6 +203,7 @@ class SpeculativeDecoder:
         self.tree = tree
         self.eos_ids = tuple(eos_ids)
         self.cache: KVCache | None = None
+        self.prefix = PrefixCache(model)  # what the cache holds between requests
 
     def close(self) -> None:
         if self.adapt is not None:
@@ -205,8 +213,9 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
         budget = plan_budget(self.model, len(prompt), params, eos_ids=self.eos_ids, slack=self.tree.max_nodes)
-        self.cache = cache_for(self.model, self.cache, budget.slots)
-        return generate_speculative(
+        reuse = self.prefix.reusable(prompt)
+        self.cache = cache_for(self.model, self.cache, budget.slots, keep=reuse)
+        events = generate_speculative(
             self.model,
             self.drafter,
             prompt,
@@ -220,7 +229,10 @@ class SpeculativeDecoder:
             budget=budget,
             draft_layers=self.draft_layers,
             ngrams=self.ngrams,
+            prefix_cache=self.prefix,
+            reuse=reuse,
         )
+        return self.prefix.track(prompt, events)
 
 
 def make_decoder(
@@ -237,6 +249,7 @@ def make_decoder(
     prefetch: float | None = None,
     draft_weights: str = "auto",
     ngrams: NgramTable | None = None,
+    reuse_prefix: bool = True,
 ) -> Decoder:
     """``ar``; or a speculative method (needs ``draft``, an EAGLE-2 head for ``model``):
     ``eagle2`` drafts over the full vocabulary, the others over a policy's active vocabulary
@@ -247,7 +260,18 @@ def make_decoder(
     verification projects tree nodes onto the vocabulary; the output is the same either way.
     ``draft_weights`` (:func:`drafting_head`): ``auto`` drafts with int8 linears where the
     target's are quantised, ``fp32`` keeps the head's own; adapting methods always keep fp32.
-    ``ngrams``: the model's n-gram table, which ``tree.table_lookup`` reads (``ngram_table.py``)."""
+    ``ngrams``: the model's n-gram table, which ``tree.table_lookup`` reads (``ngram_table.py``).
+    ``reuse_prefix``: a prompt keeps the cached slots it shares with the decoder's last request,
+    where that is exact (``prefix.py``)."""
+    args = (eos_ids, draft, tree, vocab, indices, adapt, verify_logits, prefetch, draft_weights, ngrams)
+    dec = _build_decoder(name, model, *args)
+    dec.prefix.enabled = dec.prefix.enabled and reuse_prefix
+    return dec
+
+
+def _build_decoder(
+    name, model, eos_ids, draft, tree, vocab, indices, adapt, verify_logits, prefetch, draft_weights, ngrams
+) -> Decoder:
     spec = method_spec(name)
     if not spec.speculative:
         return ARDecoder(model, eos_ids)

@@ -26,12 +26,13 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from evospec.adapt.online import OnlineAdapter
-from evospec.decoding.budget import Budget, cache_for, plan_budget
+from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
 from evospec.decoding.lookup import LookupDraft
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import NodeLogits
+from evospec.decoding.prefix import PrefixCache
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.decoding.tree import DraftTree, TreeConfig, build_tree, chain_tree
 from evospec.decoding.verify import accept
@@ -57,6 +58,8 @@ def generate_speculative(
     budget: Budget | None = None,
     draft_layers: tuple[int, ...] = (),
     ngrams: NgramTable | None = None,
+    prefix_cache: PrefixCache | None = None,
+    reuse: int = 0,
 ) -> Iterator[StepEvent]:
     """Rounds of one request. ``vocab`` (if given) must own the drafter's head function: it
     loads each round's active ids at the round's first draft LM-head call and observes each
@@ -72,9 +75,17 @@ def generate_speculative(
     for the next drafted round, which commits every pair verified since, and the adapter
     learns from drafted rounds only. ``drafter`` None (the ``ngram`` method): the other rounds
     verify the root alone, a plain decode step. A round where the context finds nothing may
-    verify the n-gram table's guesses instead (``tree_cfg.table_lookup``), the same way."""
+    verify the n-gram table's guesses instead (``tree_cfg.table_lookup``), the same way.
+
+    ``prefix_cache`` (the decoder's ``PrefixCache``): keeps the target's features at every committed
+    slot, so that a later prompt may reuse them; ``reuse``: the first slots of ``cache`` hold
+    that many prompt tokens already, and ``prefix_cache`` their features (the prefill runs on the
+    rest; the drafter and ``vocab`` still see the whole prompt)."""
     budget = budget or plan_budget(target, len(prompt), params, eos_ids=eos_ids, slack=tree_cfg.max_nodes)
-    cache = cache_for(target, cache, budget.slots)
+    check_reuse(cache, reuse, len(prompt))
+    if reuse and drafter is not None and (prefix_cache is None or prefix_cache.features is None):
+        raise ValueError("a drafted method reuses slots only with the features kept for them")
+    cache = cache_for(target, cache, budget.slots, keep=reuse)
     if drafter is not None:
         drafter.start(prompt, budget.slots + tree_cfg.draft_slots)
     rule = budget.rule
@@ -83,11 +94,19 @@ def generate_speculative(
 
     t0 = time.perf_counter()
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    out = target(ids, torch.arange(len(prompt), device=device), cache, logits="last", aux_layers=draft_layers)
+    positions = torch.arange(reuse, len(prompt), device=device)
+    out = target(ids[:, reuse:], positions, cache, logits="last", aux_layers=draft_layers)
     root = pick_token(out.logits[0, -1], params, gen)
+    features, hidden = _draft_features(out, draft_layers), out.hidden[0]  # [P - reuse, D'], [P - reuse, D]
+    if drafter is not None and prefix_cache is not None:
+        prefix_cache.write(reuse, features, hidden if draft_layers else None)
+        features = prefix_cache.features[: len(prompt)]  # [P, D']: the reused slots' too
+        hidden = prefix_cache.final_features(len(prompt))  # [P, D]
     new, reason = rule.clip([root], 0)
     produced = len(new)
-    yield StepEvent(tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True)
+    yield StepEvent(
+        tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True, cached_tokens=reuse
+    )
     if reason is not None:
         return
     lookup = LookupDraft(tree_cfg, ngrams)
@@ -95,11 +114,11 @@ def generate_speculative(
     if lookup is not None:
         lookup.reset([*prompt, root])
     if vocab is not None:
-        vocab.start(ids[0], out.hidden[0])
+        vocab.start(ids[0], hidden)
     if adapt is not None:
         adapt.start()
     # pairs the drafter has yet to commit (ngram: no drafter, nothing to keep)
-    pending = _Pending(_draft_features(out, draft_layers), [*ids[0, 1:].tolist(), root]) if drafter else None
+    pending = _Pending(features, [*prompt[1:], root]) if drafter else None
 
     while True:
         t0 = time.perf_counter()
@@ -126,6 +145,9 @@ def generate_speculative(
             if adapt is not None and not looked_up:
                 mask = vocab.mask if vocab is not None else None
                 adapt.end_round(tree.parents, path, verified, path_logits, mask)
+        feats = _draft_features(vout, draft_layers)[path] if pending is not None else None  # [a + 1, D']
+        if feats is not None and prefix_cache is not None:  # before the event: a last round's slots count too
+            prefix_cache.write(prefix, feats, vout.hidden[0][path] if draft_layers else None)
         yield StepEvent(
             tokens=new,
             accepted=len(accepted),
@@ -141,7 +163,7 @@ def generate_speculative(
         if reason is not None:
             return
         if pending is not None:
-            pending.add(_draft_features(vout, draft_layers)[path], [*accepted, bonus])  # [a + 1, D'], [a + 1]
+            pending.add(feats, [*accepted, bonus])
         if lookup is not None:
             lookup.extend([*accepted, bonus])
         root = bonus

@@ -41,6 +41,7 @@ class RequestStats:
     depth_counts: list[int] = field(default_factory=list)  # [max accepted] [d-1]: rounds accepting >= d
     drafted: int = 0  # rounds whose tokens a draft model proposed
     model_free: int = 0  # rounds that verified a context lookup's or the n-gram table's tokens
+    cached_tokens: int = 0  # prompt tokens whose K/V a prefill reused (prefix reuse)
 
     def add(self, ev: StepEvent) -> None:
         """Fold one event in."""
@@ -49,6 +50,7 @@ class RequestStats:
         self.verify_s += ev.verify_s
         if ev.prefill:
             self.prefill_s += ev.verify_s + ev.draft_s
+            self.cached_tokens += ev.cached_tokens
             return
         self.rounds += 1
         self.accepted += ev.accepted
@@ -74,6 +76,7 @@ class RequestStats:
         self.round_s += other.round_s
         self.drafted += other.drafted
         self.model_free += other.model_free
+        self.cached_tokens += other.cached_tokens
         self.vocab.merge(other.vocab)
         if len(other.depth_counts) > len(self.depth_counts):
             self.depth_counts.extend([0] * (len(other.depth_counts) - len(self.depth_counts)))

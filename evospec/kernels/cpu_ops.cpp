@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <bit>
 #include <algorithm>
 #include <optional>
@@ -81,8 +82,23 @@ inline float dot(const float* __restrict__ q, const float* __restrict__ k, int64
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-inline void axpy(float a, const float* __restrict__ x, float* __restrict__ y, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) y[i] += a * x[i];
+// dot() of four query rows (`qs` floats apart) with one key, each row's sums exactly dot()'s;
+// the four independent chains hide the adds' latency. d: a multiple of kLanes.
+inline void dot4(const float* __restrict__ q, int64_t qs, const float* __restrict__ k, int64_t d, float* out) {
+  float a0[kLanes] = {0}, a1[kLanes] = {0}, a2[kLanes] = {0}, a3[kLanes] = {0};
+  for (int64_t i = 0; i < d; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float kv = k[i + l];
+      a0[l] += q[i + l] * kv;
+      a1[l] += q[qs + i + l] * kv;
+      a2[l] += q[2 * qs + i + l] * kv;
+      a3[l] += q[3 * qs + i + l] * kv;
+    }
+  float* rows[4] = {a0, a1, a2, a3};
+  for (int r = 0; r < 4; ++r) {
+    const float* acc = rows[r];
+    out[r] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  }
 }
 
 inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ out,
@@ -214,27 +230,117 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu) {
   return out;
 }
 
-// softmax(scale q.k) v of one query row over its first `s` keys (rows `ks` / `vs` floats
-// apart), in float32; `mask` (or null) hides keys. The same call whatever else is computed.
-void attend_row(const float* qr, const float* kb, int64_t ks, const float* vb, int64_t vs, int64_t s,
-                const bool* mask, float scale, int64_t dh, float* score, float* out) {
-  float best = -INFINITY;
-  for (int64_t t = 0; t < s; ++t) {
-    const float sv = (mask && !mask[t]) ? -INFINITY : scale * dot(qr, kb + t * ks, dh);
-    score[t] = sv;
-    best = sv > best ? sv : best;
+// s[t] = exp(s[t] - m), and 0 where s[t] is -inf (a hidden key); branch-free so it vectorises.
+void exp_shifted(float* __restrict__ s, int64_t n, float m) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float x = s[t];
+    const float e = exp_f32(x - m);
+    s[t] = x == -INFINITY ? 0.0f : e;
   }
-  float total = 0.0f;
-  for (int64_t t = 0; t < s; ++t) {
-    const float e = score[t] == -INFINITY ? 0.0f : exp_f32(score[t] - best);
-    score[t] = e;
-    total += e;
+}
+
+// kLanes floats as one value (GCC/Clang vector extension: SIMD where the target has it, plain
+// loops elsewhere); each lane rounds as the scalar expression would (-ffp-contract=off).
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+inline Vec splat(float x) { return Vec{} + x; }
+
+constexpr int64_t kRowBlock = 4;
+constexpr int64_t kChunk = 4 * kLanes;  // output elements summed together (four vectors)
+
+// Attention of `nr` (<= kRowBlock) consecutive query rows of one head: row r (queries and
+// outputs `dh` floats apart) sees the first s0 + r keys (rows `ks` / `vs` floats apart);
+// `mask` (nr = 1 only, or null) hides keys. Per row, in float32: scores scale * dot(q, k) in key
+// order, their max, e = exp(score - max) and their sum in key order, then the weighted sum of
+// values, each element summed in key order from 0, and one division at the end. A row's bits
+// depend only on its query and its keys, never on the other rows of the block: one-token
+// steps (nr = 1) and a prefill's rows (blocks of 4) agree bitwise. The blocks load each key
+// and value once for all their rows, and the weighted sums stay in registers.
+void attend_block(const float* q, int64_t nr, const float* kb, int64_t ks, const float* vb, int64_t vs,
+                  int64_t s0, const bool* mask, float scale, int64_t dh, float* score, int64_t stride,
+                  float* out) {
+  float best[kRowBlock], total[kRowBlock];
+  for (int64_t r = 0; r < nr; ++r) best[r] = -INFINITY, total[r] = 0.0f;
+  const int64_t keys = s0 + nr - 1;
+  for (int64_t t = 0; t < keys; ++t) {
+    const float* kt = kb + t * ks;
+    if (nr == kRowBlock && t < s0 && dh % kLanes == 0) {  // all four rows see key t
+      float d4[kRowBlock];
+      dot4(q, dh, kt, dh, d4);
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const float sv = scale * d4[r];
+        score[r * stride + t] = sv;
+        best[r] = sv > best[r] ? sv : best[r];
+      }
+      continue;
+    }
+    for (int64_t r = t < s0 ? 0 : t - s0 + 1; r < nr; ++r) {
+      const float sv = (mask && !mask[t]) ? -INFINITY : scale * dot(q + r * dh, kt, dh);
+      score[r * stride + t] = sv;
+      best[r] = sv > best[r] ? sv : best[r];
+    }
   }
-  float acc[512];
-  for (int64_t i = 0; i < dh; ++i) acc[i] = 0.0f;
-  for (int64_t t = 0; t < s; ++t) axpy(score[t], vb + t * vs, acc, dh);
-  const float inv = 1.0f / total;  // the weighted sum is normalised once, at the end
-  for (int64_t i = 0; i < dh; ++i) out[i] = acc[i] * inv;
+  for (int64_t r = 0; r < nr; ++r) {
+    float* sr = score + r * stride;
+    const int64_t n = s0 + r;
+    const float m = best[r];
+    exp_shifted(sr, n, m);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) sum += sr[t];
+    total[r] = sum;
+  }
+  if (nr == kRowBlock && dh % (2 * kLanes) == 0) {  // four rows: each value chunk loaded once
+    for (int64_t i = 0; i < dh; i += 2 * kLanes) {
+      Vec a[kRowBlock][2] = {};
+      for (int64_t t = 0; t < s0 + kRowBlock - 1; ++t) {
+        const Vec v0 = load(vb + t * vs + i), v1 = load(vb + t * vs + i + kLanes);
+        for (int64_t r = t < s0 ? 0 : t - s0 + 1; r < kRowBlock; ++r) {
+          const Vec w = splat(score[r * stride + t]);
+          a[r][0] += w * v0;
+          a[r][1] += w * v1;
+        }
+      }
+      for (int64_t r = 0; r < kRowBlock; ++r) {
+        const Vec vinv = splat(1.0f / total[r]);
+        store(out + r * dh + i, a[r][0] * vinv);
+        store(out + r * dh + i + kLanes, a[r][1] * vinv);
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* sr = score + r * stride;
+    const int64_t n = s0 + r;
+    const float inv = 1.0f / total[r];  // the weighted sum is normalised once, at the end
+    float* o = out + r * dh;
+    int64_t i = 0;
+    for (; i + kChunk <= dh; i += kChunk) {  // four vectors of sums, held in registers
+      Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t t = 0; t < n; ++t) {
+        const float* vt = vb + t * vs + i;
+        const Vec w = splat(sr[t]);
+        a0 += w * load(vt);
+        a1 += w * load(vt + kLanes);
+        a2 += w * load(vt + 2 * kLanes);
+        a3 += w * load(vt + 3 * kLanes);
+      }
+      const Vec vinv = splat(inv);
+      store(o + i, a0 * vinv);
+      store(o + i + kLanes, a1 * vinv);
+      store(o + i + 2 * kLanes, a2 * vinv);
+      store(o + i + 3 * kLanes, a3 * vinv);
+    }
+    for (; i < dh; ++i) {
+      float acc = 0.0f;
+      for (int64_t t = 0; t < n; ++t) acc += sr[t] * vb[t * vs + i];
+      o[i] = acc * inv;
+    }
+  }
 }
 
 // Query rows against S keys, row j of n seeing the first S - n + 1 + j of them (one-token
@@ -275,13 +381,26 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const float sc = static_cast<float>(scale);
   // Threads only where a row's work outweighs waking them (long contexts).
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, s * dh));
+  if (n >= 2 * kRowBlock && !mp) {  // many causal rows (a prefill): blocks of rows per head
+    const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+    at::parallel_for(0, b * h * blocks, std::max<int64_t>(1, grain / kRowBlock), [&](int64_t first, int64_t last) {
+      std::vector<float> score(kRowBlock * s);
+      for (int64_t blk = first; blk < last; ++blk) {  // blk = (bi * h + hi) * blocks + jb
+        const int64_t bh = blk / blocks, j0 = (blk % blocks) * kRowBlock, bi = bh / h, kv = (bh % h) / group;
+        const int64_t nr = std::min(kRowBlock, n - j0), row = bh * n + j0;
+        attend_block(qp + row * dh, nr, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2,
+                     s - n + 1 + j0, nullptr, sc, dh, score.data(), s, op + row * dh);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, b * h * n, grain, [&](int64_t first, int64_t last) {
     std::vector<float> score(s);
     for (int64_t row = first; row < last; ++row) {  // row = (bi * h + hi) * n + j
       const int64_t bh = row / n, j = row % n, bi = bh / h, kv = (bh % h) / group;
       const bool* mr = mp ? mp + (per_batch ? bi * s : 0) : nullptr;
-      attend_row(qp + row * dh, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, s - n + 1 + j,
-                 mr, sc, dh, score.data(), op + row * dh);
+      attend_block(qp + row * dh, 1, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, s - n + 1 + j,
+                   mr, sc, dh, score.data(), s, op + row * dh);
     }
   });
   return out;

@@ -150,8 +150,12 @@ class Attention(nn.Module):
         return torch.cat(parts, dim=2)
 
     def _attend(self, q, keys, values, mask, fused=False) -> torch.Tensor:  # q [B, H, n, Dh] -> same
-        if fused and q.shape[2] == 1:
-            return torch.ops.evospec.decode_attention(q, keys, values, mask, self.scale)
+        if fused and (q.shape[2] == 1 or mask is None):
+            # one query, or causal rows (a prefill): row j attends with the call a one-token
+            # step at its position makes, so a prefill writes bitwise the K/V and logits that
+            # decoding the prompt token by token would (what prefix reuse relies on)
+            one = q.shape[2] == 1
+            return torch.ops.evospec.decode_attention(q, keys, values, mask if one else None, self.scale)
         return F.scaled_dot_product_attention(
             q,
             keys,
@@ -291,7 +295,7 @@ class Transformer(nn.Module):
         if self.exact_rows and n > 1 and prefix > 0 and attn_mask is None and left_pad is None:
             rows = row_attention(cfg, prefix, positions, tree_mask, tokens.device)
         graph = self.step_graph
-        if graph is not None and self._recordable(tokens, tree_mask, rows, attn_mask, left_pad):
+        if graph is not None and self._recordable(tokens, tree_mask, rows, attn_mask, left_pad, logits):
             stepped = graph(tokens, positions, cache, logits, aux_layers)  # None: no graph, run eagerly
             if stepped is not None:
                 cache.advance(n)
@@ -342,14 +346,16 @@ class Transformer(nn.Module):
         return x, [seen[i] for i in aux_layers]  # in the order asked, repeats included
 
     @staticmethod
-    def _recordable(tokens, tree_mask, rows, attn_mask, left_pad) -> bool:
+    def _recordable(tokens, tree_mask, rows, attn_mask, left_pad, logits) -> bool:
         """One sequence, and either one token or a row-exact chain (every row sees the cache
-        and the rows before it): the forwards ``step_graph`` records."""
+        and the rows before it) that verifies (all or no rows' logits): the forwards
+        ``step_graph`` records. A prompt's rest after reused slots (``logits="last"``) runs
+        eagerly: its lengths vary, and each would record a graph of its own."""
         if tokens.shape[0] != 1 or attn_mask is not None or left_pad is not None:
             return False
         if tokens.shape[1] == 1:
             return tree_mask is None
-        return rows is not None and all(r.index is None for r in rows)
+        return logits != "last" and rows is not None and all(r.index is None for r in rows)
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final features [..., D] -> logits [..., V]: the LM head, then soft-capping if any.

@@ -26,8 +26,11 @@ def tiny_target(
     ctx: int = 160,
     vocab: int = VOCAB,
     eos: tuple[int, ...] = (),
+    head_dim: int = 8,
 ) -> Transformer:
-    """A random target whose next-token distributions are peaked (``sharp`` scales the head)."""
+    """A random target whose next-token distributions are peaked (``sharp`` scales the head).
+    ``head_dim`` 64 gives attention rows as long as real models' (SDPA then rounds otherwise
+    than one-query attention)."""
     torch.manual_seed(seed)
     extra = {}
     if family == "gemma3":
@@ -41,12 +44,12 @@ def tiny_target(
     cfg = ModelConfig(
         family=family,
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         max_position_embeddings=ctx,
         eos_token_ids=eos,
         **extra,

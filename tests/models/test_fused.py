@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _fused(seed: int, fmt: str = "int4"):
-    model = tiny_target(seed)
+def _fused(seed: int, fmt: str = "int4", head_dim: int = 8):
+    model = tiny_target(seed, head_dim=head_dim)
     quantize_linears(model, fmt)
     model.exact_rows = True
     assert enable_fused_ops(model)
@@ -95,6 +95,28 @@ def test_fused_verification_reproduces_one_token_steps(tree):
     for row, step in enumerate(rows):
         if step is not None:
             assert torch.equal(out[row], steps[step][1])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_fused_prefill_writes_what_one_token_steps_write(fmt):
+    """A prompt prefilled in one forward gives bitwise the K/V and the features that feeding it
+    one token at a time gives: what lets a later prompt reuse the slots (decoding/prefix.py)."""
+    model = _fused(6, fmt, head_dim=64)
+    prompt = prompt_of(5, 23)
+    batched, stepped = model.new_cache(32), model.new_cache(32)
+    out = model(torch.tensor([prompt]), torch.arange(23), batched, logits="all")
+    for i, tok in enumerate(prompt):
+        row = model(torch.tensor([[tok]]), torch.tensor([i]), stepped, logits="last")
+        assert torch.equal(out.logits[0, i], row.logits[0, -1]), i
+        assert torch.equal(out.hidden[0, i], row.hidden[0, -1]), i
+    assert torch.equal(batched.k[:, :, :, :23], stepped.k[:, :, :, :23])
+    assert torch.equal(batched.v[:, :, :, :23], stepped.v[:, :, :, :23])
+    # and a prompt split in two forwards (the second after the first's slots) gives the same
+    split = model.new_cache(32)
+    model(torch.tensor([prompt[:9]]), torch.arange(9), split, logits="none")
+    tail = model(torch.tensor([prompt[9:]]), torch.arange(9, 23), split, logits="all")
+    assert torch.equal(tail.logits[0], out.logits[0, 9:])
+    assert torch.equal(split.k[:, :, :, :23], batched.k[:, :, :, :23])
 
 
 def test_load_model_switches_a_quantised_model_onto_the_fused_ops(monkeypatch, tmp_path):
