@@ -55,9 +55,6 @@ class PrefixCache:
         self.features: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
 
-    def forget(self) -> None:
-        self.tokens = []
-
     def reusable(self, prompt: Sequence[int]) -> int:
         """Slots ``prompt`` may keep: the prefix it shares with the cached tokens, leaving at
         least its last token to prefill (its logits choose the first new token)."""
