@@ -63,7 +63,8 @@ def cache_for(model: Transformer, cache: KVCache | None, slots: int, keep: int =
             grown.k[:, :, :, :keep] = cache.k[:, :, :, :keep]
             grown.v[:, :, :, :keep] = cache.v[:, :, :, :keep]
         cache = grown
-    cache.length = keep
+    cache.reset()
+    cache.advance(keep)
     return cache
 
 

@@ -55,12 +55,15 @@ def _run(dec, prompt, params) -> tuple[list[int], RequestStats]:
     return tokens, stats
 
 
-def test_reusable_counts_the_shared_prefix_and_leaves_a_token_to_prefill():
+def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([1, 2], [1, 2, 3]) == 2
-    cache = PrefixCache(_target()) if load_cpu_ops() else None
-    if cache is None:
-        pytest.skip("needs the fused CPU ops")
+    assert common_prefix([], [1]) == 0
+
+
+@needs_ops
+def test_reusable_counts_the_shared_prefix_and_leaves_a_token_to_prefill():
+    cache = PrefixCache(_target())
     cache.tokens = [5, 6, 7, 8]
     assert cache.reusable([5, 6, 7, 8, 9]) == 4
     assert cache.reusable([5, 6, 7, 8]) == 3  # the last prompt token is always prefilled
