@@ -1,7 +1,8 @@
 """Interleaved A/B of decoder variants against plain decoding, prompt by prompt.
 
-Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH`` (a 1-wide chain of DEPTH
-drafted tokens; TABLE_LOOKUP 0 also means no n-gram table). Every prompt runs AR and every
+Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[@HEAD]`` (a 1-wide chain of
+DEPTH drafted tokens; TABLE_LOOKUP 0 also means no n-gram table; ``@HEAD``: this EAGLE-2 head
+folder instead of the shipped one, to A/B two heads in one run). Every prompt runs AR and every
 variant back to back, the order flipping between prompts, so that this machine's bursts of
 noise hit all sides alike; the report is the median of per-prompt speed ratios (decode only,
 prefill excluded), MAL, and the share of rounds that verified model-free proposals. Every
@@ -9,6 +10,8 @@ output is checked equal to AR's. Used for docs/benchmarks.md, wave 8:
 
     .venv/bin/python scripts/tree_ab.py --data ../shared/data/spec_bench/question.jsonl \\
         ngram:3:2:0:1 ngram:3:2:1:1 frspec:3:2:0:1 frspec:3:2:1:1
+
+and for wave 10 (two heads): ``frspec:3:2:1:1@OLD_HEAD frspec:3:2:1:1@NEW_HEAD``.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from evospec.bench.prompts import load_prompts
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree_config import TreeConfig
+from evospec.models.eagle import load_eagle
 
 
 def variant_tree(spec: str) -> tuple[str, TreeConfig]:
-    method, lookup, ngram, table, depth = spec.split(":")
+    method, lookup, ngram, table, depth = spec.split("@")[0].split(":")
     d = int(depth)
     tree = TreeConfig(1, d, d, lookup=int(lookup), lookup_ngram=int(ngram), table_lookup=int(table))
     return method, tree
@@ -36,7 +40,7 @@ def variant_tree(spec: str) -> tuple[str, TreeConfig]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH")
+    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[@HEAD]")
     ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or prompts JSONL)")
     ap.add_argument("--model", default=None, help="target model (default: the default model)")
     ap.add_argument("--per-category", type=int, default=2)
@@ -48,14 +52,18 @@ def main() -> None:
     model = {"model": args.model} if args.model else {}
     stack = assemble(StackSettings(methods=("ar", *methods), weights=args.weights, **model), progress=False)
     decoders = {"ar": stack.decoder("ar")}
+    heads = {}  # folder -> head, each loaded once
     for v in args.variants:
         method, tree = variant_tree(v)
         table = stack.ngrams if tree.table_lookup else None
+        folder = v.partition("@")[2]
+        if folder and folder not in heads:
+            heads[folder] = load_eagle(folder, dtype=stack.draft.fc.weight.dtype)
         decoders[v] = make_decoder(
             method,
             stack.loaded.model,
             eos_ids=stack.eos_ids,
-            draft=stack.draft,
+            draft=heads[folder] if folder else stack.draft,
             tree=tree,
             indices=stack.indices,
             ngrams=table,

@@ -260,14 +260,16 @@ constexpr int64_t kChunk = 4 * kLanes;  // output elements summed together (four
 // values, each element summed in key order from 0, and one division at the end. A row's bits
 // depend only on its query and its keys, never on the other rows of the block: one-token
 // steps (nr = 1) and a prefill's rows (blocks of 4) agree bitwise. The blocks load each key
-// and value once for all their rows, and the weighted sums stay in registers.
+// and value once for all their rows, and the weighted sums stay in registers. Keys before `t0`
+// (a masked leading run: a batched row's left padding) are skipped: there they would add exact
+// zeros to every sum, so the bits are those of the full loop.
 void attend_block(const float* q, int64_t nr, const float* kb, int64_t ks, const float* vb, int64_t vs,
                   int64_t s0, const bool* mask, float scale, int64_t dh, float* score, int64_t stride,
-                  float* out) {
+                  float* out, int64_t t0 = 0) {
   float best[kRowBlock], total[kRowBlock];
   for (int64_t r = 0; r < nr; ++r) best[r] = -INFINITY, total[r] = 0.0f;
   const int64_t keys = s0 + nr - 1;
-  for (int64_t t = 0; t < keys; ++t) {
+  for (int64_t t = t0; t < keys; ++t) {
     const float* kt = kb + t * ks;
     if (nr == kRowBlock && t < s0 && dh % kLanes == 0) {  // all four rows see key t
       float d4[kRowBlock];
@@ -289,15 +291,15 @@ void attend_block(const float* q, int64_t nr, const float* kb, int64_t ks, const
     float* sr = score + r * stride;
     const int64_t n = s0 + r;
     const float m = best[r];
-    exp_shifted(sr, n, m);
+    exp_shifted(sr + t0, n - t0, m);
     float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) sum += sr[t];
+    for (int64_t t = t0; t < n; ++t) sum += sr[t];
     total[r] = sum;
   }
   if (nr == kRowBlock && dh % (2 * kLanes) == 0) {  // four rows: each value chunk loaded once
     for (int64_t i = 0; i < dh; i += 2 * kLanes) {
       Vec a[kRowBlock][2] = {};
-      for (int64_t t = 0; t < s0 + kRowBlock - 1; ++t) {
+      for (int64_t t = t0; t < s0 + kRowBlock - 1; ++t) {
         const Vec v0 = load(vb + t * vs + i), v1 = load(vb + t * vs + i + kLanes);
         for (int64_t r = t < s0 ? 0 : t - s0 + 1; r < kRowBlock; ++r) {
           const Vec w = splat(score[r * stride + t]);
@@ -321,7 +323,7 @@ void attend_block(const float* q, int64_t nr, const float* kb, int64_t ks, const
     int64_t i = 0;
     for (; i + kChunk <= dh; i += kChunk) {  // four vectors of sums, held in registers
       Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         const float* vt = vb + t * vs + i;
         const Vec w = splat(sr[t]);
         a0 += w * load(vt);
@@ -337,7 +339,7 @@ void attend_block(const float* q, int64_t nr, const float* kb, int64_t ks, const
     }
     for (; i < dh; ++i) {
       float acc = 0.0f;
-      for (int64_t t = 0; t < n; ++t) acc += sr[t] * vb[t * vs + i];
+      for (int64_t t = t0; t < n; ++t) acc += sr[t] * vb[t * vs + i];
       o[i] = acc * inv;
     }
   }
@@ -399,8 +401,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
     for (int64_t row = first; row < last; ++row) {  // row = (bi * h + hi) * n + j
       const int64_t bh = row / n, j = row % n, bi = bh / h, kv = (bh % h) / group;
       const bool* mr = mp ? mp + (per_batch ? bi * s : 0) : nullptr;
-      attend_block(qp + row * dh, 1, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, s - n + 1 + j,
-                   mr, sc, dh, score.data(), s, op + row * dh);
+      const int64_t keys = s - n + 1 + j;
+      int64_t t0 = 0;  // the masked leading run (left padding), if the row sees any key at all
+      while (mr && t0 < keys && !mr[t0]) ++t0;
+      attend_block(qp + row * dh, 1, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, keys,
+                   mr, sc, dh, score.data(), s, op + row * dh, t0 < keys ? t0 : 0);
     }
   });
   return out;

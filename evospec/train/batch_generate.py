@@ -35,21 +35,25 @@ class Finished(NamedTuple):
 def _prefill_rows(
     model: Transformer, prompts: list[Sequence[int]], end: int, cache: KVCache, rows: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``.
+    """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``, one prompt per forward: a
+    prompt's rows cost what a decode row costs, so padding prompts to a shared width would
+    spend most of a wave's prefill on pad rows.
 
     Returns (next tokens [R], pads [R], per prompt its features [len, D]).
     """
     device = cache.k.device
-    width = max(len(p) for p in prompts)
-    pad = torch.tensor([width - len(p) for p in prompts], device=device)
-    tokens = torch.tensor([[p[0]] * (width - len(p)) + list(p) for p in prompts], device=device)
-    side = model.new_cache(width, batch=len(prompts))
-    out = model(tokens, torch.arange(width, device=device), side, logits="last", left_pad=pad)
-    idx = torch.tensor(rows, device=device)
-    cache.k[:, idx, :, end - width : end] = side.k
-    cache.v[:, idx, :, end - width : end] = side.v
-    feats = [out.hidden[i, width - len(p) :] for i, p in enumerate(prompts)]
-    return out.logits[:, -1].argmax(-1), pad + (end - width), feats
+    nxt, feats = [], []
+    for p, row in zip(prompts, rows, strict=True):
+        n = len(p)
+        side = model.new_cache(n, batch=1)
+        ids = torch.tensor([list(p)], device=device)  # [1, n]
+        out = model(ids, torch.arange(n, device=device), side, logits="last")
+        cache.k[:, row, :, end - n : end] = side.k[:, 0]
+        cache.v[:, row, :, end - n : end] = side.v[:, 0]
+        feats.append(out.hidden[0])
+        nxt.append(out.logits[0, -1].argmax(-1))
+    pad = end - torch.tensor([len(p) for p in prompts], device=device)
+    return torch.stack(nxt), pad, feats
 
 
 @torch.inference_mode()

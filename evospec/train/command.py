@@ -62,6 +62,14 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
     )
     t.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="generate answers from the (N+1)-th prompt of the seeded training mix on: new prompts for a "
+        "head continued with --init, whose own answers to the first N are not cached here (default 0)",
+    )
+    t.add_argument(
         "--source",
         choices=["generated", "dataset", "mix"],
         default="generated",
@@ -219,7 +227,9 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     teacher = loaded.name if loaded.weights == "fp32" else f"{loaded.name}+{loaded.weights}"
     work = args.work or evospec_home() / "train" / teacher  # one teacher's data per folder
     vocab = loaded.model.cfg.vocab_size
-    prompts = training_prompts(args.data)
+    if args.skip_prompts < 0:
+        raise ValueError(f"--skip-prompts must be >= 0, got {args.skip_prompts}")
+    prompts = training_prompts(args.data)[args.skip_prompts :]
     codec = loaded.codec
     support = resolve_support(args.loss_support, vocab)
     have = taught = 0
@@ -301,6 +311,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "teacher_weights": loaded.weights,
         "source": args.source,
         "init": str(init) if init else None,
+        "skip_prompts": args.skip_prompts,
         "response_tokens": have,
         "teacher_forced_tokens": taught,
         "sequences": len(seqs),

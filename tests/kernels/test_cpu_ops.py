@@ -91,6 +91,27 @@ def test_decode_attention_matches_sdpa_on_cache_views(batch, masked):
     torch.testing.assert_close(got, decode_attention_ref(q, keys, values, mask, 0.25), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pads", [(0, 5), (9, 1), (22, 3)])
+def test_a_left_padded_row_gives_the_bits_of_the_row_without_padding(pads):
+    """Batched generation right-aligns rows: row b's first pads[b] slots are masked. The kernel
+    starts each row at its first visible key; a masked slot after it still counts as masked."""
+    g = torch.Generator().manual_seed(sum(pads))
+    b, s, dh = len(pads), 23, 64
+    keys, values = torch.randn(b, 3, s, dh, generator=g), torch.randn(b, 3, s, dh, generator=g)
+    q = torch.randn(b, 9, 1, dh, generator=g)
+    mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    for i, p in enumerate(pads):
+        mask[i, ..., :p] = False
+    mask[1, ..., s - 2] = False  # a hole after the padding
+    got = OPS.decode_attention(q, keys, values, mask, 0.125)
+    for i, p in enumerate(pads):
+        alone = OPS.decode_attention(
+            q[i : i + 1], keys[i : i + 1, :, p:], values[i : i + 1, :, p:], mask[i : i + 1, ..., p:], 0.125
+        )
+        assert torch.equal(got[i], alone[0])
+    torch.testing.assert_close(got, decode_attention_ref(q, keys, values, mask, 0.125), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_inputs_are_clear_errors():
     with pytest.raises(RuntimeError, match="float32"):
         OPS.rms_norm_bf16(torch.zeros(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)

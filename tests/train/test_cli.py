@@ -45,6 +45,17 @@ def test_generate_only_grows_the_cache_and_a_later_run_trains(model: Path, tmp_p
     assert load_eagle(out).fc.weight.shape[0] > 0
 
 
+def test_skip_prompts_answers_only_the_rest_of_the_mix(model: Path, tmp_path: Path, capsys) -> None:
+    from evospec.train.prompts import training_prompts
+
+    mix = [p.uid for p in training_prompts(tmp_path / "prompts.jsonl")]
+    assert main([*_argv(model, tmp_path, "--generate-only", "--skip-prompts", "3"), "--tokens", "10000"]) == 0
+    lines = (tmp_path / "work" / "generations.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["uid"] for x in lines) == sorted(mix[3:])  # each of the rest, once
+    assert main(_argv(model, tmp_path, "--generate-only", "--skip-prompts", "-1")) == 2
+    assert "--skip-prompts" in capsys.readouterr().err
+
+
 def test_training_needs_an_output_folder(model: Path, tmp_path: Path, capsys) -> None:
     assert main(_argv(model, tmp_path)) == 2
     assert "--out" in capsys.readouterr().err
