@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from evospec.common import DEFAULT_DATA, positive_int
+from evospec.common import DEFAULT_DATA, non_negative_int, positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.options import add_weights_arg
 
@@ -63,7 +63,7 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument(
         "--skip-prompts",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="generate answers from the (N+1)-th prompt of the seeded training mix on: new prompts for a "
@@ -227,8 +227,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     teacher = loaded.name if loaded.weights == "fp32" else f"{loaded.name}+{loaded.weights}"
     work = args.work or evospec_home() / "train" / teacher  # one teacher's data per folder
     vocab = loaded.model.cfg.vocab_size
-    if args.skip_prompts < 0:
-        raise ValueError(f"--skip-prompts must be >= 0, got {args.skip_prompts}")
     prompts = training_prompts(args.data)[args.skip_prompts :]
     codec = loaded.codec
     support = resolve_support(args.loss_support, vocab)

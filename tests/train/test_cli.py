@@ -52,8 +52,9 @@ def test_skip_prompts_answers_only_the_rest_of_the_mix(model: Path, tmp_path: Pa
     assert main([*_argv(model, tmp_path, "--generate-only", "--skip-prompts", "3"), "--tokens", "10000"]) == 0
     lines = (tmp_path / "work" / "generations.jsonl").read_text().splitlines()
     assert sorted(json.loads(x)["uid"] for x in lines) == sorted(mix[3:])  # each of the rest, once
-    assert main(_argv(model, tmp_path, "--generate-only", "--skip-prompts", "-1")) == 2
-    assert "--skip-prompts" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:  # refused by the parser, before the model loads
+        main(_argv(model, tmp_path, "--generate-only", "--skip-prompts", "-1"))
+    assert bad.value.code == 2 and "--skip-prompts: must be >= 0" in capsys.readouterr().err
 
 
 def test_training_needs_an_output_folder(model: Path, tmp_path: Path, capsys) -> None:
