@@ -159,6 +159,8 @@ def test_bench_writes_json(
         "bench",
         "--methods",
         "ar,hf",
+        "--weights",
+        "fp32",  # hf runs the fp32 weights: the same weights, so its output must equal AR's
         "--data",
         str(data),
         "--limit",

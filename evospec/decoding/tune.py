@@ -220,6 +220,10 @@ class Tuner:
         weights = self.loaded.weights
         if weights != "fp32":  # quantised weights: another cost curve (int4's verify is ~flat to 4 rows)
             kernels = f"weights-{weights}"
+        if weights == "int4":  # int8 activations (VNNI) or torch's bf16 ones: other costs per row
+            from evospec.models.quant import int4_kernel
+
+            kernels += f"-{int4_kernel(16)}"
         if getattr(self.loaded.model, "step_graph", None) is not None:
             kernels += "+step-graph"  # a cheaper AR step: the bar speculation must clear
         if getattr(self.loaded.model, "fused_ops", False):

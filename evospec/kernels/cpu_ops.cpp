@@ -27,6 +27,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float bf16_to_f32(uint16_t h) {
@@ -100,6 +104,59 @@ inline void dot4(const float* __restrict__ q, int64_t qs, const float* __restric
     out[r] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   }
 }
+
+#if defined(__AVX__)
+// dot() of one query with 8 keys (`ks` floats apart) at once, each sum exactly dot()'s: per
+// key the kLanes partial sums over d, then ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)),
+// done for the 8 keys together by a transposing add tree instead of one reduction per key.
+// d: a multiple of kLanes (= 8, one __m256).
+inline __m256 dot8(const float* __restrict__ q, const float* __restrict__ k, int64_t ks, int64_t d) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_add_ps(a[j], _mm256_mul_ps(qv, _mm256_loadu_ps(k + j * ks + i)));
+  }
+  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7] (+ commutes exactly)
+  const __m256 b01 = _mm256_hadd_ps(a[0], a[1]), b23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 b45 = _mm256_hadd_ps(a[4], a[5]), b67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 c0 = _mm256_hadd_ps(b01, b23);  // keys 0-3: (0+1)+(2+3) | (4+5)+(6+7)
+  const __m256 c1 = _mm256_hadd_ps(b45, b67);  // keys 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+// Scores scale * dot(q_r, k_t) of `nr` query rows (`dh` apart) for the keys t0 + 8 i < s0 that
+// every row sees, written to score[r * stride + t]; masked keys (`mask`, or null) get -inf.
+// Folds each row's maximum into best[r]; returns the first key it did not score.
+inline int64_t score_blocks(const float* q, int64_t nr, const float* kb, int64_t ks, int64_t t0, int64_t s0,
+                            const bool* mask, float scale, int64_t dh, float* score, int64_t stride,
+                            float* best) {
+  if (dh % kLanes) return t0;
+  const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+  int64_t t = t0;
+  for (; t + 8 <= s0; t += 8) {
+    __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    if (mask) {
+      alignas(32) int32_t m8[8];
+      for (int j = 0; j < 8; ++j) m8[j] = mask[t + j] ? -1 : 0;
+      keep = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(m8)));
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const __m256 sv = _mm256_blendv_ps(ninf, _mm256_mul_ps(sc, dot8(q + r * dh, kb + t * ks, ks, dh)), keep);
+      _mm256_storeu_ps(score + r * stride + t, sv);
+      alignas(32) float v[8];
+      _mm256_store_ps(v, sv);
+      for (int j = 0; j < 8; ++j) best[r] = v[j] > best[r] ? v[j] : best[r];
+    }
+  }
+  return t;
+}
+#else
+inline int64_t score_blocks(const float*, int64_t, const float*, int64_t, int64_t t0, int64_t, const bool*,
+                            float, int64_t, float*, int64_t, float*) {
+  return t0;
+}
+#endif
 
 inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ out,
                      int64_t d, float eps) {
@@ -269,7 +326,7 @@ void attend_block(const float* q, int64_t nr, const float* kb, int64_t ks, const
   float best[kRowBlock], total[kRowBlock];
   for (int64_t r = 0; r < nr; ++r) best[r] = -INFINITY, total[r] = 0.0f;
   const int64_t keys = s0 + nr - 1;
-  for (int64_t t = t0; t < keys; ++t) {
+  for (int64_t t = score_blocks(q, nr, kb, ks, t0, s0, mask, scale, dh, score, stride, best); t < keys; ++t) {
     const float* kt = kb + t * ks;
     if (nr == kRowBlock && t < s0 && dh % kLanes == 0) {  // all four rows see key t
       float d4[kRowBlock];

@@ -6,7 +6,8 @@ and a torch reference of each op with the same contract (for tests, and the numb
 compiled ops must stay close to). Knows tensors only: no models.
 
 The ops (shapes in ``cpu_ops.cpp``): ``rms_norm_bf16``, ``add_rms_norm_bf16``, ``rope_qkv``,
-``silu_mul_bf16`` and ``decode_attention`` (one query row). They replace ~45 small aten calls
+``silu_mul_bf16`` and ``decode_attention`` (one query row); the same library carries the int4 x
+int8 matmul of ``int4_matmul.cpp`` (``int4_matmul.py``). They replace ~45 small aten calls
 per layer of a quantised decode step (norm pieces, casts, RoPE slices) with four, and SDPA's
 one-row attention with a leaner loop. Each computes a row with the same code whatever
 the number of rows, so a chain verified in one call reproduces one-token steps bitwise.
@@ -33,7 +34,7 @@ from evospec.common import evospec_home
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = (Path(__file__).with_name("cpu_ops.cpp"), Path(__file__).with_name("int4_matmul.cpp"))
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;
 # it changes no result (no reassociation, no contraction)
@@ -52,7 +53,7 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     """What the built library depends on: the source, torch's version, the flags, the CPU."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     for part in (torch.__version__, " ".join(CFLAGS), platform.machine(), _cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -79,7 +80,7 @@ def load_cpu_ops() -> bool:
             log.warning("building the fused CPU ops once for this machine (10-60 s) in %s", folder)
             cpp_extension.load(
                 name="evospec_cpu_ops",
-                sources=[str(SOURCE)],
+                sources=[str(src) for src in SOURCES],
                 extra_cflags=list(CFLAGS),
                 build_directory=str(folder),
                 is_python_module=False,

@@ -10,9 +10,12 @@ place (fusing the groups a module declares in ``FUSED``, like ``packing.pack_lin
 Why: decoding reads every weight once per forward, so on a CPU its speed is bytes per token
 over memory bandwidth. Measured with ``scripts/bench_linear.py --formats`` (all 210 SmolLM2
 linears, ms at 1 / 4 / 16 rows): oneDNN fp32 11.7 / 11.3 / 15.5, bf16 9.5 / 10.0 / 12.4,
-int8 4.2 / 4.2 / 13.2, int4 2.5 / 3.5 / 11.6. The kernels take bf16 activations (their fp32
-path is scalar and ~20x slower), so a quantised matmul casts its input to bf16 and its bf16
-output back; the residual stream, norms, attention and the KV cache stay fp32.
+int8 4.2 / 4.2 / 13.2, int4 2.5 / 3.5 / 11.6. torch's kernels take bf16 activations (their
+fp32 path is scalar and ~20x slower), so such a matmul casts its input to bf16 and its bf16
+output back; the residual stream, norms, attention and the KV cache stay fp32. Where the CPU
+has AVX-512 VNNI, int4 runs our own kernel instead (:func:`int4_kernel`,
+``kernels/int4_matmul.py``): int8 activations per group of 32, as llama.cpp's Q4 x Q8, which
+makes the extra rows of a verify and a prefill cheaper (docs/engine.md, "Weight formats").
 
 Rules (documented in docs/engine.md, "Weight formats"):
 - int4: ``w = (q - 8) * scale + zero`` per group of 32 input columns, q in 0..15 (the layout
@@ -24,7 +27,8 @@ Rules (documented in docs/engine.md, "Weight formats"):
 - The LM head keeps 8 bits in the int4 format (its GGUF tensor is usually Q8_0, and it is a
   fifth of the model's bytes: 0.6 vs 0.4 ms per token here), and its dense fp32 weight stays
   (vocabulary gathers and tied embeddings read rows of it).
-- Scales and zeros are bf16 in the kernels: up to 2^-9 relative rounding of each scale.
+- Scales and zeros are bf16 in torch's kernels (up to 2^-9 relative rounding of each scale),
+  float16 in the VNNI one (exact for GGUF's float16 block scales).
 
 Contract: a :class:`QuantLinear` computes ``x @ W_q.T + b`` for ``x`` [..., in] of any float
 dtype, returning ``x``'s dtype; row i of the output depends only on row i of the input, but the
@@ -117,20 +121,59 @@ class Int4Matmul:
         if k % GROUP:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
         self.in_features, self.sizes = k, list(sizes)
+        self.bias = bias
+        self.kernel = int4_kernel(codes.shape[0])
+        if self.kernel == "vnni":  # int8 activations (kernels/int4_matmul.py)
+            from evospec.kernels.int4_matmul import pack_int4
+
+            self.packed, self.scales, self.zeros = pack_int4(
+                codes.codes, codes.scale, codes.zero - 8 * codes.scale
+            )
+            return
         # The packed layout depends on this CPU's instruction set: always pack where it runs.
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
         sz = torch.stack([codes.scale, codes.zero], dim=-1)  # [N, K/G, 2]
         self.scales_zeros = sz.transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/G, N, 2]
-        self.bias = bias
 
     @property
     def nbytes(self) -> int:
+        if self.kernel == "vnni":
+            return self.packed.nbytes + self.scales.nbytes + self.zeros.nbytes
         return self.packed.nbytes + self.scales_zeros.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        if self.kernel == "vnni":
+            flat = x.reshape(-1, self.in_features)
+            if flat.dtype not in (torch.float32, torch.bfloat16):
+                flat = flat.float()
+            y = torch.ops.evospec.int4_matmul(flat, self.packed, self.scales, self.zeros)
+            return _finish(y, x, self.bias)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
         return _finish(y, x, self.bias)
+
+
+INT4_KERNEL_ENV = "EVOSPEC_INT4_KERNEL"  # "torch" | "vnni" | unset (auto)
+
+
+def int4_kernel(out_features: int) -> str:
+    """Which int4 kernel a linear runs: ``vnni`` (int8 activations, ``kernels/int4_matmul.py``)
+    where this CPU has AVX-512 VNNI, the op library loads and N is a multiple of 16, else
+    ``torch`` (bf16 activations). ``EVOSPEC_INT4_KERNEL=torch`` keeps torch's everywhere."""
+    import os
+
+    choice = os.environ.get(INT4_KERNEL_ENV, "auto")
+    if choice not in ("auto", "torch", "vnni"):
+        raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: use torch, vnni or leave it unset")
+    if choice == "torch" or out_features % 16:
+        return "torch"
+    from evospec.kernels.int4_matmul import vnni_available
+
+    if vnni_available():
+        return "vnni"
+    if choice == "vnni":
+        raise ValueError(f"{INT4_KERNEL_ENV}=vnni: this CPU or build has no AVX-512 VNNI int4 kernel")
+    return "torch"
 
 
 class Int8Matmul:

@@ -332,7 +332,7 @@ def test_build_loads_the_indices_the_method_needs(tmp_path: Path, tiny, codec, h
     got = [
         t for ev in built.engine.decoder.generate(ids, SamplingParams(max_new_tokens=12)) for t in ev.tokens
     ]
-    assert got == ar_ids(tiny, codec, ids, 12)
+    assert got == ar_ids(built.engine.decoder.model, codec, ids, 12)  # plain decoding, the same weights
     vocab.close()
 
     import indices.default
