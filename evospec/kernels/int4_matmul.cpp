@@ -2,11 +2,11 @@
 //
 // Contract (see int4_matmul.py for the packing and the torch reference):
 //   int4_vnni() -> bool: whether this build has the kernel (compiled with AVX-512 BW + VNNI)
-//   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 256], scale f16 [N/16, K/32, 16],
-//               zero f16 [N/16, K/32, 16]) -> x's dtype [M, N]
+//   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320]) -> x's dtype [M, N]
 // Weights: w[n, k] = q * scale[n, g] + zero[n, g] for q in 0..15 (g = k / 32). Tile t holds
-// outputs 16t..16t+15; its group g is 4 blocks of 64 bytes, block b byte 4 l + j holding
-// q[16t + l, 32g + 8b + j] in its low nibble and q[16t + l, 32g + 8b + 4 + j] in its high one.
+// outputs 16t..16t+15; its group g is 320 contiguous bytes (one stream to read): 4 blocks of 64,
+// block b byte 4 l + j holding q[16t + l, 32g + 8b + j] in its low nibble and
+// q[16t + l, 32g + 8b + 4 + j] in its high one, then the 16 scales and the 16 zeros (float16).
 // Activations: each row's group of 32 is quantised to int8 by its own scale a = max|x| / 127
 // (codes rounded to nearest even), as llama.cpp's Q8_0. Per row and group, in float32:
 //   y += a * (scale * float(sum_k q_k c_k) + zero * float(sum_k c_k))
@@ -38,7 +38,8 @@ namespace {
 constexpr int64_t kGroup = 32;  // input columns per weight scale/zero and per activation scale
 constexpr int64_t kTile = 16;   // output columns per zmm of int32 sums
 constexpr int64_t kRows = 4;    // activation rows sharing one unpacking of a weight group
-constexpr int64_t kAhead = 8;   // weight groups prefetched ahead (2 KB: past the end is harmless)
+constexpr int64_t kAhead = 8;
+constexpr int64_t kBlock = 320;  // bytes per tile group: 256 of codes, 16 float16 scales, 16 zeros   // weight groups prefetched ahead (2 KB: past the end is harmless)
 
 bool int4_vnni() {
 #ifdef EVOSPEC_INT4_VNNI
@@ -80,23 +81,23 @@ void quantize_row(const float* x, int64_t k, int8_t* codes, float* scale, float*
 // independent int32 chains (exact: integer sums do not depend on their order), so the
 // multiply-adds of all rows overlap instead of waiting on each other's latency.
 template <int NR, typename Out>
-void tile_rows(const uint8_t* packed, const uint16_t* scale, const uint16_t* zero, int64_t groups,
-               const int8_t* codes, const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
+void tile_rows(const uint8_t* packed, int64_t groups, const int8_t* codes, const float* ascale, const float* asum,
+               int64_t k, Out* out, int64_t n) {
   constexpr int kChains = NR == 1 ? 4 : 2;
   __m512 acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wp = packed + g * 256;
-    for (int b = 0; b < 4; ++b) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * 256 + 64 * b), _MM_HINT_T0);
+    const uint8_t* wp = packed + g * kBlock;
+    for (int b = 0; b < 5; ++b) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * kBlock + 64 * b), _MM_HINT_T0);
     __m512i w[8];
     for (int b = 0; b < 4; ++b) {
       const __m512i v = _mm512_loadu_si512(wp + 64 * b);
       w[2 * b] = _mm512_and_si512(v, low);
       w[2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
-    const __m512 wz = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zero + g * kTile)));
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 256)));
+    const __m512 wz = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 288)));
     __m512i d[NR][kChains];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < kChains; ++c) d[r][c] = _mm512_setzero_si512();
@@ -126,34 +127,29 @@ void tile_rows(const uint8_t* packed, const uint16_t* scale, const uint16_t* zer
 }
 
 template <typename Out>
-void tile_block(int64_t nr, const uint8_t* packed, const uint16_t* scale, const uint16_t* zero, int64_t groups,
-                const int8_t* codes, const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
+void tile_block(int64_t nr, const uint8_t* packed, int64_t groups, const int8_t* codes, const float* ascale,
+                const float* asum, int64_t k, Out* out, int64_t n) {
   switch (nr) {
-    case 1: return tile_rows<1>(packed, scale, zero, groups, codes, ascale, asum, k, out, n);
-    case 2: return tile_rows<2>(packed, scale, zero, groups, codes, ascale, asum, k, out, n);
-    case 3: return tile_rows<3>(packed, scale, zero, groups, codes, ascale, asum, k, out, n);
-    default: return tile_rows<4>(packed, scale, zero, groups, codes, ascale, asum, k, out, n);
+    case 1: return tile_rows<1>(packed, groups, codes, ascale, asum, k, out, n);
+    case 2: return tile_rows<2>(packed, groups, codes, ascale, asum, k, out, n);
+    case 3: return tile_rows<3>(packed, groups, codes, ascale, asum, k, out, n);
+    default: return tile_rows<4>(packed, groups, codes, ascale, asum, k, out, n);
   }
 }
 
 #endif
 
-at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       const at::Tensor& zero) {
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
 #ifndef EVOSPEC_INT4_VNNI
   TORCH_CHECK(false, "int4_matmul: this build has no AVX-512 VNNI kernel (check int4_vnni() first)");
   return x;
 #else
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int4_matmul: x must be float32 or bfloat16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 256 &&
-                  packed.is_contiguous(), "int4_matmul: packed must be contiguous uint8 [N/16, K/32, 256]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kBlock &&
+                  packed.is_contiguous(), "int4_matmul: packed must be contiguous uint8 [N/16, K/32, 320]");
   const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0), groups = packed.size(1), n = tiles * kTile;
   TORCH_CHECK(k == groups * kGroup, "int4_matmul: x has ", k, " columns, the weight ", groups * kGroup);
-  for (const at::Tensor* t : {&scale, &zero})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
-                    t->size(1) == groups && t->size(2) == kTile,
-                "int4_matmul: scale and zero must be contiguous float16 [N/16, K/32, 16]");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto xc = x.contiguous();
   auto out = at::empty({m, n}, x.options());
@@ -182,22 +178,19 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
     quantize_row(xr, k, codes + r * k, ascale + r * groups, asum + r * groups);
   }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const auto* zp = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::Half>());
   void* op = out.data_ptr();
   // Threads split the output tiles; each thread runs every row block over its tiles.
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      const uint8_t* wt = wp + t * groups * 256;
-      const uint16_t *st = sp + t * groups * kTile, *zt = zp + t * groups * kTile;
+      const uint8_t* wt = wp + t * groups * kBlock;
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t nr = std::min(kRows, m - r0);
         const int8_t* c = codes + r0 * k;
         const float *as = ascale + r0 * groups, *su = asum + r0 * groups;
         if (bf16)
-          tile_block(nr, wt, st, zt, groups, c, as, su, k, static_cast<uint16_t*>(op) + r0 * n + t * kTile, n);
+          tile_block(nr, wt, groups, c, as, su, k, static_cast<uint16_t*>(op) + r0 * n + t * kTile, n);
         else
-          tile_block(nr, wt, st, zt, groups, c, as, su, k, static_cast<float*>(op) + r0 * n + t * kTile, n);
+          tile_block(nr, wt, groups, c, as, su, k, static_cast<float*>(op) + r0 * n + t * kTile, n);
       }
     }
   });
@@ -209,7 +202,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_vnni() -> bool", &int4_vnni);
-  m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("int4_matmul", &int4_matmul); }

@@ -29,31 +29,42 @@ def vnni_available() -> bool:
     return load_cpu_ops() and bool(torch.ops.evospec.int4_vnni())
 
 
-def pack_int4(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """``codes`` [N, K] (0..15), ``scale``/``zero`` [N, K/32] (``w = q * scale + zero``) ->
-    (packed uint8 [N/16, K/32, 256], scale, zero float16 [N/16, K/32, 16]); N % 16 == 0. Scales
-    and zeros round to float16 (GGUF stores its Q4 block scales in float16: exact for them)."""
+    packed uint8 [N/16, K/32, 320] (N % 16 == 0): per tile of 16 outputs and group of 32 inputs,
+    256 bytes of codes then the 16 scales and 16 zeros as float16 (GGUF stores its Q4 block
+    scales in float16: exact for them), so a thread reads one contiguous stream."""
     n, k = codes.shape
     if n % TILE or k % GROUP:
         raise ValueError(f"int4_matmul needs N % {TILE} == 0 and K % {GROUP} == 0, got [{n}, {k}]")
     g = k // GROUP
     q = codes.to(torch.uint8).view(n // TILE, TILE, g, 4, 2, 4)  # [T, lane, g, block, half, j]
     q = q.permute(0, 2, 3, 1, 5, 4)  # [T, g, block, lane, j, half]
-    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(n // TILE, g, 256).contiguous()
+    nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(n // TILE, g, 256)
 
-    def tiles(t: torch.Tensor) -> torch.Tensor:
-        return t.float().view(n // TILE, TILE, g).transpose(1, 2).to(torch.float16).contiguous()
+    def tiles(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [T, G, 32] bytes (16 float16)
+        half = t.float().view(n // TILE, TILE, g).transpose(1, 2).to(torch.float16)
+        return half.contiguous().view(torch.uint8)
 
-    return packed, tiles(scale), tiles(zero)
+    return torch.cat([nibbles, tiles(scale), tiles(zero)], dim=-1).contiguous()
 
 
-def int4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_int4`: codes [N, K] int32, scale and zero [N, K/32] float32."""
+    t, g, _ = packed.shape
+    nibbles = packed[..., :256]
+    q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).view(t, g, 4, TILE, 4, 2)  # T g b lane j half
+    codes = q.permute(0, 3, 1, 2, 5, 4).reshape(t * TILE, g * GROUP).to(torch.int32)
+
+    def rows(b: torch.Tensor) -> torch.Tensor:  # [T, G, 32] bytes -> [N, G]
+        return b.contiguous().view(torch.float16).float().transpose(1, 2).reshape(t * TILE, g)
+
+    return codes, rows(packed[..., 256:288]), rows(packed[..., 288:320])
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x`` [M, K] float32 or bfloat16 -> [M, N] in ``x``'s dtype (the compiled op)."""
-    return torch.ops.evospec.int4_matmul(x, packed, scale, zero)
+    return torch.ops.evospec.int4_matmul(x, packed)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,19 +78,14 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return c.view(m, k), amax / full, c.sum(-1).float()
 
 
-def int4_matmul_ref(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-) -> torch.Tensor:
+def int4_matmul_ref(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """The kernel's arithmetic in torch ops: the same bits (float32 adds in group order)."""
-    t, g, _ = packed.shape
-    q = torch.stack((packed & 15, packed >> 4), dim=-1).view(t, g, 4, TILE, 4, 2)  # [T, g, b, lane, j, half]
-    q = q.permute(0, 3, 1, 2, 5, 4).reshape(t * TILE, g, GROUP).to(torch.int32)  # [N, G, 32]
+    codes, ws, wz = unpack_int4(packed)  # [N, K], [N, G], [N, G]
+    n, g = ws.shape
     c, a, s = quantize_activations(x)
-    c = c.view(x.shape[0], g, GROUP)
-    dots = torch.einsum("mgk,ngk->mng", c.double(), q.double()).float()  # exact: |sum| < 2^24
-    ws = scale.float().transpose(1, 2).reshape(t * TILE, g)  # [N, G]
-    wz = zero.float().transpose(1, 2).reshape(t * TILE, g)
-    acc = torch.zeros(x.shape[0], t * TILE)
+    dots = torch.einsum("mgk,ngk->mng", c.view(-1, g, GROUP).double(), codes.view(n, g, GROUP).double())
+    dots = dots.float()  # exact: |sum| < 2^24
+    acc = torch.zeros(x.shape[0], n)
     for i in range(g):
         term = ws[:, i] * dots[:, :, i] + wz[:, i] * s[:, i : i + 1]
         acc = acc + a[:, i : i + 1] * term

@@ -126,9 +126,7 @@ class Int4Matmul:
         if self.kernel == "vnni":  # int8 activations (kernels/int4_matmul.py)
             from evospec.kernels.int4_matmul import pack_int4
 
-            self.packed, self.scales, self.zeros = pack_int4(
-                codes.codes, codes.scale, codes.zero - 8 * codes.scale
-            )
+            self.packed = pack_int4(codes.codes, codes.scale, codes.zero - 8 * codes.scale)
             return
         # The packed layout depends on this CPU's instruction set: always pack where it runs.
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
@@ -138,7 +136,7 @@ class Int4Matmul:
     @property
     def nbytes(self) -> int:
         if self.kernel == "vnni":
-            return self.packed.nbytes + self.scales.nbytes + self.zeros.nbytes
+            return self.packed.nbytes  # scales and zeros inside
         return self.packed.nbytes + self.scales_zeros.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
@@ -146,7 +144,7 @@ class Int4Matmul:
             flat = x.reshape(-1, self.in_features)
             if flat.dtype not in (torch.float32, torch.bfloat16):
                 flat = flat.float()
-            y = torch.ops.evospec.int4_matmul(flat, self.packed, self.scales, self.zeros)
+            y = torch.ops.evospec.int4_matmul(flat, self.packed)
             return _finish(y, x, self.bias)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)

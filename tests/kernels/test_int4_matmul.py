@@ -8,11 +8,11 @@ import torch
 
 from evospec.kernels.int4_matmul import (
     GROUP,
-    TILE,
     int4_matmul,
     int4_matmul_ref,
     pack_int4,
     quantize_activations,
+    unpack_int4,
     vnni_available,
 )
 from evospec.models.quant import INT4_KERNEL_ENV, GroupCodes, Int4Matmul, int4_kernel
@@ -29,17 +29,15 @@ def _weight(
 
 
 def test_packing_keeps_every_code_scale_and_zero():
-    codes, (packed, scale, zero) = _weight(48, 96)
-    assert packed.shape == (3, 3, 256) and scale.shape == zero.shape == (3, 3, TILE)
-    # the reference unpacks the layout; with one-hot activations it returns the dequantised weight
-    x = torch.eye(96)
-    w = int4_matmul_ref(x, packed, scale, zero).T  # [N, K]
-    q = codes.codes.float().view(48, 3, GROUP)
-    expect = q * scale.float().transpose(1, 2).reshape(48, 3, 1) + zero.float().transpose(1, 2).reshape(
-        48, 3, 1
-    )
-    assert torch.allclose(w, expect.view(48, 96), rtol=1e-6, atol=1e-7)
-    assert torch.allclose(w, codes.dequantize(), rtol=2e-3, atol=2e-3)  # float16 scales and zeros
+    codes, packed = _weight(48, 96)
+    assert packed.shape == (3, 3, 320) and packed.dtype == torch.uint8
+    q, scale, zero = unpack_int4(packed)
+    assert torch.equal(q, codes.codes.to(torch.int32))
+    assert torch.equal(scale, codes.scale.half().float())  # float16 scales and zeros
+    assert torch.equal(zero, (codes.zero - 8 * codes.scale).half().float())
+    # one-hot activations: the reference returns the dequantised weight
+    w = int4_matmul_ref(torch.eye(96), packed).T  # [N, K]
+    assert torch.allclose(w, codes.dequantize(), rtol=2e-3, atol=2e-3)
 
 
 def test_activation_codes_use_each_groups_own_scale():
@@ -59,17 +57,17 @@ def test_the_kernel_gives_the_references_bits(m, dtype):
     _, w = _weight(80, 192, seed=m)
     x = (torch.randn(m, 192) * torch.logspace(-2, 2, m)[:, None]).to(dtype)
     x[0, :GROUP] = 0  # an all-zero group: scale 0, no division by zero
-    y = int4_matmul(x, *w)
+    y = int4_matmul(x, w)
     assert y.dtype == dtype and y.shape == (m, 80)
-    assert torch.equal(y, int4_matmul_ref(x, *w))
+    assert torch.equal(y, int4_matmul_ref(x, w))
 
 
 @needs_vnni
 def test_each_row_gets_the_bits_it_gets_alone():
     _, w = _weight(64, 128, seed=3)
     x = torch.randn(7, 128)
-    together = int4_matmul(x, *w)
-    alone = torch.cat([int4_matmul(x[i : i + 1], *w) for i in range(7)])
+    together = int4_matmul(x, w)
+    alone = torch.cat([int4_matmul(x[i : i + 1], w) for i in range(7)])
     assert torch.equal(together, alone)
 
 
@@ -78,19 +76,19 @@ def test_the_product_is_close_to_the_dense_one():
     codes, w = _weight(96, 256, seed=5)
     x = torch.randn(4, 256)
     dense = x @ codes.dequantize().T
-    err = (int4_matmul(x, *w) - dense).abs().max() / dense.abs().max()
+    err = (int4_matmul(x, w) - dense).abs().max() / dense.abs().max()
     assert err < 0.02  # int8 activations: ~0.5% here
 
 
 @needs_vnni
 def test_bad_inputs_are_clear_errors():
-    _, (packed, scale, zero) = _weight(32, 64)
+    _, packed = _weight(32, 64)
     with pytest.raises(RuntimeError, match="columns"):
-        int4_matmul(torch.randn(2, 96), packed, scale, zero)
+        int4_matmul(torch.randn(2, 96), packed)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        int4_matmul(torch.randn(2, 64).double(), packed, scale, zero)
-    with pytest.raises(RuntimeError, match="float16"):
-        int4_matmul(torch.randn(2, 64), packed, scale.float(), zero)
+        int4_matmul(torch.randn(2, 64).double(), packed)
+    with pytest.raises(RuntimeError, match="320"):
+        int4_matmul(torch.randn(2, 64), packed[..., :256])
     with pytest.raises(ValueError, match="N % 16"):
         pack_int4(torch.zeros(24, 64, dtype=torch.uint8), torch.ones(24, 2), torch.zeros(24, 2))
 
@@ -116,4 +114,4 @@ def test_a_quantised_linear_runs_the_kernel_with_its_bias(monkeypatch):
     x = torch.randn(2, 3, 64)
     y = mm(x)
     assert y.shape == (2, 3, 32) and y.dtype == torch.float32
-    assert torch.equal(y, int4_matmul(x.view(6, 64), *w).view(2, 3, 32) + bias)
+    assert torch.equal(y, int4_matmul(x.view(6, 64), w).view(2, 3, 32) + bias)
