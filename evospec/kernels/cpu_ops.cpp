@@ -18,6 +18,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,16 +35,8 @@
 
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  const uint32_t u = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);  // a select, no branch
-}
+using evospec_bf16::bf16_to_f32;
+using evospec_bf16::f32_to_bf16;
 
 // exp(x) for float32 by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial
 // (the classic Cephes coefficients), written branch-free so that loops over it vectorise.

@@ -35,6 +35,7 @@ from evospec.common import evospec_home
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("cpu_ops.cpp"), Path(__file__).with_name("int4_matmul.cpp"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the build key
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;
 # it changes no result (no reassociation, no contraction)
@@ -53,7 +54,7 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     """What the built library depends on: the source, torch's version, the flags, the CPU."""
-    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
     for part in (torch.__version__, " ".join(CFLAGS), platform.machine(), _cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]

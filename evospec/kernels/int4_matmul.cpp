@@ -22,6 +22,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "bf16.h"
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -51,14 +53,8 @@ bool int4_vnni() {
 
 #ifdef EVOSPEC_INT4_VNNI
 
-inline float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  const uint32_t u = std::bit_cast<uint32_t>(f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
+using evospec_bf16::bf16_to_f32;
+using evospec_bf16::f32_to_bf16;
 
 // One row's groups: int8 codes (`k` bytes), the scale and the code sum of each group.
 void quantize_row(const float* x, int64_t k, int8_t* codes, float* scale, float* sum) {

@@ -39,6 +39,7 @@ modules hold no parameters and no autograd graph.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -158,8 +159,6 @@ def int4_kernel(out_features: int) -> str:
     """Which int4 kernel a linear runs: ``vnni`` (int8 activations, ``kernels/int4_matmul.py``)
     where this CPU has AVX-512 VNNI, the op library loads and N is a multiple of 16, else
     ``torch`` (bf16 activations). ``EVOSPEC_INT4_KERNEL=torch`` keeps torch's everywhere."""
-    import os
-
     choice = os.environ.get(INT4_KERNEL_ENV, "auto")
     if choice not in ("auto", "torch", "vnni"):
         raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: use torch, vnni or leave it unset")
