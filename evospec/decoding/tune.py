@@ -220,14 +220,16 @@ class Tuner:
         weights = self.loaded.weights
         if weights != "fp32":  # quantised weights: another cost curve (int4's verify is ~flat to 4 rows)
             kernels = f"weights-{weights}"
-        if weights == "int4":  # int8 activations (VNNI) or torch's bf16 ones: other costs per row
-            from evospec.models.quant import int4_kernel
+        if weights in ("int4", "int8"):  # int8 activations (VNNI) or torch's bf16 ones: other costs per row
+            from evospec.models.quant import quant_kernel
 
-            kernels += f"-{int4_kernel(16)}"
+            kernels += f"-{quant_kernel(16)}"
         if getattr(self.loaded.model, "step_graph", None) is not None:
             kernels += "+step-graph"  # a cheaper AR step: the bar speculation must clear
         if getattr(self.loaded.model, "fused_ops", False):
-            kernels += "+fused-ops"  # cheaper still, and its own rounding
+            from evospec.kernels.cpu_ops import build_key
+
+            kernels += f"+fused-ops-{build_key()}"  # cheaper still, its own rounding; a new build: new costs
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
         # v1 read training data; v3: the candidates gained the 1-token chain; v4: context lookup
         # and a prompt that answers from its context (older entries never tried them); v6: AR timed

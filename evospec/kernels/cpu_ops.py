@@ -7,7 +7,7 @@ compiled ops must stay close to). Knows tensors only: no models.
 
 The ops (shapes in ``cpu_ops.cpp``): ``rms_norm_bf16``, ``add_rms_norm_bf16``, ``rope_qkv``,
 ``silu_mul_bf16`` and ``decode_attention`` (one query row); the same library carries the int4 x
-int8 matmul of ``int4_matmul.cpp`` (``int4_matmul.py``). They replace ~45 small aten calls
+int8 matmuls of ``int4_matmul.cpp`` and ``int8_matmul.cpp`` (``int4_matmul.py``, ``int8_matmul.py``). They replace ~45 small aten calls
 per layer of a quantised decode step (norm pieces, casts, RoPE slices) with four, and SDPA's
 one-row attention with a leaner loop. Each computes a row with the same code whatever
 the number of rows, so a chain verified in one call reproduces one-token steps bitwise.
@@ -34,12 +34,16 @@ from evospec.common import evospec_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_ops.cpp"), Path(__file__).with_name("int4_matmul.cpp"))
-HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the build key
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "int4_matmul.cpp", "int8_matmul.cpp"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("bf16.h", "vnni.h"))  # included by the sources: part of the build key
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;
 # it changes no result (no reassociation, no contraction)
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
+# -fopenmp: at::parallel_for is a header template that runs its body on one thread unless the
+# caller is compiled with OpenMP (torch's own ops are); linking it names libgomp.so.1, which
+# resolves to the copy torch already loaded
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def _cpu_flags() -> str:
@@ -55,7 +59,7 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     """What the built library depends on: the source, torch's version, the flags, the CPU."""
     h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
-    for part in (torch.__version__, " ".join(CFLAGS), platform.machine(), _cpu_flags()):
+    for part in (torch.__version__, " ".join(CFLAGS + LDFLAGS), platform.machine(), _cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
@@ -83,6 +87,7 @@ def load_cpu_ops() -> bool:
                 name="evospec_cpu_ops",
                 sources=[str(src) for src in SOURCES],
                 extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(folder),
                 is_python_module=False,
                 verbose=False,

@@ -22,56 +22,29 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
-#include "bf16.h"
+#include "vnni.h"
 
-#include <bit>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define EVOSPEC_INT4_VNNI 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
-constexpr int64_t kGroup = 32;  // input columns per weight scale/zero and per activation scale
-constexpr int64_t kTile = 16;   // output columns per zmm of int32 sums
 constexpr int64_t kRows = 4;    // activation rows sharing one unpacking of a weight group
-constexpr int64_t kAhead = 8;
-constexpr int64_t kBlock = 320;  // bytes per tile group: 256 of codes, 16 float16 scales, 16 zeros   // weight groups prefetched ahead (2 KB: past the end is harmless)
+constexpr int64_t kAhead = 8;   // weight groups prefetched ahead (2.5 KB: past the end is harmless)
+constexpr int64_t kBlock = 320;  // bytes per tile group: 256 of codes, 16 float16 scales, 16 zeros
 
 bool int4_vnni() {
-#ifdef EVOSPEC_INT4_VNNI
+#ifdef EVOSPEC_VNNI
   return true;
 #else
   return false;
 #endif
 }
 
-#ifdef EVOSPEC_INT4_VNNI
+#ifdef EVOSPEC_VNNI
 
-using evospec_bf16::bf16_to_f32;
-using evospec_bf16::f32_to_bf16;
-
-// One row's groups: int8 codes (`k` bytes), the scale and the code sum of each group.
-void quantize_row(const float* x, int64_t k, int8_t* codes, float* scale, float* sum) {
-  for (int64_t g = 0; g < k / kGroup; ++g) {
-    const float* xg = x + g * kGroup;
-    const __m512 v0 = _mm512_loadu_ps(xg), v1 = _mm512_loadu_ps(xg + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const __m512 vi = _mm512_set1_ps(inv);
-    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vi));  // nearest even (MXCSR default)
-    const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vi));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + g * kGroup), _mm512_cvtsepi32_epi8(c0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + g * kGroup + 16), _mm512_cvtsepi32_epi8(c1));
-    scale[g] = amax / 127.0f;
-    sum[g] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)));
-  }
-}
+using evospec_vnni::kGroup;
+using evospec_vnni::kTile;
 
 // Rows 0..NR-1 of one tile: out[r * n + 0..15]. Each row sums its group's 8 dot products in
 // independent int32 chains (exact: integer sums do not depend on their order), so the
@@ -111,15 +84,7 @@ void tile_rows(const uint8_t* packed, int64_t groups, const int8_t* codes, const
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ascale[r * groups + g]), t));
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    if constexpr (sizeof(Out) == 4) {
-      _mm512_storeu_ps(reinterpret_cast<float*>(out + r * n), acc[r]);
-    } else {
-      alignas(64) float v[kTile];
-      _mm512_store_ps(v, acc[r]);
-      for (int64_t i = 0; i < kTile; ++i) out[r * n + i] = f32_to_bf16(v[i]);
-    }
-  }
+  for (int r = 0; r < NR; ++r) evospec_vnni::store_tile(out + r * n, acc[r]);
 }
 
 template <typename Out>
@@ -136,7 +101,7 @@ void tile_block(int64_t nr, const uint8_t* packed, int64_t groups, const int8_t*
 #endif
 
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
-#ifndef EVOSPEC_INT4_VNNI
+#ifndef EVOSPEC_VNNI
   TORCH_CHECK(false, "int4_matmul: this build has no AVX-512 VNNI kernel (check int4_vnni() first)");
   return x;
 #else
@@ -150,29 +115,10 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
   auto xc = x.contiguous();
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
-  // Quantise the activations once, on this thread (~1 us a row; waking the pool twice per call
-  // would cost more): codes [M, K], scale and code sum [M, K/32], in buffers kept per calling
-  // thread. The workers below read them through these pointers, never by the thread_local names.
-  thread_local std::vector<int8_t> codes_buf;
-  thread_local std::vector<float> scale_buf, sum_buf, row;
-  codes_buf.resize(m * k);
-  scale_buf.resize(m * groups);
-  sum_buf.resize(m * groups);
-  row.resize(bf16 ? k : 0);
-  int8_t* const codes = codes_buf.data();
-  float* const ascale = scale_buf.data();
-  float* const asum = sum_buf.data();
-  for (int64_t r = 0; r < m; ++r) {
-    const float* xr;
-    if (bf16) {
-      const auto* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + r * k;
-      for (int64_t i = 0; i < k; ++i) row[i] = bf16_to_f32(src[i]);
-      xr = row.data();
-    } else {
-      xr = xc.data_ptr<float>() + r * k;
-    }
-    quantize_row(xr, k, codes + r * k, ascale + r * groups, asum + r * groups);
-  }
+  const auto act = evospec_vnni::quantize_rows(xc);
+  const int8_t* const codes = act.codes;
+  const float* const ascale = act.scale;
+  const float* const asum = act.sum;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   void* op = out.data_ptr();
   // Threads split the output tiles; each thread runs every row block over its tiles.

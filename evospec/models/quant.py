@@ -13,9 +13,10 @@ linears, ms at 1 / 4 / 16 rows): oneDNN fp32 11.7 / 11.3 / 15.5, bf16 9.5 / 10.0
 int8 4.2 / 4.2 / 13.2, int4 2.5 / 3.5 / 11.6. torch's kernels take bf16 activations (their
 fp32 path is scalar and ~20x slower), so such a matmul casts its input to bf16 and its bf16
 output back; the residual stream, norms, attention and the KV cache stay fp32. Where the CPU
-has AVX-512 VNNI, int4 runs our own kernel instead (:func:`int4_kernel`,
-``kernels/int4_matmul.py``): int8 activations per group of 32, as llama.cpp's Q4 x Q8, which
-makes the extra rows of a verify and a prefill cheaper (docs/engine.md, "Weight formats").
+has AVX-512 VNNI, int4 and int8 run our own kernels instead (:func:`quant_kernel`,
+``kernels/int4_matmul.py``, ``kernels/int8_matmul.py``): int8 activations per group of 32, as
+llama.cpp's Q4 x Q8 and Q8 x Q8, which makes the extra rows of a verify and a prefill cheaper
+(docs/engine.md, "Weight formats").
 
 Rules (documented in docs/engine.md, "Weight formats"):
 - int4: ``w = (q - 8) * scale + zero`` per group of 32 input columns, q in 0..15 (the layout
@@ -123,7 +124,7 @@ class Int4Matmul:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
         self.in_features, self.sizes = k, list(sizes)
         self.bias = bias
-        self.kernel = int4_kernel(codes.shape[0])
+        self.kernel = quant_kernel(codes.shape[0])
         if self.kernel == "vnni":  # int8 activations (kernels/int4_matmul.py)
             from evospec.kernels.int4_matmul import pack_int4
 
@@ -152,16 +153,17 @@ class Int4Matmul:
         return _finish(y, x, self.bias)
 
 
-INT4_KERNEL_ENV = "EVOSPEC_INT4_KERNEL"  # "torch" | "vnni" | unset (auto)
+QUANT_KERNEL_ENV = "EVOSPEC_QUANT_KERNEL"  # "torch" | "vnni" | unset (auto)
 
 
-def int4_kernel(out_features: int) -> str:
-    """Which int4 kernel a linear runs: ``vnni`` (int8 activations, ``kernels/int4_matmul.py``)
-    where this CPU has AVX-512 VNNI, the op library loads and N is a multiple of 16, else
-    ``torch`` (bf16 activations). ``EVOSPEC_INT4_KERNEL=torch`` keeps torch's everywhere."""
-    choice = os.environ.get(INT4_KERNEL_ENV, "auto")
+def quant_kernel(out_features: int) -> str:
+    """Which kernel an int4 or int8 linear runs: ``vnni`` (int8 activations,
+    ``kernels/int4_matmul.py``, ``kernels/int8_matmul.py``) where this CPU has AVX-512 VNNI, the
+    op library loads and N is a multiple of 16, else ``torch`` (bf16 activations).
+    ``EVOSPEC_QUANT_KERNEL=torch`` keeps torch's everywhere."""
+    choice = os.environ.get(QUANT_KERNEL_ENV, "auto")
     if choice not in ("auto", "torch", "vnni"):
-        raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: use torch, vnni or leave it unset")
+        raise ValueError(f"{QUANT_KERNEL_ENV}={choice!r}: use torch, vnni or leave it unset")
     if choice == "torch" or out_features % 16:
         return "torch"
     from evospec.kernels.int4_matmul import vnni_available
@@ -169,12 +171,17 @@ def int4_kernel(out_features: int) -> str:
     if vnni_available():
         return "vnni"
     if choice == "vnni":
-        raise ValueError(f"{INT4_KERNEL_ENV}=vnni: this CPU or build has no AVX-512 VNNI int4 kernel")
+        raise ValueError(f"{QUANT_KERNEL_ENV}=vnni: this CPU or build has no AVX-512 VNNI kernels")
     return "torch"
 
 
 class Int8Matmul:
-    """``y = x @ W.T (+ b)``, W stored as int8 with one bf16 scale per output row."""
+    """``y = x @ W.T (+ b)``, W stored as int8 with one bf16 scale per output row.
+
+    ``codes`` [N, K] and ``scale`` [N] stay row-major for the vocabulary heads that gather rows
+    of them (``vocab/head.py``); with the VNNI kernel the product reads its own tiled copy
+    (``kernels/int8_matmul.py``: int8 activations, float32 logits without a bf16 round trip).
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int]) -> None:
         w = weight.detach().float()  # [N, K]
@@ -183,12 +190,25 @@ class Int8Matmul:
         self.scale = scale
         self.in_features, self.sizes = w.shape[1], list(sizes)
         self.bias = bias
+        self.kernel = quant_kernel(w.shape[0]) if w.shape[1] % GROUP == 0 else "torch"
+        if self.kernel == "vnni":
+            from evospec.kernels.int8_matmul import pack_int8
+
+            self.packed = pack_int8(self.codes)  # [N/16, K/32, 512]
+            self.scale_f32 = scale.float()  # [N] the same values
 
     @property
     def nbytes(self) -> int:
+        """Bytes one product reads (the row-major codes the vocabulary heads gather from are
+        extra where the tiled copy is used)."""
         return self.codes.nbytes + self.scale.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "vnni":
+            flat = x.reshape(-1, self.in_features)
+            if flat.dtype not in (torch.float32, torch.bfloat16):
+                flat = flat.float()
+            return _finish(torch.ops.evospec.int8_matmul(flat, self.packed, self.scale_f32), x, self.bias)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         return _finish(torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale), x, self.bias)
 

@@ -13,7 +13,9 @@ target still verifies over its full vocabulary, so the active set changes speed,
 Row formats: the LM head's own dtype (fp32; packed in oneDNN blocks on the CPU from
 ``PACK_MIN_ROWS`` slots), or, when the target's LM head is int8 (``--weights int4|int8``), its
 int8 codes and per-row scales gathered as they are: the projection reads a quarter of the
-bytes and gives exactly the target LM head's int8 logits for those ids.
+bytes and gives those ids' int8 logits (through torch's int8 kernel, bf16 activations: the
+target's own head may run the VNNI kernel, ``kernels/int8_matmul.py``, and round otherwise;
+a draft's logits only shape proposals, never the output).
 
 Two ways to load a set. :meth:`ReducedHead.set_active` plans on the host (``nonzero``) and
 copies the rows at once. :meth:`ReducedHead.stage` (the GPU path) plans with fixed-shape

@@ -15,7 +15,7 @@ from evospec.kernels.int4_matmul import (
     unpack_int4,
     vnni_available,
 )
-from evospec.models.quant import INT4_KERNEL_ENV, GroupCodes, Int4Matmul, int4_kernel
+from evospec.models.quant import QUANT_KERNEL_ENV, GroupCodes, Int4Matmul, quant_kernel
 
 needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no AVX-512 VNNI int4 kernel on this CPU/build")
 
@@ -94,19 +94,19 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_the_kernel_choice_follows_the_environment(monkeypatch):
-    monkeypatch.setenv(INT4_KERNEL_ENV, "torch")
-    assert int4_kernel(64) == "torch"
-    monkeypatch.setenv(INT4_KERNEL_ENV, "fast")
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "torch")
+    assert quant_kernel(64) == "torch"
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="torch, vnni"):
-        int4_kernel(64)
-    monkeypatch.delenv(INT4_KERNEL_ENV)
-    assert int4_kernel(24) == "torch"  # not a whole number of tiles
-    assert int4_kernel(64) == ("vnni" if vnni_available() else "torch")
+        quant_kernel(64)
+    monkeypatch.delenv(QUANT_KERNEL_ENV)
+    assert quant_kernel(24) == "torch"  # not a whole number of tiles
+    assert quant_kernel(64) == ("vnni" if vnni_available() else "torch")
 
 
 @needs_vnni
 def test_a_quantised_linear_runs_the_kernel_with_its_bias(monkeypatch):
-    monkeypatch.delenv(INT4_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(QUANT_KERNEL_ENV, raising=False)
     codes, w = _weight(32, 64, seed=7)
     bias = torch.randn(32)
     mm = Int4Matmul(codes, bias, [32])

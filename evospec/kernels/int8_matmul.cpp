@@ -1,0 +1,130 @@
+// 8-bit weight x 8-bit activation matmul for the CPU (AVX-512 VNNI), registered as a torch op.
+//
+// Contract (see int8_matmul.py for the packing and the torch reference):
+//   int8_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 512], scale f32 [N]) -> x's dtype [M, N]
+// Weights: w[n, k] = (u - 128) * scale[n], u in 1..255 (symmetric int8 codes plus 128, so that
+// vpdpbusd, unsigned x signed, takes them as they lie). Tile t holds outputs 16t..16t+15; its
+// group g is 512 contiguous bytes: 8 blocks of 64, block j byte 4 l + i holding
+// u[16t + l, 32g + 4j + i]. Activations: int8 codes c per row and group of 32 with scale a
+// (vnni.h). Per row, in float32, over the groups in order (-ffp-contract=off):
+//   acc += a * float(sum_k u_k c_k - 128 sum_k c_k);   y = acc * scale
+// then one rounding to bf16 for bf16 inputs. A row's bits depend only on that row.
+//
+// Why: the LM head is the largest single matmul of a small model's step (SmolLM2: 49,152 x
+// 576, 28 MB of int8). torch's int8 kernel takes bf16 activations and returns bf16, so each
+// extra verified row cost it ~0.6 ms and its logits needed a float32 copy; here the rows share
+// one read of each tile and the logits come out in x's dtype.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include "vnni.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kRows = 4;     // activation rows sharing one read of a weight group
+constexpr int64_t kAhead = 4;    // weight groups prefetched ahead (2 KB: past the end is harmless)
+constexpr int64_t kBlock = 512;  // bytes per tile group: 16 outputs x 32 inputs
+
+#ifdef EVOSPEC_VNNI
+
+using evospec_vnni::kGroup;
+using evospec_vnni::kTile;
+
+// Rows 0..NR-1 of one tile: out[r * n + 0..15]. As in int4_matmul.cpp, each row's 8 dot
+// products go to independent int32 chains (integer sums: exact in any order).
+template <int NR, typename Out>
+void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const int8_t* codes,
+               const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
+  constexpr int kChains = NR == 1 ? 4 : 2;
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wp = packed + g * kBlock;
+    for (int b = 0; b < 8; ++b) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * kBlock + 64 * b), _MM_HINT_T0);
+    __m512i d[NR][kChains];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < kChains; ++c) d[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w = _mm512_loadu_si512(wp + 64 * j);
+      for (int r = 0; r < NR; ++r) {
+        int32_t cj;
+        std::memcpy(&cj, codes + r * k + g * kGroup + 4 * j, sizeof cj);
+        d[r][j % kChains] = _mm512_dpbusd_epi32(d[r][j % kChains], w, _mm512_set1_epi32(cj));
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512i dr = d[r][0];
+      for (int c = 1; c < kChains; ++c) dr = _mm512_add_epi32(dr, d[r][c]);
+      const int32_t offset = 128 * static_cast<int32_t>(asum[r * groups + g]);  // the codes' +128
+      const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(dr, _mm512_set1_epi32(offset)));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ascale[r * groups + g]), t));
+    }
+  }
+  const __m512 ws = _mm512_loadu_ps(wscale);
+  for (int r = 0; r < NR; ++r) evospec_vnni::store_tile(out + r * n, _mm512_mul_ps(acc[r], ws));
+}
+
+template <typename Out>
+void tile_block(int64_t nr, const uint8_t* packed, const float* wscale, int64_t groups, const int8_t* codes,
+                const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
+  switch (nr) {
+    case 1: return tile_rows<1>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    case 2: return tile_rows<2>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    case 3: return tile_rows<3>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    default: return tile_rows<4>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+  }
+}
+
+#endif
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+#ifndef EVOSPEC_VNNI
+  TORCH_CHECK(false, "int8_matmul: this build has no AVX-512 VNNI kernel (check int4_vnni() first)");
+  return x;
+#else
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int8_matmul: x must be float32 or bfloat16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kBlock &&
+                  packed.is_contiguous(), "int8_matmul: packed must be contiguous uint8 [N/16, K/32, 512]");
+  const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0), groups = packed.size(1), n = tiles * kTile;
+  TORCH_CHECK(k == groups * kGroup, "int8_matmul: x has ", k, " columns, the weight ", groups * kGroup);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous(),
+              "int8_matmul: scale must be contiguous float32 [", n, "]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto xc = x.contiguous();
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const auto act = evospec_vnni::quantize_rows(xc);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  void* op = out.data_ptr();
+  // Threads split the output tiles; each runs every row block over a tile while it is in L1.
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const uint8_t* wt = wp + t * groups * kBlock;
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t nr = std::min(kRows, m - r0);
+        const int8_t* c = act.codes + r0 * k;
+        const float *as = act.scale + r0 * groups, *su = act.sum + r0 * groups;
+        const float* ws = sp + t * kTile;
+        if (bf16)
+          tile_block(nr, wt, ws, groups, c, as, su, k, static_cast<uint16_t*>(op) + r0 * n + t * kTile, n);
+        else
+          tile_block(nr, wt, ws, groups, c, as, su, k, static_cast<float*>(op) + r0 * n + t * kTile, n);
+      }
+    }
+  });
+  return out;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(evospec, m) { m.def("int8_matmul(Tensor x, Tensor packed, Tensor scale) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("int8_matmul", &int8_matmul); }

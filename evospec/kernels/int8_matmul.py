@@ -1,0 +1,59 @@
+"""The int8 x int8 matmul (``int8_matmul.cpp``): weight packing and its torch reference.
+
+Owns: :func:`pack_int8` (symmetric int8 row codes -> the kernel's tile layout),
+:func:`unpack_int8`, :func:`int8_matmul` (the op) and :func:`int8_matmul_ref` (the same
+arithmetic in plain torch, bit for bit: tests hold the kernel to it). Knows tensors only;
+``models/quant.py`` decides where it is used (the int8 LM head), and availability is the int4
+kernel's (:func:`~evospec.kernels.int4_matmul.vnni_available`: one library, one build flag).
+
+Weights ``w = code * scale[n]`` (code in -127..127, one scale per output row, as
+``quant.Int8Matmul`` stores them); activations are int8 per row and group of 32 as for the
+int4 kernel (:func:`~evospec.kernels.int4_matmul.quantize_activations`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evospec.kernels.int4_matmul import GROUP, TILE, quantize_activations
+
+BLOCK = TILE * GROUP  # bytes per tile group
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` int8 [N, K] (-127..127; N % 16 == 0, K % 32 == 0) -> uint8 [N/16, K/32, 512]:
+    per tile of 16 outputs and group of 32 inputs, 8 blocks of 4 inputs x 16 outputs, each code
+    plus 128 (``vpdpbusd`` multiplies unsigned by signed bytes)."""
+    n, k = codes.shape
+    if n % TILE or k % GROUP:
+        raise ValueError(f"int8_matmul needs N % {TILE} == 0 and K % {GROUP} == 0, got [{n}, {k}]")
+    if codes.dtype != torch.int8 or int(codes.min()) < -127:
+        raise ValueError("int8_matmul packs symmetric int8 codes in -127..127")
+    u = (codes.to(torch.int16) + 128).to(torch.uint8)  # [N, K] in 1..255
+    u = u.view(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # [T, g, block, lane, i]
+    return u.reshape(n // TILE, k // GROUP, BLOCK).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int8`: codes int8 [N, K]."""
+    t, g, _ = packed.shape
+    u = packed.view(t, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t * TILE, g * GROUP)
+    return (u.to(torch.int16) - 128).to(torch.int8)
+
+
+def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] float32 or bfloat16, ``scale`` float32 [N] -> [M, N] in ``x``'s dtype."""
+    return torch.ops.evospec.int8_matmul(x, packed, scale)
+
+
+def int8_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in torch ops: the same bits (float32 adds in group order)."""
+    codes = unpack_int8(packed).double()  # [N, K]
+    n, k = codes.shape
+    g = k // GROUP
+    c, a, _ = quantize_activations(x)
+    dots = torch.einsum("mgk,ngk->mng", c.view(-1, g, GROUP).double(), codes.view(n, g, GROUP)).float()  # exact
+    acc = torch.zeros(x.shape[0], n)
+    for i in range(g):
+        acc = acc + a[:, i : i + 1] * dots[:, :, i]
+    return (acc * scale).to(x.dtype)
