@@ -18,6 +18,7 @@ from typing import Any
 
 from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import Decoder, MethodSpec, draft_format, make_decoder, method_spec
+from evospec.decoding.recording import record_steps
 from evospec.decoding.tree_config import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.vocab.config import VocabConfig
@@ -167,25 +168,6 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     record_steps(loaded.model, decoders.values())
     return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved, ngrams)
-
-
-def record_steps(model, decoders) -> None:
-    """Record the decode-step graphs the decoders will run (``models/step.py``: ~1 s each for
-    SmolLM2 here) now, so that no request waits for one: the one-token step, and each chain
-    tree's verification."""
-    graph = getattr(model, "step_graph", None)
-    if graph is None:
-        return
-    graph.record(1, "last")
-    for dec in decoders:
-        tree = dec.tree
-        if tree is None:
-            continue
-        aux = getattr(dec, "draft_layers", ())  # EAGLE-3 drafts read three target layers
-        if tree.top_k == 1:  # a chain: the root and its drafted tokens
-            graph.record(min(tree.depth, tree.total_tokens) + 1, "all", aux)
-        for n in range(1, tree.lookup_rows + 1):  # a model-free round: the root and 1..lookup tokens
-            graph.record(n + 1, "all", aux)
 
 
 def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype, device, facts: list[str]):

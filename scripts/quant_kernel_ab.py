@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tree_ab import variant_tree
 
-from evospec.assembly import StackSettings, assemble, record_steps
+from evospec.assembly import StackSettings, assemble
+from evospec.decoding.recording import record_steps
 from evospec.bench.prompts import load_prompts
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.sampling import SamplingParams

@@ -1,7 +1,8 @@
 """Interleaved A/B of decoder variants against plain decoding, prompt by prompt.
 
-Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[@HEAD]`` (a 1-wide chain of
-DEPTH drafted tokens; TABLE_LOOKUP 0 also means no n-gram table; ``@HEAD``: this EAGLE-2 head
+Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD]`` (a 1-wide
+chain of DEPTH drafted tokens, or with MIN_PROB as many as stay that likely, ``--min-prob``;
+TABLE_LOOKUP 0 also means no n-gram table; ``@HEAD``: this EAGLE-2 head
 folder instead of the shipped one, to A/B two heads in one run). Every prompt runs AR and every
 variant back to back, the order flipping between prompts, so that this machine's bursts of
 noise hit all sides alike; the report is the median of per-prompt speed ratios (decode only,
@@ -23,7 +24,8 @@ import time
 
 import torch
 
-from evospec.assembly import StackSettings, assemble, record_steps
+from evospec.assembly import StackSettings, assemble
+from evospec.decoding.recording import record_steps
 from evospec.bench.prompts import load_prompts
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.sampling import SamplingParams
@@ -32,15 +34,23 @@ from evospec.models.eagle import load_eagle
 
 
 def variant_tree(spec: str) -> tuple[str, TreeConfig]:
-    method, lookup, ngram, table, depth = spec.split("@")[0].split(":")
+    method, lookup, ngram, table, depth, *stop = spec.split("@")[0].split(":")
     d = int(depth)
-    tree = TreeConfig(1, d, d, lookup=int(lookup), lookup_ngram=int(ngram), table_lookup=int(table))
+    tree = TreeConfig(
+        1,
+        d,
+        d,
+        lookup=int(lookup),
+        lookup_ngram=int(ngram),
+        table_lookup=int(table),
+        min_prob=float(stop[0]) if stop else 0.0,
+    )
     return method, tree
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[@HEAD]")
+    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD]")
     ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or prompts JSONL)")
     ap.add_argument("--model", default=None, help="target model (default: the default model)")
     ap.add_argument("--per-category", type=int, default=2)

@@ -25,6 +25,7 @@ round for a 1-token chain, most of a cheap draft).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -159,15 +160,27 @@ def _build_chain(
     prefix_len: int,
     cfg: TreeConfig,
 ) -> DraftTree:
-    """The top_k = 1 tree: the draft's greedy chain, ``min(depth, total_tokens)`` tokens."""
+    """The top_k = 1 tree: the draft's greedy chain, ``min(depth, total_tokens)`` tokens, or
+    with ``cfg.min_prob`` its longest prefix whose draft probability stays >= min_prob (possibly
+    none: the root alone). The stop reads each step's log-prob on the host: a chain decides its
+    own length as it goes, and the steps it stops before are never drafted."""
     n = min(cfg.depth, cfg.total_tokens)
+    floor = math.log(cfg.min_prob) if cfg.min_prob > 0 else None
     tokens, logps = [root_ids[:1]], [root_logp[:1].float()]
-    for _ in range(n - 1):
+    total = float(logps[0]) if floor is not None else 0.0
+    if floor is not None and total < floor:
+        tokens, logps = [], []
+    while 0 < len(tokens) < n:
         logp, ids = drafter.expand(tokens[-1], None, 1)  # [1, 1] each
+        if floor is not None:
+            total += float(logp[0, 0])
+            if total < floor:
+                break
         tokens.append(ids[0, :1])
         logps.append(logp[0, :1].float())
-    scores = torch.cat(logps).cumsum(0)  # [n]
-    drafted = torch.cat([torch.tensor([root_token], device=root_ids.device), *tokens])
+    device = root_ids.device
+    scores = torch.cat(logps).cumsum(0) if logps else torch.zeros(0, device=device)  # [L]
+    drafted = torch.cat([torch.tensor([root_token], device=device), *tokens])
     return _chain(drafted, torch.cat([scores.new_zeros(1), scores]), prefix_len, cfg.depth)
 
 

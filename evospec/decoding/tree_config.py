@@ -34,6 +34,12 @@ class TreeConfig:
         "the model's n-gram table (built from its own answers; --ngrams) predicts instead of drafting; "
         "0: off",
     )
+    min_prob: float = setting(
+        0.0,
+        "chain (top-k-tree 1): draft the next token only while the draft's probability of the whole "
+        "chain so far stays at or above this, so confident rounds verify up to depth tokens and "
+        "doubtful ones none (a plain step); 0: always depth tokens",
+    )
 
     def __post_init__(self) -> None:
         for name in ("top_k", "depth", "total_tokens", "lookup", "lookup_ngram", "table_lookup"):
@@ -41,6 +47,10 @@ class TreeConfig:
             least = 0 if name in ("lookup", "table_lookup") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"tree.{name} must be an integer >= {least}, got {v!r}")
+        if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, (int, float)) or not 0 <= self.min_prob < 1:
+            raise ValueError(f"tree.min_prob must be a number in [0, 1), got {self.min_prob!r}")
+        if self.min_prob and self.top_k != 1:
+            raise ValueError("tree.min_prob stops chains: it needs tree.top_k 1")
         if self.lookup_ngram > LOOKUP_MAX_N:
             raise ValueError(f"tree.lookup_ngram must be <= {LOOKUP_MAX_N}, got {self.lookup_ngram}")
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from evospec.decoding.methods import ARDecoder, Decoder
+from evospec.decoding.recording import record_steps
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 
@@ -39,6 +40,9 @@ CANDIDATES = (
     TreeConfig(top_k=1, depth=1, total_tokens=1),
     TreeConfig(top_k=1, depth=2, total_tokens=2),
     TreeConfig(top_k=1, depth=4, total_tokens=4),
+    # a chain that stops where the draft's probability of it falls below 0.3: up to 4 tokens
+    # where the head is sure, none (a plain step) where it is not (docs/benchmarks.md, wave 13)
+    TreeConfig(top_k=1, depth=4, total_tokens=4, min_prob=0.3),
     TreeConfig(top_k=2, depth=3, total_tokens=6),
     TreeConfig(top_k=3, depth=4, total_tokens=10),
     TreeConfig(top_k=4, depth=4, total_tokens=16),
@@ -62,6 +66,7 @@ NGRAM_CANDIDATES = (
 TABLE_CANDIDATES = (
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, table_lookup=1),
     TreeConfig(top_k=1, depth=2, total_tokens=2, lookup=3, table_lookup=1),
+    TreeConfig(top_k=1, depth=4, total_tokens=4, lookup=3, table_lookup=1, min_prob=0.3),
 )
 NGRAM_TABLE_CANDIDATES = (
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=2, table_lookup=1),
@@ -155,6 +160,7 @@ def calibrate(
     params = SamplingParams(max_new_tokens=max_new_tokens)
     warm = SamplingParams(max_new_tokens=4)
     decoders = {i: build(tree) for i, tree in enumerate(candidates)}
+    record_steps(getattr(ar, "model", None), decoders.values())  # no candidate's timing pays for recording a graph
     for dec in [ar, *decoders.values()]:
         list(dec.generate(prompts[0], warm))
     # a first AR run: the tokens every full run writes (every decoder writes AR's), the unit a
@@ -233,8 +239,9 @@ class Tuner:
         parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
         # v1 read training data; v3: the candidates gained the 1-token chain; v4: context lookup
         # and a prompt that answers from its context (older entries never tried them); v6: AR timed
-        # beside every shape; the n-gram table's shapes are in the candidates where draft_id names one
-        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v6"])
+        # beside every shape; the n-gram table's shapes are in the candidates where draft_id names one;
+        # v7: every graph recorded and warmed before timing, stopping chains among the candidates
+        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v7"])
 
     def tuning(self, method: str) -> dict:
         """The cached (or freshly measured) calibration of ``method``: ``calibrate``'s result."""

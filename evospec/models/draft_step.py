@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from evospec.models.packing import PackedMatmul
-from evospec.models.step import MAX_CHAIN, _ChainRow, _SlotCache
+from evospec.models.step import MAX_CHAIN, _ChainRow, _SlotCache, warm
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class DraftStepGraph:
         end = cache.length + n
         if self.failed or n > MAX_CHAIN or end > cache.max_len:
             return None
-        if n not in self._graphs and not self._record(n, cache):
+        if n not in self._graphs and not self.record(n):
             return None
         if self._slots.shape[0] < end:
             self._slots = torch.zeros(max(end, 2 * self._slots.shape[0]), device=cache.k.device)
@@ -91,13 +91,16 @@ class DraftStepGraph:
         cache.advance(n)
         return out[0]
 
-    def _record(self, n: int, cache) -> bool:
+    def record(self, n: int) -> bool:
+        """Record (and warm, ``step.warm``) the n-pair graph now, so that no round waits for it;
+        False if recording failed (the eager step runs from then on)."""
+        if self.failed or n in self._graphs:
+            return not self.failed
         # Record on scratch K/V after a 2-slot prefix, so that no length is taken for a constant.
-        device = cache.k.device
-        scratch_k = torch.zeros_like(cache.k[:, :, :, : n + 3])
-        scratch_v = torch.zeros_like(scratch_k)
+        scratch = self.head.new_cache(n + 3)
+        scratch_k, scratch_v = scratch.k, scratch.v
+        device, dtype = scratch_k.device, scratch_k.dtype
         dim = self.head.cfg.hidden_size
-        dtype = cache.k.dtype
         example = (
             torch.zeros(1, n, dim, dtype=dtype, device=device),
             torch.zeros(1, n, dtype=torch.long, device=device),
@@ -111,6 +114,7 @@ class DraftStepGraph:
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace
                 self._graphs[n] = torch.jit.trace(_DraftStep(self.head, n), example, check_trace=False)
+                warm(self._graphs[n], example)
         except Exception:  # any tracer failure means: stay eager
             log.warning("could not record the draft step; drafting eagerly", exc_info=True)
             self.failed = True

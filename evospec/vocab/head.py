@@ -117,6 +117,8 @@ class ReducedHead:
             if int8 is not None
             else None
         )
+        # the VNNI int8 kernel's tiles of the same codes, where the target's head runs that kernel
+        self.tiles = _SlotTiles(self.capacity, dim) if int8 is not None and int8.kernel == "vnni" else None
         self.slot_ids = torch.full((self.capacity,), FREE, dtype=torch.long, device=weight.device)  # [C]
         self.slot_of = torch.full((vocab,), FREE, dtype=torch.long, device=weight.device)  # [V]
         self.bias = torch.full((self.capacity,), float("-inf"), dtype=torch.float32, device=weight.device)
@@ -163,6 +165,8 @@ class ReducedHead:
             if self.int8 is not None:
                 gather_rows(self.int8.codes, self.rows, add, free, self.backend)
                 self.row_scale[free] = self.int8.scale[add]
+                if self.tiles is not None:
+                    self.tiles.write(free, self.rows[free], self.int8.scale_f32[add])
             else:
                 gather_rows(self.weight, self.rows, add, free, self.backend)
             if self.packed is not None:
@@ -230,6 +234,8 @@ class ReducedHead:
         return top.values, ids
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C]
+        if self.tiles is not None:
+            return self.tiles.project(hidden)
         if self.int8 is not None:
             return torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), self.rows, self.row_scale)
         return self.packed(hidden) if self.packed is not None else hidden @ self.rows.T
@@ -238,6 +244,36 @@ class ReducedHead:
         """Return and reset the accumulated timings."""
         out, self.timings = self.timings, HeadTimings()
         return out
+
+
+class _SlotTiles:
+    """The active slots' int8 codes in the VNNI kernel's tile layout (``kernels/int8_matmul.py``:
+    16 output rows x 32 inputs per 512-byte block), kept in step with the row-major buffer one
+    slot at a time, so a set change rewrites only its new slots' bytes and the projection reads
+    int8 activations against int8 codes as the target's own head does: each slot's logit is
+    bitwise the full head's for its id (a kernel output depends on its own row only). On this
+    CPU that made a 12k-slot projection ~3x faster than torch's bf16-activation kernel."""
+
+    def __init__(self, capacity: int, dim: int) -> None:
+        from evospec.kernels.int8_matmul import BLOCK, GROUP, TILE
+
+        self.capacity, self.tile = capacity, TILE
+        padded = -(-capacity // TILE) * TILE  # the kernel takes whole tiles; the pad slots are never read
+        self.packed = torch.full((padded // TILE, dim // GROUP, BLOCK), 128, dtype=torch.uint8)  # code 0
+        self.scale = torch.zeros(padded, dtype=torch.float32)  # [C16]
+        # [tiles, groups, 8 blocks, 16 lanes, 4 inputs]: one slot is one lane of its tile
+        self._lanes = self.packed.view(padded // TILE, dim // GROUP, 8, TILE, 4)
+
+    def write(self, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """Slots [a] take ``codes`` int8 [a, D] and ``scale`` float32 [a]."""
+        a, dim = codes.shape
+        lanes = (codes.to(torch.int16) + 128).to(torch.uint8).view(a, dim // 32, 8, 4)
+        self._lanes[slots // self.tile, :, :, slots % self.tile, :] = lanes
+        self.scale[slots] = scale
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C] float32
+        out = torch.ops.evospec.int8_matmul(hidden.float(), self.packed, self.scale)
+        return out[:, : self.capacity]
 
 
 class TwoStageHead:

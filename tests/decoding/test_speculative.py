@@ -24,6 +24,7 @@ from tests.decoding.spec_helpers import (
 
 TREES = (TreeConfig(top_k=4, depth=4, total_tokens=12), TreeConfig(top_k=3, depth=2, total_tokens=5))
 CHAIN = TreeConfig(top_k=1, depth=3, total_tokens=3)  # what --tree auto picks on a CPU
+STOPPING = TreeConfig(top_k=1, depth=4, total_tokens=4, min_prob=0.4)  # a chain sized by its confidence
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def drafters(target):
     }
 
 
-@pytest.mark.parametrize("tree", TREES, ids=["k4d4t12", "k3d2t5"])
+@pytest.mark.parametrize("tree", [*TREES, STOPPING], ids=["k4d4t12", "k3d2t5", "stopping4"])
 @pytest.mark.parametrize("name", ["eagle-random", "perturbed", "perfect"])
 @pytest.mark.parametrize("seed", range(9))
 def test_greedy_equals_ar(target, drafters, name, tree, seed):
@@ -70,7 +71,7 @@ def _quantised_target(seed: int, fmt: str, fused: bool = True, **kw):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "aten"])
 @pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
-@pytest.mark.parametrize("tree", [*TREES, CHAIN], ids=["k4d4t12", "k3d2t5", "chain3"])
+@pytest.mark.parametrize("tree", [*TREES, CHAIN, STOPPING], ids=["k4d4t12", "k3d2t5", "chain3", "stopping4"])
 @pytest.mark.parametrize("seed", range(4))
 def test_greedy_equals_ar_on_a_quantised_target(fmt, tree, seed, fused):
     """Quantised weights (bf16 activations at every matmul) amplify any rounding difference
@@ -193,25 +194,37 @@ def test_seeded_sampling_repeats_exactly(target, drafters):
 
 @pytest.mark.parametrize(
     "fmt,chain,fused",
-    [("fp32", False, False), ("int4", False, True), ("int4", True, True), ("int4", True, False)],
+    [
+        ("fp32", False, False),
+        ("int4", False, True),
+        ("int4", True, True),
+        ("int4", True, False),
+        ("int4", "stopping", True),
+    ],
 )
 def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain, fused):
     """The second generated token (drafted, accepted or resampled) has the target's marginal;
-    on a chain the quantised target verifies through its recorded graph."""
+    on a chain the quantised target verifies through its recorded graph; a stopping chain's
+    length depends on the draft only, so it keeps the law too."""
     target = tiny_target(4, sharp=3.0) if fmt == "fp32" else _quantised_target(4, fmt, fused, sharp=3.0)
     drafter = perturbed_drafter(target, noise=0.3)
-    tree = CHAIN if chain else TreeConfig(top_k=3, depth=3, total_tokens=8)
+    stopping = TreeConfig(top_k=1, depth=3, total_tokens=3, min_prob=0.08)  # this target is less peaked
+    tree = {True: CHAIN, "stopping": stopping}.get(chain, TreeConfig(top_k=3, depth=3, total_tokens=8))
     prompt = prompt_of(8, 5)
     exact = exact_second_token(target, prompt, temperature=1.0).float()
     n = 1500
     counts = torch.zeros(exact.numel())
-    accepted = 0
+    accepted, sizes = 0, set()
     for s in range(n):
         params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=s)
         evs = spec_events(target, drafter, prompt, params, tree)
         counts[[t for ev in evs for t in ev.tokens][1]] += 1
         accepted += sum(ev.accepted for ev in evs)
-    assert accepted > n // 4  # drafts really were accepted, so acceptance is what is tested
+        sizes |= {ev.tree_size for ev in evs if not ev.prefill}
+    # drafts really were accepted, so acceptance is what is tested (a stopping chain drafts less)
+    assert accepted > (n // 5 if chain == "stopping" else n // 4)
+    if chain == "stopping":
+        assert len(sizes) > 1, sizes  # the chain's length really varied
     assert chi2_pvalue(counts, exact) > 1e-3
     # The same check rejects a distribution that is somewhat off (sharpened: p^1.35).
     sharpened = exact**1.35 / (exact**1.35).sum()
@@ -236,3 +249,29 @@ def test_make_decoder_refuses_bad_configurations(target):
         make_decoder("eagle2", target, draft=new_eagle_for(target), tree=TreeConfig(top_k=65))
     with pytest.raises(ValueError, match="unknown method"):
         make_decoder("medusa", target)
+
+
+def test_a_stopping_chain_drafts_only_while_the_draft_is_confident(target, drafters):
+    """min_prob sizes each round's chain: a doubtful draft verifies the root alone (a plain
+    step), a confident one up to depth tokens; greedy output is AR's either way. A perfect draft
+    of a very peaked target is sure of every token: full chains, all accepted."""
+    prompt = prompt_of(3, 9)
+    params = SamplingParams(max_new_tokens=40)
+    for name in ("eagle-random", "perturbed", "perfect"):
+        evs = spec_events(target, drafters[name], prompt, params, STOPPING)
+        assert [t for ev in evs for t in ev.tokens] == ar_tokens(target, prompt, params)
+        sizes = [ev.tree_size for ev in evs if not ev.prefill]
+        assert max(sizes) <= STOPPING.depth
+        if name == "eagle-random":
+            assert min(sizes) == 0 and max(sizes) == STOPPING.depth  # both kinds of round happen
+    sure = tiny_target(5, sharp=40.0)
+    evs = [ev for ev in spec_events(sure, TargetDrafter(sure), prompt, params, STOPPING) if not ev.prefill]
+    assert all(ev.tree_size == ev.accepted == STOPPING.depth for ev in evs[:-1])
+
+
+def test_a_stopping_chain_needs_a_chain_and_a_probability():
+    with pytest.raises(ValueError, match="top_k 1"):
+        TreeConfig(top_k=2, depth=3, total_tokens=4, min_prob=0.2)
+    for bad in (1.0, -0.1, True, "0.2"):
+        with pytest.raises(ValueError, match="min_prob"):
+            TreeConfig(top_k=1, depth=3, total_tokens=3, min_prob=bad)

@@ -116,3 +116,33 @@ def test_int8_rows_give_the_target_heads_int8_logits_and_gather_incrementally():
     assert head.set_active(_mask([260, 261], vocab=300)) == 0  # both already hold slots
     assert head.stage(_mask([1, 260], vocab=300)) == 1  # the staged path: the same host work
     assert sorted(head.active_mask().nonzero().flatten().tolist()) == [1, 260]
+
+
+def test_int8_slots_in_vnni_tiles_give_the_full_heads_logits_bit_for_bit():
+    """Where the target's int8 head runs the VNNI kernel, the reduced head keeps its slots in
+    that kernel's tiles: each active id's logit is bitwise the full head's, through set changes
+    that rewrite single lanes of a tile, with a capacity that is not a whole number of tiles."""
+    from evospec.kernels.int4_matmul import vnni_available
+    from evospec.kernels.int8_matmul import unpack_int8
+    from evospec.models.quant import Int8Matmul
+
+    if not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernel on this CPU")
+    torch.manual_seed(2)
+    weight = torch.randn(320, 64)
+    int8 = Int8Matmul(weight, None, [320])
+    assert int8.kernel == "vnni"
+    head = ReducedHead(weight, capacity=40, int8=int8)  # 3 tiles, the last one partly used
+    assert head.tiles is not None
+    hidden = torch.randn(3, 64)
+    full = int8(hidden).float()  # [3, 320]
+    for active in ([5, 17, 80, 81, 319], [5, 80, 120, 121, 122, 200], list(range(280, 320))):
+        head.set_active(_mask(active, vocab=320))
+        slots = head.slot_of[torch.tensor(active)]
+        assert torch.equal(unpack_int8(head.tiles.packed)[slots], int8.codes[active])
+        logits = head._project(hidden)  # [3, 40]
+        assert logits.shape == (3, 40)
+        assert torch.equal(logits[:, slots], full[:, active])
+        logp, ids = head(hidden, 3)
+        top = torch.topk(torch.log_softmax(full[:, active], dim=-1), 3, dim=-1)
+        assert ids.tolist() == torch.tensor(active)[top.indices].tolist()
