@@ -277,6 +277,7 @@ class Tuner:
             verdict = "beats" if result["beats_ar"] else "does NOT beat"
             lookup = f" lookup={tree.lookup} lookup_ngram={tree.lookup_ngram}" if tree.lookup else ""
             lookup += f" table_lookup={tree.table_lookup}" if tree.table_lookup else ""
+            lookup += f" min_prob={tree.min_prob:g}" if tree.min_prob else ""
             print(
                 f"[evospec] --tree auto for {method}: top_k={tree.top_k} depth={tree.depth} "
                 f"total_tokens={tree.total_tokens}{lookup} ({result['tok_per_s']:.2f} tok/s; {verdict} AR at "

@@ -1,0 +1,107 @@
+"""Where a decoder's rounds spend their time, by kind of round, beside plain decoding.
+
+Each variant uses ``scripts/tree_ab.py``'s syntax (``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:
+DEPTH[:MIN_PROB]``). Every prompt runs AR and every variant back to back (the order flipping
+between prompts), after every graph is recorded and warmed; outputs are checked equal to AR's.
+Rounds are split into ``drafted`` (the head proposed), ``free`` (context lookup or the n-gram
+table proposed) and ``plain`` (the root alone: no proposal, or a stopping chain that drafted
+nothing); per kind: count, accepted tokens per round, and mean milliseconds of drafting, of the
+verify forward and of the whole round. Used for docs/benchmarks.md, wave 13:
+
+    .venv/bin/python scripts/round_costs.py --data ../shared/data/spec_bench/question.jsonl \\
+        ngram:3:2:1:1 frspec:3:2:1:1 frspec:0:2:0:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from evospec.assembly import StackSettings, assemble
+from evospec.bench.prompts import load_prompts
+from evospec.decoding.methods import make_decoder
+from evospec.decoding.recording import record_steps
+from evospec.decoding.sampling import SamplingParams
+from tree_ab import variant_tree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB]")
+    ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or prompts JSONL)")
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--weights", default="int4")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    methods = tuple(dict.fromkeys(variant_tree(v)[0] for v in args.variants))
+    stack = assemble(StackSettings(methods=("ar", *methods), weights=args.weights), progress=False)
+    decoders = {"ar": stack.decoder("ar")}
+    for v in args.variants:
+        method, tree = variant_tree(v)
+        decoders[v] = make_decoder(
+            method,
+            stack.loaded.model,
+            eos_ids=stack.eos_ids,
+            draft=stack.draft,
+            tree=tree,
+            indices=stack.indices,
+            ngrams=stack.ngrams if tree.table_lookup else None,
+        )
+    record_steps(stack.loaded.model, decoders.values())
+    prompts = [
+        stack.codec.encode_chat([{"role": "user", "content": p.text}])
+        for p in load_prompts(args.data, per_category=args.per_category)
+    ]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    # per decoder and kind: rounds, accepted, draft s, verify s, round s
+    stats = {n: collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0]) for n in decoders}
+    wall, tokens = collections.Counter(), collections.Counter()
+
+    def run(name: str, ids: list[int], record: bool = True) -> list[int]:
+        out, t0 = [], time.perf_counter()
+        for ev in decoders[name].generate(ids, params):
+            out += ev.tokens
+            if ev.prefill:
+                t0 = time.perf_counter()
+                continue
+            if name == "ar":
+                kind = "ar"
+            elif not ev.tree_size:
+                kind = "plain"
+            else:
+                kind = "free" if ev.looked_up else "drafted"
+            s = stats[name][kind]
+            s[0], s[1] = s[0] + 1, s[1] + ev.accepted
+            s[2], s[3], s[4] = s[2] + ev.draft_s, s[3] + ev.verify_s, s[4] + (ev.round_s or ev.verify_s)
+        if record:
+            wall[name] += time.perf_counter() - t0
+            tokens[name] += len(out) - 1
+        return out
+
+    names = list(decoders)
+    for name in names:  # warm-up: allocation, kernel selection
+        run(name, prompts[0], record=False)
+    for key in stats:
+        stats[key].clear()
+    for i, ids in enumerate(prompts):
+        outs = {n: run(n, ids) for n in (names if i % 2 == 0 else names[::-1])}
+        for n in names[1:]:
+            if outs[n] != outs["ar"]:
+                raise SystemExit(f"{n}: output differs from AR on prompt {i}")
+    ar_speed = tokens["ar"] / wall["ar"]
+    print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens; AR {ar_speed:.1f} tok/s (decode)")
+    print("| decoder | vs AR | round kind | rounds | accepted / round | draft ms | verify ms | round ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in names:
+        speed = tokens[n] / wall[n] / ar_speed
+        for kind, (c, a, d, v, r) in sorted(stats[n].items()):
+            ms = [f"{1e3 * x / c:.2f}" for x in (d, v, r)]
+            print(f"| {n} | {speed:.3f} | {kind} | {c} | {a / c:.3f} | {' | '.join(ms)} |")
+
+
+if __name__ == "__main__":
+    main()
