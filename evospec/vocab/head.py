@@ -251,13 +251,14 @@ class _SlotTiles:
     16 output rows x 32 inputs per 512-byte block), kept in step with the row-major buffer one
     slot at a time, so a set change rewrites only its new slots' bytes and the projection reads
     int8 activations against int8 codes as the target's own head does: each slot's logit is
-    bitwise the full head's for its id (a kernel output depends on its own row only). On this
-    CPU that made a 12k-slot projection ~3x faster than torch's bf16-activation kernel."""
+    bitwise the full head's for its id (a kernel output depends on its own row only). frspec's
+    12k slots, one row: 0.15 ms against 0.23 ms for torch's bf16-activation kernel, warm
+    (docs/benchmarks.md, wave 13)."""
 
     def __init__(self, capacity: int, dim: int) -> None:
         from evospec.kernels.int8_matmul import BLOCK, GROUP, TILE
 
-        self.capacity, self.tile = capacity, TILE
+        self.capacity, self.tile, self.group = capacity, TILE, GROUP
         padded = -(-capacity // TILE) * TILE  # the kernel takes whole tiles; the pad slots are never read
         self.packed = torch.full((padded // TILE, dim // GROUP, BLOCK), 128, dtype=torch.uint8)  # code 0
         self.scale = torch.zeros(padded, dtype=torch.float32)  # [C16]
@@ -267,7 +268,7 @@ class _SlotTiles:
     def write(self, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
         """Slots [a] take ``codes`` int8 [a, D] and ``scale`` float32 [a]."""
         a, dim = codes.shape
-        lanes = (codes.to(torch.int16) + 128).to(torch.uint8).view(a, dim // 32, 8, 4)
+        lanes = (codes.to(torch.int16) + 128).to(torch.uint8).view(a, dim // self.group, 8, 4)
         self._lanes[slots // self.tile, :, :, slots % self.tile, :] = lanes
         self.scale[slots] = scale
 
