@@ -217,3 +217,34 @@ def test_sampled_tokens_follow_the_target_at_t07_under_every_policy(sampling_pai
     assert accepted > 0  # drafts from the reduced vocabulary are accepted (the heavy-acceptance law of
     # the shared verifier is tested in tests/decoding/test_speculative.py)
     assert chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_a_static_table_is_loaded_into_the_head_once_and_a_changed_mask_again():
+    """A policy that returns the same, unmodified mask every round (FR-Spec's table) costs the
+    reduced head no per-round merge or slot diff; editing that mask in place, or returning
+    another, loads it again."""
+    from evospec.vocab.active import ActiveVocab
+    from evospec.vocab.policy import StaticVocab
+
+    torch.manual_seed(0)
+    weight = torch.randn(100, 16)
+    policy = StaticVocab([1, 5, 9, 40], 100)
+    active = ActiveVocab(policy, weight, always_ids=[99])
+    loads = []
+    original = active.head.set_active
+    active.head.set_active = lambda mask: loads.append(sorted(mask.nonzero().flatten().tolist())) or original(mask)
+    hidden = torch.randn(1, 16)
+    for _ in range(3):
+        active.begin_round()
+        _, ids = active.draft_head(hidden, 5)
+        assert set(ids.flatten().tolist()) == {1, 5, 9, 40, 99}
+    assert loads == [[1, 5, 9, 40, 99]]
+    policy.mask[7], policy.mask[40] = True, False  # edited in place: its version moves
+    active.begin_round()
+    _, ids = active.draft_head(hidden, 5)
+    assert loads[-1] == [1, 5, 7, 9, 99] and set(ids.flatten().tolist()) == {1, 5, 7, 9, 99}
+    policy.mask = torch.zeros(100, dtype=torch.bool)  # another mask
+    policy.mask[[2, 3]] = True
+    active.begin_round()
+    active.draft_head(hidden, 2)
+    assert loads[-1] == [2, 3, 99] and len(loads) == 3
