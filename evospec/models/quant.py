@@ -152,6 +152,13 @@ class Int4Matmul:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
         return _finish(y, x, self.bias)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The same product for bf16 rows [M, K] -> bf16 [M, N], bias-free, with no reshape or
+        cast around the kernel (``fused.py``: each is a node a recorded step replays)."""
+        if self.kernel == "vnni":
+            return torch.ops.evospec.int4_matmul(x, self.packed)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
 
 QUANT_KERNEL_ENV = "EVOSPEC_QUANT_KERNEL"  # "torch" | "vnni" | unset (auto)
 
@@ -212,6 +219,11 @@ class Int8Matmul:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         return _finish(torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale), x, self.bias)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [M, K] -> bf16 [M, N]: see Int4Matmul.rows
+        if self.kernel == "vnni":
+            return torch.ops.evospec.int8_matmul(x, self.packed, self.scale_f32)
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+
 
 class Bf16Matmul:
     """``y = x @ W.T (+ b)`` with W in bf16 (inputs cast to bf16, outputs back)."""
@@ -228,6 +240,9 @@ class Bf16Matmul:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         return _finish(F.linear(flat, self.weight), x, self.bias)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [M, K] -> bf16 [M, N]: see Int4Matmul.rows
+        return F.linear(x, self.weight)
 
 
 QuantMatmul = Int4Matmul | Int8Matmul | Bf16Matmul

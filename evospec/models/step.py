@@ -48,10 +48,12 @@ class _SlotCache:
         self.k, self.v, self.slots = k, v, slots  # k, v [L, 1, H_kv, S_max, Dh]; slots [length + n]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # narrow, not [:, :, a:b]: a traced slice records a node per dimension it spans
         end, n = self.slots.shape[0], k.shape[2]
-        self.k[layer, :, :, end - n : end] = k
-        self.v[layer, :, :, end - n : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        keys, values = self.k[layer], self.v[layer]  # [B, H_kv, S_max, Dh]
+        keys.narrow(2, end - n, n).copy_(k)
+        values.narrow(2, end - n, n).copy_(v)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
 
 class _ChainRow:
@@ -67,7 +69,7 @@ class _ChainRow:
 
     def keys(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = keys.shape[2] - self.back
-        return keys[:, :, :end], values[:, :, :end]
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
 
 class _Step(nn.Module):
