@@ -8,6 +8,7 @@
 //   silu_mul_bf16(gu bf16 [..., 2 I])                       -> silu(gu[:I]) * gu[I:] bf16 [..., I]
 //   decode_attention(q f32 [B, H, n, Dh], keys, values f32 [B, Hk, S, Dh], mask?, scale)
 //                                   -> softmax(scale q k^T) v f32 [B, H, n, Dh], row j over S - n + 1 + j keys
+//   llama_layer(...): one decoder layer of a recorded step, the calls above plus int4_matmul's
 //
 // Every op computes each row (the last dimension) with the same code whatever the number of
 // rows, in float32, rounding once to bfloat16 (nearest-even) at the end: a row's result never
@@ -15,6 +16,7 @@
 // Built with -ffp-contract=off, so vector bodies and scalar tails round alike.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -464,6 +466,43 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed) {  // int4_matmul.cpp's op
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("evospec::int4_matmul", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, packed);
+}
+
+// One Llama-style decoder layer of a recorded step or chain, with int4 (VNNI) linears: the
+// calls fused.py's layer loop makes, in its order and on the same data, so its bits are that
+// loop's; as one op, a recorded step replays one node per layer instead of ~38. x f32 / h bf16
+// [M = B n, D]: the residual stream and its norm; with end = slots.size(0) (models/step.py's slot
+// tensor: the cache length after this step), the layer's K/V go to slots [end - n, end) of
+// `layer` in k_cache / v_cache [L, B, Hk, S, Dh], and row j attends to the first end - n + 1 + j.
+// Returns (x, h) after the layer (h normed by next_w; the last layer, without it, returns x + mlp
+// and the post-attention h).
+std::tuple<at::Tensor, at::Tensor> llama_layer(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& o_w,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& post_w,
+    const std::optional<at::Tensor>& next_w, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer, const at::Tensor& slots, int64_t b,
+    int64_t n, int64_t hq, int64_t hk, double scale, double eps) {
+  const int64_t end = slots.size(0);  // a tensor, not an int: a traced graph keeps its size symbolic
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == b * n && h.sizes() == x.sizes(), "llama_layer: x, h must be [B n, D]");
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
+              "llama_layer: the cache cannot hold these slots");
+  auto [q, k, v] = rope_qkv(int4_rows(h, qkv_w).view({b, n, -1}), cos, sin, hq, hk);
+  auto keys = k_cache.select(0, layer), values = v_cache.select(0, layer);  // [B, Hk, S, Dh]
+  keys.narrow(2, end - n, n).copy_(k);
+  values.narrow(2, end - n, n).copy_(v);
+  auto out = decode_attention(q, keys.narrow(2, 0, end), values.narrow(2, 0, end), std::nullopt, scale);
+  out = out.transpose(1, 2).to(at::kBFloat16, false, false, at::MemoryFormat::Contiguous).view({b * n, -1});
+  auto [x1, h1] = add_rms_norm_bf16(x, int4_rows(out, o_w), post_w, eps);
+  auto mlp = int4_rows(silu_mul_bf16(int4_rows(h1, gate_up_w)), down_w);
+  if (next_w.has_value() && next_w->defined()) return add_rms_norm_bf16(x1, mlp, *next_w, eps);
+  return {x1 + mlp, h1};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(evospec, m) {
@@ -472,6 +511,9 @@ TORCH_LIBRARY(evospec, m) {
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int hq, int hk) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  m.def("llama_layer(Tensor x, Tensor h, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
+        "Tensor post_w, Tensor? next_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "int layer, Tensor slots, int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evospec, CPU, m) {
@@ -480,4 +522,5 @@ TORCH_LIBRARY_IMPL(evospec, CPU, m) {
   m.impl("rope_qkv", &rope_qkv);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("decode_attention", &decode_attention);
+  m.impl("llama_layer", &llama_layer);
 }

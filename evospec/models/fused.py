@@ -16,6 +16,9 @@ norm pieces, RoPE slices), and one-query attention runs as its ``decode_attentio
 cache and the row-by-row verification are the Transformer's own
 (``Attention.attend_rotated``), so chains stay row-exact.
 
+Inside a recorded step (``models/step.py``) whose linears all run our int4 kernel, each layer is
+one ``llama_layer`` op: the same calls in C++, so a step replays one node per layer.
+
 The numbers differ from the unfused path only by rounding (one bf16 rounding where there were
 two, our exp in SiLU): a model decides at load and then every forward -- prefill, steps,
 chains, trees, batches, recorded or eager -- takes this path, so its methods agree bitwise.
@@ -87,8 +90,20 @@ def run_fused_layers(
     # layer's ~80 nodes in a recorded step, and a step replays every node.
     x = x.view(b * n, dim)  # f32 residual stream
     h = ops.rms_norm_bf16(x, layers[0].input_layernorm.weight, eps)  # [B n, D] bf16
+    one_op = _layer_op_applies(model, cache, mask, rows)
     for i, block in enumerate(layers):
         attn, mlp = block.self_attn, block.mlp
+        if one_op:  # a recorded step or chain: the same calls as below, as one node
+            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+            x, h = ops.llama_layer(
+                x, h, attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed,
+                mlp.down_proj.matmul.packed, block.post_attention_layernorm.weight, nxt, cos, sin,
+                cache.k, cache.v, i, cache.slots, b, n, attn.num_heads, attn.num_kv_heads,
+                attn.scale, eps,
+            )  # fmt: skip
+            if i in aux_layers:
+                seen[i] = x.view(b, n, dim)
+            continue
         qkv = attn.qkv.rows(h).view(b, n, -1)
         q, k, v = ops.rope_qkv(qkv, cos, sin, attn.num_heads, attn.num_kv_heads)
         out = attn.attend_rotated(q, k, v, cache, mask, rows, fused=True)  # [B, H, n, Dh] f32
@@ -103,3 +118,20 @@ def run_fused_layers(
         if i in aux_layers:
             seen[i] = x.view(b, n, dim)
     return x.view(b, n, dim), [seen[i] for i in aux_layers]
+
+
+def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
+    """Whether the layers can run as ``llama_layer`` ops: inside a recorded step (its slot
+    cache), no mask, one token or a row-exact chain, and every linear on our int4 kernel."""
+    from evospec.models.step import _SlotCache
+
+    if not isinstance(cache, _SlotCache) or mask is not None:
+        return False
+    if rows is not None and not all(r.index is None and r.masks[False] is None for r in rows):
+        return False
+    for block in model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        mats = (attn.qkv, attn.o_proj.matmul, mlp.gate_up, mlp.down_proj.matmul)
+        if not all(isinstance(m, Int4Matmul) and m.kernel == "vnni" for m in mats):
+            return False
+    return True
