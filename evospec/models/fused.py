@@ -16,8 +16,9 @@ norm pieces, RoPE slices), and one-query attention runs as its ``decode_attentio
 cache and the row-by-row verification are the Transformer's own
 (``Attention.attend_rotated``), so chains stay row-exact.
 
-Inside a recorded step (``models/step.py``) whose linears all run our int4 kernel, each layer is
-one ``llama_layer`` op: the same calls in C++, so a step replays one node per layer.
+Where every linear runs our int4 kernel and the forward has no mask (recorded steps and chains,
+a prefill's causal rows), each layer is one ``llama_layer`` op: the same calls in C++, so a
+recorded step replays one node per layer.
 
 The numbers differ from the unfused path only by rounding (one bf16 rounding where there were
 two, our exp in SiLU): a model decides at load and then every forward -- prefill, steps,
@@ -91,6 +92,7 @@ def run_fused_layers(
     x = x.view(b * n, dim)  # f32 residual stream
     h = ops.rms_norm_bf16(x, layers[0].input_layernorm.weight, eps)  # [B n, D] bf16
     one_op = _layer_op_applies(model, cache, mask, rows)
+    slots = _slot_tensor(cache, n) if one_op else None  # [length + n]: where this forward writes
     for i, block in enumerate(layers):
         attn, mlp = block.self_attn, block.mlp
         if one_op:  # a recorded step or chain: the same calls as below, as one node
@@ -98,7 +100,7 @@ def run_fused_layers(
             x, h = ops.llama_layer(
                 x, h, attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed,
                 mlp.down_proj.matmul.packed, block.post_attention_layernorm.weight, nxt, cos, sin,
-                cache.k, cache.v, i, cache.slots, b, n, attn.num_heads, attn.num_kv_heads,
+                cache.k, cache.v, i, slots, b, n, attn.num_heads, attn.num_kv_heads,
                 attn.scale, eps,
             )  # fmt: skip
             if i in aux_layers:
@@ -121,11 +123,13 @@ def run_fused_layers(
 
 
 def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
-    """Whether the layers can run as ``llama_layer`` ops: inside a recorded step (its slot
-    cache), no mask, one token or a row-exact chain, and every linear on our int4 kernel."""
+    """Whether the layers can run as ``llama_layer`` ops: a KV cache (or a recorded step's slot
+    cache), no mask (one token, causal rows of a prefill, or a row-exact chain), and every
+    linear on our int4 kernel. Trees, padded batches and other formats keep the loop."""
+    from evospec.models.kv_cache import KVCache
     from evospec.models.step import _SlotCache
 
-    if not isinstance(cache, _SlotCache) or mask is not None:
+    if not isinstance(cache, (KVCache, _SlotCache)) or mask is not None:
         return False
     if rows is not None and not all(r.index is None and r.masks[False] is None for r in rows):
         return False
@@ -135,3 +139,16 @@ def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
         if not all(isinstance(m, Int4Matmul) and m.kernel == "vnni" for m in mats):
             return False
     return True
+
+
+def _slot_tensor(cache, n: int) -> torch.Tensor:
+    """A tensor of the cache's length after this forward, the size ``llama_layer`` reads (a
+    recorded step's own, so that its graph keeps the length symbolic)."""
+    from evospec.models.step import _SlotCache
+
+    if isinstance(cache, _SlotCache):
+        return cache.slots
+    end = cache.length + n
+    if end > cache.max_len:
+        raise ValueError(f"KV cache overflow: need {end} slots, have {cache.max_len}")
+    return torch.empty(end, dtype=torch.uint8)
