@@ -14,7 +14,6 @@ verify forward and of the whole round. Used for docs/benchmarks.md, wave 13:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import time
 
@@ -25,17 +24,11 @@ from evospec.bench.prompts import load_prompts
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.recording import record_steps
 from evospec.decoding.sampling import SamplingParams
-from tree_ab import variant_tree
+from tree_ab import variant_parser, variant_tree
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB]")
-    ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or prompts JSONL)")
-    ap.add_argument("--per-category", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--weights", default="int4")
-    args = ap.parse_args()
+    args = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB]", 1).parse_args()
     torch.set_num_threads(2)
     methods = tuple(dict.fromkeys(variant_tree(v)[0] for v in args.variants))
     stack = assemble(StackSettings(methods=("ar", *methods), weights=args.weights), progress=False)

@@ -48,14 +48,20 @@ def variant_tree(spec: str) -> tuple[str, TreeConfig]:
     return method, tree
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+", help="METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD]")
+def variant_parser(doc: str, variants_help: str, per_category: int) -> argparse.ArgumentParser:
+    """The command line this script and ``round_costs.py`` share: variants, prompts, format."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", help=variants_help)
     ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or prompts JSONL)")
-    ap.add_argument("--model", default=None, help="target model (default: the default model)")
-    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--per-category", type=int, default=per_category)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--weights", default="int4")
+    return ap
+
+
+def main() -> None:
+    ap = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD]", 2)
+    ap.add_argument("--model", default=None, help="target model (default: the default model)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     methods = tuple(dict.fromkeys(variant_tree(v)[0] for v in args.variants))
