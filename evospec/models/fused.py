@@ -124,14 +124,18 @@ def run_fused_layers(
 
 def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
     """Whether the layers can run as ``llama_layer`` ops: a KV cache (or a recorded step's slot
-    cache), no mask (one token, causal rows of a prefill, or a row-exact chain), and every
+    cache); one token, a prefill's causal rows or a row-exact chain (each row sees the cache and
+    the rows before it: a prompt's rest after reused slots, a chain verified eagerly); every
     linear on our int4 kernel. Trees, padded batches and other formats keep the loop."""
     from evospec.models.kv_cache import KVCache
     from evospec.models.step import _SlotCache
 
-    if not isinstance(cache, (KVCache, _SlotCache)) or mask is not None:
+    if not isinstance(cache, (KVCache, _SlotCache)):
         return False
-    if rows is not None and not all(r.index is None and r.masks[False] is None for r in rows):
+    if rows is not None:  # row-exact rows: the loop attends by them and ignores the mask
+        if not all(r.index is None and r.masks[False] is None for r in rows):
+            return False  # a branching tree's rows
+    elif mask is not None:
         return False
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
