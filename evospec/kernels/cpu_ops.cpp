@@ -8,7 +8,8 @@
 //   silu_mul_bf16(gu bf16 [..., 2 I])                       -> silu(gu[:I]) * gu[I:] bf16 [..., I]
 //   decode_attention(q f32 [B, H, n, Dh], keys, values f32 [B, Hk, S, Dh], mask?, scale)
 //                                   -> softmax(scale q k^T) v f32 [B, H, n, Dh], row j over S - n + 1 + j keys
-//   llama_layer(...): one decoder layer of a recorded step, the calls above plus int4_matmul's
+//   llama_layer(...): one decoder layer (a step, a row-exact chain, causal prefill rows): the
+//                     calls above plus int4_matmul's, as fused.py's loop makes them
 //
 // Every op computes each row (the last dimension) with the same code whatever the number of
 // rows, in float32, rounding once to bfloat16 (nearest-even) at the end: a row's result never
@@ -473,7 +474,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed) {  // int4_m
   return op.call(x, packed);
 }
 
-// One Llama-style decoder layer of a recorded step or chain, with int4 (VNNI) linears: the
+// One Llama-style decoder layer of a step, row-exact chain or causal prefill, with int4 (VNNI) linears: the
 // calls fused.py's layer loop makes, in its order and on the same data, so its bits are that
 // loop's; as one op, a recorded step replays one node per layer instead of ~38. x f32 / h bf16
 // [M = B n, D]: the residual stream and its norm; with end = slots.size(0) (models/step.py's slot
