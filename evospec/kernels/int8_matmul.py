@@ -1,6 +1,7 @@
 """The int8 x int8 matmul (``int8_matmul.cpp``): weight packing and its torch reference.
 
 Owns: :func:`pack_int8` (symmetric int8 row codes -> the kernel's tile layout),
+:func:`write_int8_rows` (a few rows of that layout rewritten in place),
 :func:`unpack_int8`, :func:`int8_matmul` (the op) and :func:`int8_matmul_ref` (the same
 arithmetic in plain torch, bit for bit: tests hold the kernel to it). Knows tensors only;
 ``models/quant.py`` decides where it is used (the int8 LM head), and availability is the int4
@@ -32,6 +33,15 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     u = (codes.to(torch.int16) + 128).to(torch.uint8)  # [N, K] in 1..255
     u = u.view(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # [T, g, block, lane, i]
     return u.reshape(n // TILE, k // GROUP, BLOCK).contiguous()
+
+
+def write_int8_rows(packed: torch.Tensor, rows: torch.Tensor, codes: torch.Tensor) -> None:
+    """Overwrite output rows ``rows`` [a] of a :func:`pack_int8` layout in place with ``codes``
+    int8 [a, K]: one lane of a tile per row, so a few rows change without repacking the rest
+    (the vocabulary heads' slots, ``vocab/head.py``)."""
+    t, g, _ = packed.shape
+    lanes = (codes.to(torch.int16) + 128).to(torch.uint8).view(-1, g, 8, 4)  # [a, g, block, i]
+    packed.view(t, g, 8, TILE, 4)[rows // TILE, :, :, rows % TILE, :] = lanes
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:

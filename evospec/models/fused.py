@@ -95,31 +95,36 @@ def run_fused_layers(
     slots = _slot_tensor(cache, n) if one_op else None  # [length + n]: where this forward writes
     for i, block in enumerate(layers):
         attn, mlp = block.self_attn, block.mlp
-        if one_op:  # a recorded step or chain: the same calls as below, as one node
-            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+        nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None  # None: the last
+        if one_op:  # the same calls as _loop_layer, as one node
             x, h = ops.llama_layer(
                 x, h, attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed,
                 mlp.down_proj.matmul.packed, block.post_attention_layernorm.weight, nxt, cos, sin,
-                cache.k, cache.v, i, slots, b, n, attn.num_heads, attn.num_kv_heads,
-                attn.scale, eps,
+                cache.k, cache.v, i, slots, b, n, attn.num_heads, attn.num_kv_heads, attn.scale, eps,
             )  # fmt: skip
-            if i in aux_layers:
-                seen[i] = x.view(b, n, dim)
-            continue
-        qkv = attn.qkv.rows(h).view(b, n, -1)
-        q, k, v = ops.rope_qkv(qkv, cos, sin, attn.num_heads, attn.num_kv_heads)
-        out = attn.attend_rotated(q, k, v, cache, mask, rows, fused=True)  # [B, H, n, Dh] f32
-        out = out.transpose(1, 2).to(torch.bfloat16, memory_format=torch.contiguous_format)
-        a = attn.o_proj.matmul.rows(out.view(b * n, -1))  # bf16
-        x, h = ops.add_rms_norm_bf16(x, a, block.post_attention_layernorm.weight, eps)
-        m = mlp.down_proj.matmul.rows(ops.silu_mul_bf16(mlp.gate_up.rows(h)))  # bf16
-        if i + 1 < len(layers):
-            x, h = ops.add_rms_norm_bf16(x, m, layers[i + 1].input_layernorm.weight, eps)
         else:
-            x = x + m  # promotes to f32: the same sum add_rms_norm forms
+            x, h = _loop_layer(block, x, h, nxt, (b, n), cos_sin, cache, mask, rows, eps)
         if i in aux_layers:
             seen[i] = x.view(b, n, dim)
     return x.view(b, n, dim), [seen[i] for i in aux_layers]
+
+
+def _loop_layer(block, x, h, next_w, shape, cos_sin, cache, mask, rows, eps):
+    """One layer op by op: (x f32, h bf16) [B n, D] -> the same after it (h normed by
+    ``next_w``; the last layer, without one, keeps the post-attention h)."""
+    ops = torch.ops.evospec
+    (b, n), (cos, sin) = shape, cos_sin
+    attn, mlp = block.self_attn, block.mlp
+    qkv = attn.qkv.rows(h).view(b, n, -1)
+    q, k, v = ops.rope_qkv(qkv, cos, sin, attn.num_heads, attn.num_kv_heads)
+    out = attn.attend_rotated(q, k, v, cache, mask, rows, fused=True)  # [B, H, n, Dh] f32
+    out = out.transpose(1, 2).to(torch.bfloat16, memory_format=torch.contiguous_format)
+    a = attn.o_proj.matmul.rows(out.view(b * n, -1))  # bf16
+    x, h = ops.add_rms_norm_bf16(x, a, block.post_attention_layernorm.weight, eps)
+    m = mlp.down_proj.matmul.rows(ops.silu_mul_bf16(mlp.gate_up.rows(h)))  # bf16
+    if next_w is None:
+        return x + m, h  # promotes to f32: the same sum add_rms_norm forms
+    return ops.add_rms_norm_bf16(x, m, next_w, eps)
 
 
 def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:

@@ -142,19 +142,12 @@ class Int4Matmul:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        if self.kernel == "vnni":
-            flat = x.reshape(-1, self.in_features)
-            if flat.dtype not in (torch.float32, torch.bfloat16):
-                flat = flat.float()
-            y = torch.ops.evospec.int4_matmul(flat, self.packed)
-            return _finish(y, x, self.bias)
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        return _finish(y, x, self.bias)
+        return _finish(self.rows(_flat_input(x, self.in_features, self.kernel)), x, self.bias)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product for bf16 rows [M, K] -> bf16 [M, N], bias-free, with no reshape or
-        cast around the kernel (``fused.py``: each is a node a recorded step replays)."""
+        """The bias-free product of rows x [M, K] (bf16; the VNNI kernel also takes float32) ->
+        [M, N] in x's dtype, with no reshape or cast around the kernel (``fused.py`` calls it
+        directly: each of those is a node a recorded step replays)."""
         if self.kernel == "vnni":
             return torch.ops.evospec.int4_matmul(x, self.packed)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
@@ -211,15 +204,9 @@ class Int8Matmul:
         return self.codes.nbytes + self.scale.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "vnni":
-            flat = x.reshape(-1, self.in_features)
-            if flat.dtype not in (torch.float32, torch.bfloat16):
-                flat = flat.float()
-            return _finish(torch.ops.evospec.int8_matmul(flat, self.packed, self.scale_f32), x, self.bias)
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        return _finish(torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale), x, self.bias)
+        return _finish(self.rows(_flat_input(x, self.in_features, self.kernel)), x, self.bias)
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [M, K] -> bf16 [M, N]: see Int4Matmul.rows
+    def rows(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]: see Int4Matmul.rows
         if self.kernel == "vnni":
             return torch.ops.evospec.int8_matmul(x, self.packed, self.scale_f32)
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
@@ -238,14 +225,22 @@ class Bf16Matmul:
         return self.weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        return _finish(F.linear(flat, self.weight), x, self.bias)
+        return _finish(self.rows(_flat_input(x, self.in_features, "torch")), x, self.bias)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:  # bf16 [M, K] -> bf16 [M, N]: see Int4Matmul.rows
         return F.linear(x, self.weight)
 
 
 QuantMatmul = Int4Matmul | Int8Matmul | Bf16Matmul
+
+
+def _flat_input(x: torch.Tensor, k: int, kernel: str) -> torch.Tensor:
+    """x [..., K] as the rows a product takes: bf16 for torch's kernels, float32 or bf16 as
+    given for ours (their int8 activations are quantised from either)."""
+    flat = x.reshape(-1, k)
+    if kernel != "vnni":
+        return flat.to(torch.bfloat16)
+    return flat if flat.dtype in (torch.float32, torch.bfloat16) else flat.float()
 
 
 def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -256,20 +256,18 @@ class _SlotTiles:
     (docs/benchmarks.md, wave 13)."""
 
     def __init__(self, capacity: int, dim: int) -> None:
-        from evospec.kernels.int8_matmul import BLOCK, GROUP, TILE
+        from evospec.kernels.int8_matmul import TILE, pack_int8
 
-        self.capacity, self.tile, self.group = capacity, TILE, GROUP
-        padded = -(-capacity // TILE) * TILE  # the kernel takes whole tiles; the pad slots are never read
-        self.packed = torch.full((padded // TILE, dim // GROUP, BLOCK), 128, dtype=torch.uint8)  # code 0
+        self.capacity = capacity
+        padded = -(-capacity // TILE) * TILE  # the kernel takes whole tiles; pad slots are never read
+        self.packed = pack_int8(torch.zeros(padded, dim, dtype=torch.int8))  # [C16/16, D/32, 512]
         self.scale = torch.zeros(padded, dtype=torch.float32)  # [C16]
-        # [tiles, groups, 8 blocks, 16 lanes, 4 inputs]: one slot is one lane of its tile
-        self._lanes = self.packed.view(padded // TILE, dim // GROUP, 8, TILE, 4)
 
     def write(self, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
         """Slots [a] take ``codes`` int8 [a, D] and ``scale`` float32 [a]."""
-        a, dim = codes.shape
-        lanes = (codes.to(torch.int16) + 128).to(torch.uint8).view(a, dim // self.group, 8, 4)
-        self._lanes[slots // self.tile, :, :, slots % self.tile, :] = lanes
+        from evospec.kernels.int8_matmul import write_int8_rows
+
+        write_int8_rows(self.packed, slots, codes)
         self.scale[slots] = scale
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C] float32

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evospec.kernels.int4_matmul import GROUP, vnni_available
-from evospec.kernels.int8_matmul import int8_matmul, int8_matmul_ref, pack_int8, unpack_int8
+from evospec.kernels.int8_matmul import int8_matmul, int8_matmul_ref, pack_int8, unpack_int8, write_int8_rows
 from evospec.models.quant import QUANT_KERNEL_ENV, Int8Matmul
 
 needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no AVX-512 VNNI kernels on this CPU/build")
@@ -83,3 +83,17 @@ def test_bad_inputs_are_clear_errors():
         int8_matmul(torch.randn(2, 64), mm.packed[..., :256], mm.scale_f32)
     with pytest.raises(RuntimeError, match="scale"):
         int8_matmul(torch.randn(2, 64), mm.packed, mm.scale_f32[:16])
+
+
+def test_rows_rewritten_in_place_equal_a_fresh_packing():
+    """write_int8_rows changes exactly the rows it is given: the result is the packing of the
+    codes with those rows replaced, whatever tiles and lanes they fall in."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
+    packed = pack_int8(codes)
+    rows = torch.tensor([0, 15, 16, 33, 47])
+    new = torch.randint(-127, 128, (5, 64), generator=g, dtype=torch.int8)
+    write_int8_rows(packed, rows, new)
+    expected = codes.clone()
+    expected[rows] = new
+    assert torch.equal(packed, pack_int8(expected))

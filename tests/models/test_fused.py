@@ -131,3 +131,30 @@ def test_load_model_switches_a_quantised_model_onto_the_fused_ops(monkeypatch, t
     assert load_model("t", progress=False, weights="int4").model.fused_ops
     assert not load_model("t", progress=False, weights="int4", fused_ops=False).model.fused_ops
     assert not load_model("t", progress=False, weights="fp32").model.fused_ops
+
+
+def test_one_op_layers_give_the_op_by_op_loops_bits(monkeypatch):
+    """llama_layer makes the layer loop's calls in C++: a prefill, one-token steps and a chain
+    give bitwise the logits and K/V the Python loop gives (eager here; recorded graphs are held
+    to the eager forward above)."""
+    import evospec.models.fused as fused
+
+    model = _fused(6)
+    if model.layers[0].self_attn.qkv.kernel != "vnni":
+        pytest.skip("the one-op layers need our int4 kernel (AVX-512 VNNI)")
+
+    def run() -> tuple[list[torch.Tensor], torch.Tensor]:
+        cache = model.new_cache(32)
+        logits = [model(torch.tensor([prompt_of(3, 9)]), torch.arange(9), cache, logits="all").logits]
+        for pos in (9, 10):  # one-token steps
+            logits.append(model(torch.tensor([[pos % 64]]), torch.tensor([pos]), cache, logits="all").logits)
+        logits.append(model(torch.tensor([[5, 7, 11]]), torch.arange(11, 14), cache, logits="all").logits)  # a chain
+        return logits, cache.k[:, :, :, :14].clone()
+
+    assert fused._layer_op_applies(model, model.new_cache(4), None, None)  # the first run takes the op
+    with torch.inference_mode():
+        ops = run()
+        monkeypatch.setattr(fused, "_layer_op_applies", lambda *a: False)
+        loop = run()
+    assert all(torch.equal(a, b) for a, b in zip(ops[0], loop[0], strict=True))
+    assert torch.equal(ops[1], loop[1])
