@@ -118,6 +118,28 @@ def test_greedy_output_equals_ar_under_every_policy(target, head, method, tree):
     assert oov_rounds > 0  # the small vocabularies really miss tokens here
 
 
+@pytest.mark.parametrize("method", ["frspec", "evospec", "nanospec"])
+def test_reduced_head_on_the_int8_kernels_tiles_stays_lossless(head, method):
+    """A quantised target (int4 linears, int8 head on our VNNI kernel): the reduced head keeps
+    its slots in that kernel's tiles, rewritten as the active set moves; greedy output stays AR's."""
+    from evospec.kernels.int4_matmul import vnni_available
+    from evospec.models.quant import quantize_linears
+
+    if not vnni_available():
+        pytest.skip("no AVX-512 VNNI kernel on this CPU")
+    target = tiny_target(0)
+    quantize_linears(target, "int4")
+    target.exact_rows = True
+    dec = make_decoder(
+        method, target, draft=head, tree=TREES[0], vocab=SMALL, indices=bundle(target), eos_ids=(V - 1,)
+    )
+    assert dec.vocab.head.tiles is not None
+    params = SamplingParams(max_new_tokens=30)
+    for prompt in PROMPTS:
+        events = list(dec.generate(prompt, params))
+        assert [t for ev in events for t in ev.tokens] == ar_tokens(target, prompt, params, eos=(V - 1,))
+
+
 @pytest.mark.parametrize("method", ["frspec", "evospec"])
 def test_block_packed_reduced_head_stays_lossless(target, head, method, monkeypatch):
     """The CPU's oneDNN-packed head buffer (``PackedRows``; real sizes only) on tiny blocks."""
