@@ -34,8 +34,10 @@ from evospec.common import evospec_home
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "int4_matmul.cpp", "int8_matmul.cpp"))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("bf16.h", "vnni.h"))  # included by the sources: part of the build key
+SOURCES = tuple(
+    Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "attention.cpp", "int4_matmul.cpp", "int8_matmul.cpp")
+)
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("attention.h", "bf16.h", "fastexp.h", "vnni.h"))  # included by the sources: part of the build key
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;
 # it changes no result (no reassociation, no contraction)

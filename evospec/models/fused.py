@@ -66,6 +66,7 @@ def enable_fused_ops(model: nn.Module) -> bool:
 
     device = next(model.parameters()).device
     model.fused_ops = device.type == "cpu" and supports_fused_ops(model) and load_cpu_ops()
+    model.kv_dtype = torch.float16 if model.fused_ops else None  # the op's attention reads f16 K/V
     return model.fused_ops
 
 

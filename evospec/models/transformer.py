@@ -156,6 +156,8 @@ class Attention(nn.Module):
             # decoding the prompt token by token would (what prefix reuse relies on)
             one = q.shape[2] == 1
             return torch.ops.evospec.decode_attention(q, keys, values, mask if one else None, self.scale)
+        if keys.dtype != q.dtype:  # an f16 cache (fused models) under a masked multi-row forward
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         return F.scaled_dot_product_attention(
             q,
             keys,
@@ -248,6 +250,9 @@ class Transformer(nn.Module):
         # Set (load_model, on the CPU, where fused.supports_fused_ops): every forward runs its
         # blocks through the fused CPU ops (one decision per model, so all methods agree).
         self.fused_ops = False
+        # The KV cache's element type; None: the parameters' (set to float16 with the fused ops:
+        # their attention reads f16 K/V, half the bytes a step streams, as llama.cpp's default).
+        self.kv_dtype: torch.dtype | None = None
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
@@ -265,7 +270,7 @@ class Transformer(nn.Module):
             self.cfg.head_dim,
             max_len,
             batch=batch,
-            dtype=p.dtype,
+            dtype=self.kv_dtype or p.dtype,
             device=p.device,
         )
 

@@ -152,3 +152,38 @@ def test_decode_attention_of_a_chain_gives_each_row_its_one_row_bits():
         assert torch.equal(alone[:, :, 0], got[:, :, j])
     with pytest.raises(RuntimeError, match="one query row"):
         OPS.decode_attention(q, keys, values, torch.ones(s, dtype=torch.bool), 0.3)
+
+
+def test_decode_attention_reads_an_f16_cache_as_its_exact_f32_values():
+    """float16 -> float32 is exact, so an f16 cache gives the bits of the same values in f32,
+    whether its keys are converted once for a block of rows or as each row loads them."""
+    g = torch.Generator().manual_seed(11)
+    s, n = 45, 3
+    keys = torch.randn(1, 3, s, 64, generator=g).half()
+    values = torch.randn(1, 3, s, 64, generator=g).half()
+    for heads, rows in ((9, 1), (9, n), (3, 1)):  # 3 / 9 / 1 rows share each KV head
+        q = torch.randn(1, heads, rows, 64, generator=g)
+        got = OPS.decode_attention(q, keys, values, None, 0.125)
+        assert torch.equal(got, OPS.decode_attention(q, keys.float(), values.float(), None, 0.125))
+        torch.testing.assert_close(
+            got, decode_attention_ref(q, keys.float(), values.float(), None, 0.125), rtol=1e-5, atol=1e-6
+        )
+    with pytest.raises(RuntimeError, match="float16"):
+        OPS.decode_attention(q, keys, values.float(), None, 0.125)
+
+
+@pytest.mark.parametrize("dh", [24, 64, 128])
+def test_a_row_of_a_grouped_head_gives_the_bits_of_that_head_alone(dh):
+    """Query heads that share a KV head are computed together (each key loaded once for all of
+    them): a head's rows still get the bits of a call with that head alone, at every length
+    (heads that are not a multiple of 16 are padded)."""
+    g = torch.Generator().manual_seed(dh)
+    s, n = 37, 2
+    keys, values = torch.randn(1, 2, s, dh, generator=g), torch.randn(1, 2, s, dh, generator=g)
+    q = torch.randn(1, 6, n, dh, generator=g)
+    got = OPS.decode_attention(q, keys, values, None, 0.2)
+    torch.testing.assert_close(got, decode_attention_ref(q, keys, values, None, 0.2), rtol=1e-5, atol=1e-6)
+    for head in range(6):
+        kv = head // 3
+        alone = OPS.decode_attention(q[:, head : head + 1], keys[:, kv : kv + 1], values[:, kv : kv + 1], None, 0.2)
+        assert torch.equal(alone[:, 0], got[:, head])

@@ -122,6 +122,21 @@ def test_fused_prefill_writes_what_one_token_steps_write(fmt):
     assert torch.equal(split.k[:, :, :, :23], batched.k[:, :, :, :23])
 
 
+def test_fused_models_keep_an_f16_cache_and_a_masked_batch_still_attends_over_it():
+    """The fused ops' attention reads f16 K/V; the rare masked multi-row forward (a left-padded
+    batch's prefill) converts them for SDPA, so a padded row decodes as it does alone."""
+    model = _fused(4)
+    assert model.new_cache(8).k.dtype == torch.float16
+    assert tiny_target(4).new_cache(8).k.dtype == torch.float32
+    short, long = prompt_of(1, 5), prompt_of(2, 9)
+    cache = model.new_cache(16, batch=2)
+    tokens = torch.tensor([[0] * 4 + short, long])
+    out = model(tokens, torch.arange(9), cache, left_pad=torch.tensor([4, 0]), logits="last")
+    for row, prompt in enumerate((short, long)):
+        alone = model(torch.tensor([prompt]), torch.arange(len(prompt)), model.new_cache(16), logits="last")
+        torch.testing.assert_close(out.logits[row, -1], alone.logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
 def test_load_model_switches_a_quantised_model_onto_the_fused_ops(monkeypatch, tmp_path):
     from evospec.models import loading
 

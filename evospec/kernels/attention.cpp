@@ -1,0 +1,357 @@
+// Decode attention on the CPU, registered as the torch op evospec::decode_attention.
+//
+// Contract (cpu_ops.py holds the torch reference, decode_attention_ref):
+//   decode_attention(q f32 [B, H, n, Dh], keys, values f32 or f16 [B, Hk, S, Dh], mask?, scale)
+//     -> softmax(scale q k^T) v, f32 [B, H, n, Dh]
+// Row j of n sees the first S - n + 1 + j keys: n = 1 is a step; a chain verified after the
+// cache has each row see the cache and the rows before it; a prefill's rows are causal. mask
+// (n = 1 only) hides keys (True = attend); H is a multiple of Hk (grouped queries). A head size
+// that is not a multiple of 16 is padded with zeros (copies: tiny test models only).
+//
+// Per row, in float32 (-ffp-contract=off: no fused multiply-adds), from its first visible key t0:
+//   score[t] = scale * dot(q, k_t): 16 lane sums over Dh (lane l takes d = l mod 16, in d
+//              order), then one fixed tree over the lanes (lanes l and l + 8, then l + 4, ...)
+//   m = max score; e[t] = exp(score[t] - m), 0 for a hidden key; total = the e's summed in 16
+//   lanes (key t - t0 mod 16, in key order) and the same tree
+//   out[d] = (sum over keys in order of e[t] * v_t[d]) * (1 / total)
+// A row's bits depend only on its query, its keys and values and how many it sees: never on
+// n, on the rows computed beside it (a block of rows shares each key's and value's load, and
+// nothing else) or on the thread split; a left-padded row (a masked leading run) gives the
+// bits of the same row without the padding. So one-token steps, verified chains and prefill
+// rows agree bitwise, which keeps speculative decoding equal to plain decoding.
+//
+// Why: at a few hundred cached slots attention is a sixth of a SmolLM2 int4 step, and at a few
+// thousand most of it. Scores are formed 16 keys at a time (one transposing add tree instead
+// of a reduction per key), the query heads of one KV head share each key and value load, and
+// an f16 cache halves the bytes a step streams.
+
+#include <ATen/Parallel.h>
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "attention.h"
+#include "fastexp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace evospec_attention {
+namespace {
+
+using evospec_fastexp::exp_f32;
+
+constexpr int kW = 16;       // lanes of a V (a zmm register where the CPU has AVX-512)
+constexpr int kMaxRows = 4;  // query rows sharing each key and value load
+
+typedef float V __attribute__((vector_size(kW * sizeof(float))));
+typedef int32_t VI __attribute__((vector_size(kW * sizeof(int32_t))));
+
+#if defined(__clang__)
+#define EVOSPEC_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define EVOSPEC_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, VI{__VA_ARGS__})
+#endif
+
+inline V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline V load(const uint16_t* p) {  // 16 float16 -> float32 (exact)
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 x[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+#else
+  float x[kW];
+  for (int l = 0; l < kW; ++l) x[l] = static_cast<float>(c10::Half(p[l], c10::Half::from_bits()));
+#endif
+  V v;
+  std::memcpy(&v, &x, sizeof v);
+  return v;
+}
+
+inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+inline V splat(float x) { return V{} + x; }
+
+// a * b + c rounded once (a fused multiply-add), lane by lane: the same bits on every CPU.
+inline V fma(V a, V b, V c) {
+#if defined(__AVX512F__)
+  __m512 x, y, z;
+  std::memcpy(&x, &a, sizeof a), std::memcpy(&y, &b, sizeof b), std::memcpy(&z, &c, sizeof c);
+  const __m512 r = _mm512_fmadd_ps(x, y, z);
+#elif defined(__FMA__)
+  __m256 x[2], y[2], z[2];
+  std::memcpy(x, &a, sizeof a), std::memcpy(y, &b, sizeof b), std::memcpy(z, &c, sizeof c);
+  const __m256 r[2] = {_mm256_fmadd_ps(x[0], y[0], z[0]), _mm256_fmadd_ps(x[1], y[1], z[1])};
+#else
+  float r[kW];
+  for (int l = 0; l < kW; ++l) r[l] = std::fma(a[l], b[l], c[l]);
+#endif
+  V v;
+  std::memcpy(&v, &r, sizeof v);
+  return v;
+}
+
+// Lane j: the sum of a[j]'s 16 lanes by the tree (l, l + 8), (l, l + 4), (l, l + 2), (0, 1),
+// formed for the 16 vectors at once by shuffles and adds: each key's sum is the same bits
+// wherever in a block it sits.
+inline V reduce16(const V* a) {
+  V c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: key 2i, 8-15: key 2i + 1
+    c[i] = EVOSPEC_SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           EVOSPEC_SHUFFLE(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // four lanes per key
+    e[i] = EVOSPEC_SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           EVOSPEC_SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // two lanes per key
+    f[i] = EVOSPEC_SHUFFLE(e[2 * i], e[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           EVOSPEC_SHUFFLE(e[2 * i], e[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return EVOSPEC_SHUFFLE(f[0], f[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         EVOSPEC_SHUFFLE(f[0], f[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline float sum16(V x) {  // reduce16's tree for one vector
+  float a[kW];
+  std::memcpy(a, &x, sizeof a);
+  for (int l = 0; l < 8; ++l) a[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) a[l] = a[l] + a[l + 4];
+  for (int l = 0; l < 2; ++l) a[l] = a[l] + a[l + 2];
+  return a[0] + a[1];
+}
+
+inline float max16(V x) {  // exact in any order
+  float a[kW];
+  std::memcpy(a, &x, sizeof a);
+  float m = a[0];
+  for (int l = 1; l < kW; ++l) m = a[l] > m ? a[l] : m;
+  return m;
+}
+
+// Key t as float32: a pointer into the cache, or (f16 caches) into `buf`, converted.
+inline const float* key_row(const float* kb, int64_t ks, int64_t t, int64_t, float*) { return kb + t * ks; }
+inline const float* key_row(const uint16_t* kb, int64_t ks, int64_t t, int64_t dh, float* buf) {
+  for (int64_t d = 0; d < dh; d += kW) store(buf + d, load(kb + t * ks + d));
+  return buf;
+}
+
+// The rows one call of attend() computes: query heads of one KV head (and chain rows), each
+// seeing keys [t0, keys).
+struct Rows {
+  const float* q[kMaxRows];
+  float* out[kMaxRows];
+  int64_t keys[kMaxRows];
+  int nr;
+};
+
+// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j} (K: float or
+// float16 elements).
+template <typename K>
+void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
+                int64_t stride) {
+  for (int r = 0; r < rows.nr; ++r) {
+    const float* q = rows.q[r];
+    V a[kW];
+    const V q0 = load(q);
+    for (int j = 0; j < kW; ++j) a[j] = q0 * load(kp[j]);
+    for (int64_t d = kW; d < dh; d += kW) {
+      const V qd = load(q + d);
+      for (int j = 0; j < kW; ++j) a[j] = fma(qd, load(kp[j] + d), a[j]);
+    }
+    store(score + r * stride + (tb - t0), scale * reduce16(a));
+  }
+}
+
+// score_rows for the 16 keys from tb (keys past `end`: zeros). An f16 cache's keys are
+// converted once into `kbuf` where three or more rows share them, else as each row loads them.
+template <typename T>
+void score_block(const Rows& rows, const T* kb, int64_t ks, int64_t tb, int64_t end, int64_t t0, int64_t dh,
+                 V scale, float* score, int64_t stride, float* kbuf, const float* zeros, const T* zeros_t) {
+  if (std::is_same_v<T, float> || rows.nr >= 3) {
+    const float* kp[kW];
+    for (int j = 0; j < kW; ++j) kp[j] = tb + j < end ? key_row(kb, ks, tb + j, dh, kbuf + j * dh) : zeros;
+    return score_rows(rows, kp, tb, t0, dh, scale, score, stride);
+  }
+  const T* kp[kW];
+  for (int j = 0; j < kW; ++j) kp[j] = tb + j < end ? kb + (tb + j) * ks : zeros_t;
+  score_rows(rows, kp, tb, t0, dh, scale, score, stride);
+}
+
+// s[i] = exp(s[i] - m), and 0 where s[i] is -inf (a hidden key); branch-free so it vectorises.
+void exp_shifted(float* __restrict__ s, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = s[i];
+    const float e = exp_f32(x - m);
+    s[i] = x == -INFINITY ? 0.0f : e;
+  }
+}
+
+// Row r's scores -> its e's (in place, 0 past its keys up to a whole block); returns 1 / total.
+float softmax_row(float* s, int64_t count, int64_t t0, const bool* mask) {
+  const int64_t padded = (count + kW - 1) / kW * kW;
+  if (mask)
+    for (int64_t i = 0; i < count; ++i) s[i] = mask[t0 + i] ? s[i] : -INFINITY;
+  for (int64_t i = count; i < padded; ++i) s[i] = -INFINITY;
+  V best = splat(-INFINITY);
+  for (int64_t i = 0; i < padded; i += kW) {
+    const V x = load(s + i);
+    best = x > best ? x : best;
+  }
+  exp_shifted(s, padded, max16(best));
+  V total = {};
+  for (int64_t i = 0; i < padded; i += kW) total += load(s + i);
+  return 1.0f / sum16(total);
+}
+
+// out_r = (sum_t e_r[t] v_t) * inv_r, CW vectors of each value row at a time.
+template <typename T, int NR, int CW>
+void weigh(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh, const float* score,
+           int64_t stride, const float* inv) {
+  for (int64_t i = 0; i < dh; i += CW * kW) {
+    V acc[NR][CW] = {};
+    for (int64_t t = t0; t < end; ++t) {
+      V v[CW];
+      for (int c = 0; c < CW; ++c) v[c] = load(vb + t * vs + i + c * kW);
+      for (int r = 0; r < NR; ++r) {
+        if (t >= rows.keys[r]) continue;
+        const V w = splat(score[r * stride + (t - t0)]);
+        for (int c = 0; c < CW; ++c) acc[r][c] = fma(w, v[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < CW; ++c) store(rows.out[r] + i + c * kW, acc[r][c] * splat(inv[r]));
+  }
+}
+
+template <typename T, int CW>
+void weigh_rows(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh,
+                const float* score, int64_t stride, const float* inv) {
+  switch (rows.nr) {
+    case 1: return weigh<T, 1, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
+    case 2: return weigh<T, 2, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
+    case 3: return weigh<T, 3, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
+    default: return weigh<T, 4, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
+  }
+}
+
+// Attention of `rows` over one KV head's keys kb / values vb (rows `ks` / `vs` apart) from t0.
+template <typename T>
+void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t t0, const bool* mask,
+            float scale, int64_t dh, float* score, int64_t stride, float* kbuf, const float* zeros,
+            const T* zeros_t) {
+  int64_t end = 0;
+  for (int r = 0; r < rows.nr; ++r) end = std::max(end, rows.keys[r]);
+  const V sc = splat(scale);
+  for (int64_t tb = t0; tb < end; tb += kW)
+    score_block(rows, kb, ks, tb, end, t0, dh, sc, score, stride, kbuf, zeros, zeros_t);
+  float inv[kMaxRows];
+  for (int r = 0; r < rows.nr; ++r) inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, mask);
+  if (dh % (4 * kW) == 0) return weigh_rows<T, 4>(rows, vb, vs, t0, end, dh, score, stride, inv);
+  if (dh % (2 * kW) == 0) return weigh_rows<T, 2>(rows, vb, vs, t0, end, dh, score, stride, inv);
+  weigh_rows<T, 1>(rows, vb, vs, t0, end, dh, score, stride, inv);
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const bool* mp, bool per_batch,
+         float scale, at::Tensor& out) {
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), dh = q.size(3);
+  const int64_t hk = keys.size(1), s = keys.size(2), group = h / hk;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(keys.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(values.data_ptr());
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
+  const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
+  // A KV head's rows (query head g of its group, chain row j) in blocks of up to kMaxRows,
+  // r = j * group + g; smaller blocks where there would be too few to keep the threads busy.
+  // Blocks of even sizes: 9 rows as 3 + 3 + 3, not 4 + 4 + 1.
+  const int64_t per_kv = group * n;
+  int64_t blocks = (per_kv + kMaxRows - 1) / kMaxRows;
+  while (blocks < per_kv && b * hk * blocks < 2 * at::get_num_threads()) ++blocks;
+  const int64_t rb = (per_kv + blocks - 1) / blocks;
+  blocks = (per_kv + rb - 1) / rb;
+  const int64_t stride = (s + kW - 1) / kW * kW;
+  // Threads only where a block's work outweighs waking them (long contexts).
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, rb * s * dh));
+  at::parallel_for(0, b * hk * blocks, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> score(rb * stride), kbuf(kW * dh), zeros(dh, 0.0f);
+    const std::vector<T> zeros_t(dh, T{0});  // +0 in either format
+    for (int64_t job = first; job < last; ++job) {
+      const int64_t bi = job / (hk * blocks), kv = job / blocks % hk, r0 = job % blocks * rb;
+      Rows rows;
+      rows.nr = static_cast<int>(std::min(rb, per_kv - r0));
+      for (int i = 0; i < rows.nr; ++i) {
+        const int64_t j = (r0 + i) / group, head = kv * group + (r0 + i) % group;
+        const int64_t row = (bi * h + head) * n + j;
+        rows.q[i] = qp + row * dh;
+        rows.out[i] = op + row * dh;
+        rows.keys[i] = s - n + 1 + j;
+      }
+      const bool* mr = mp ? mp + (per_batch ? bi * s : 0) : nullptr;
+      int64_t t0 = 0;  // a masked leading run (left padding) is skipped, if the row sees any key
+      while (mr && t0 < s && !mr[t0]) ++t0;
+      if (t0 == s) t0 = 0;
+      attend<T>(rows, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, t0, mr, scale, dh,
+                score.data(), stride, kbuf.data(), zeros.data(), zeros_t.data());
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  const auto kt = keys.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (kt == at::kFloat || kt == at::kHalf) && values.scalar_type() == kt,
+              "decode_attention: q must be float32, keys and values both float32 or both float16");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "decode_attention: q [B, H, n, Dh], keys/values [B, Hk, S, Dh]");
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), dh = q.size(3);
+  const int64_t hk = keys.size(1), s = keys.size(2);
+  TORCH_CHECK(keys.size(0) == b && keys.size(3) == dh && hk > 0 && h % hk == 0 && n >= 1 && n <= s,
+              "decode_attention: shapes of q and keys differ");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "decode_attention: keys need a contiguous last dim");
+  at::Tensor m;
+  const bool* mp = nullptr;
+  bool per_batch = false;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->contiguous();
+    TORCH_CHECK(n == 1 && m.scalar_type() == at::kBool && (m.numel() == s || m.numel() == b * s),
+                "decode_attention: mask must be bool with S or B * S elements, for one query row");
+    mp = m.data_ptr<bool>();
+    per_batch = m.numel() == b * s && b > 1;
+  }
+  if (dh % kW) {  // zero lanes up to a multiple of 16 add exact zeros: the same sums, padded copies
+    const int64_t pad = kW - dh % kW;
+    return decode_attention(at::constant_pad_nd(q, {0, pad}), at::constant_pad_nd(keys, {0, pad}),
+                            at::constant_pad_nd(values, {0, pad}), mask, scale)
+        .narrow(3, 0, dh)
+        .contiguous();
+  }
+  auto qc = q.contiguous();
+  auto out = at::empty({b, h, n, dh}, q.options());
+  if (kt == at::kHalf)
+    run<uint16_t>(qc, keys, values, mp, per_batch, static_cast<float>(scale), out);
+  else
+    run<float>(qc, keys, values, mp, per_batch, static_cast<float>(scale), out);
+  return out;
+}
+
+}  // namespace evospec_attention
+
+TORCH_LIBRARY_FRAGMENT(evospec, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("decode_attention", &evospec_attention::decode_attention); }
