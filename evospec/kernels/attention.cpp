@@ -8,12 +8,14 @@
 // (n = 1 only) hides keys (True = attend); H is a multiple of Hk (grouped queries). A head size
 // that is not a multiple of 16 is padded with zeros (copies: tiny test models only).
 //
-// Per row, in float32 (-ffp-contract=off: no fused multiply-adds), from its first visible key t0:
+// Per row, in float32, from its first visible key t0 (products summed by explicit fused
+// multiply-adds, one rounding each, std::fma where the CPU has none: the same bits everywhere;
+// no other contraction, -ffp-contract=off):
 //   score[t] = scale * dot(q, k_t): 16 lane sums over Dh (lane l takes d = l mod 16, in d
 //              order), then one fixed tree over the lanes (lanes l and l + 8, then l + 4, ...)
 //   m = max score; e[t] = exp(score[t] - m), 0 for a hidden key; total = the e's summed in 16
 //   lanes (key t - t0 mod 16, in key order) and the same tree
-//   out[d] = (sum over keys in order of e[t] * v_t[d]) * (1 / total)
+//   out[d] = (sum over keys in order of e[t] * v_t[d], fused) * (1 / total)
 // A row's bits depend only on its query, its keys and values and how many it sees: never on
 // n, on the rows computed beside it (a block of rows shares each key's and value's load, and
 // nothing else) or on the thread split; a left-padded row (a masked leading run) gives the
