@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from evospec.adapt.config import AdaptConfig
-from evospec.common import positive_int
+from evospec.common import non_negative_int, positive_int
 from evospec.decoding.tree_config import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.settings import add_section_flags, section_from_args
@@ -82,6 +82,15 @@ def add_prefix_arg(p: argparse.ArgumentParser) -> None:
         "prompt and answer -- a chat's next turn, a shared system prompt -- keeps those cached slots "
         "and prefills the rest; output is bitwise the same either way; on where the model's forwards "
         "are row-exact: CPU, int4/int8/bf16 Llama-style models)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=non_negative_int,
+        default=None,
+        metavar="MB",
+        help="memory for the cached slots of earlier sequences besides the last one, so that a "
+        "prompt sharing a long prefix with any recent request (alternating documents or system "
+        "prompts) skips prefilling it (default 256; 0: the last request's only)",
     )
 
 
@@ -210,4 +219,5 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         weights=args.weights,
         pack_weights=not args.no_pack,
         prefix_reuse=not args.no_prefix_reuse,
+        prefix_cache_mb=args.prefix_cache_mb,
     )

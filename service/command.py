@@ -77,7 +77,7 @@ def serve_config(args: argparse.Namespace):
 
     base = load_config(args.config) if args.config else ServeConfig()
     names = ("model", "draft", "draft3", "ngrams", "method", "host", "port", "device", "dtype", "weights")
-    names += ("verify_logits", "draft_weights")
+    names += ("verify_logits", "draft_weights", "prefix_cache_mb")
     names += ("max_body_bytes", "body_read_timeout")
     names += ("adapter_dir", "persist_state", "state_dir", "snapshot_minutes")
     flags = {k: getattr(args, k) for k in names} | options.section_overrides(args)

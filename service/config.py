@@ -51,6 +51,7 @@ class ServeConfig:
     weights: str = "auto"  # linear weight format: auto (int4 on a CPU) | int4 | int8 | bf16 | fp32
     pack_weights: bool = True  # CPU fp32: reorder linear weights once for oneDNN (faster, +1 weight copy)
     prefix_reuse: bool = True  # keep the slots a prompt shares with the last request (decoding/prefix.py)
+    prefix_cache_mb: int | None = None  # MiB for earlier sequences' slots (0: the last only; None: 256)
     verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
     draft_weights: str = "auto"  # non-adapting draft linears: auto (int8 if target quantised) | fp32 | int8
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
@@ -113,6 +114,7 @@ class ServeConfig:
             weights=self.weights,
             pack_weights=self.pack_weights,
             prefix_reuse=self.prefix_reuse,
+            prefix_cache_mb=self.prefix_cache_mb,
         )
 
     def with_overrides(self, **overrides: Any) -> ServeConfig:
@@ -146,6 +148,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "weights": (str,),
     "pack_weights": (bool,),
     "prefix_reuse": (bool,),
+    "prefix_cache_mb": (int, type(None)),
     "tune_tree": (bool,),
     "verify_logits": (str,),
     "draft_weights": (str,),
@@ -186,6 +189,8 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"max_body_bytes must be >= 1, got {c.max_body_bytes}")
     if not c.body_read_timeout > 0:
         out.append(f"body_read_timeout must be > 0 seconds, got {c.body_read_timeout}")
+    if c.prefix_cache_mb is not None and c.prefix_cache_mb < 0:
+        out.append(f"prefix_cache_mb must be >= 0 (0: keep the last request's slots only), got {c.prefix_cache_mb}")
     if not (0 <= c.snapshot_minutes < float("inf")):
         out.append(f"snapshot_minutes must be >= 0 (0: only at shutdown), got {c.snapshot_minutes}")
     for name in ("adapter_dir", "state_dir"):

@@ -20,13 +20,13 @@ import torch
 from evospec.adapt.config import AdaptConfig
 from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.autoregressive import generate_ar
-from evospec.decoding.budget import cache_for, plan_budget
+from evospec.decoding.budget import plan_budget
 from evospec.decoding.drafter import Drafter, EagleDrafter
 from evospec.decoding.events import StepEvent
 from evospec.decoding.lookup import check_table
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import calibrate_prefetch
-from evospec.decoding.prefix import PrefixCache
+from evospec.decoding.prefix import STORE_MB, PrefixCache
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.speculative import generate_speculative
 from evospec.decoding.tree import TreeConfig
@@ -166,8 +166,7 @@ class ARDecoder:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
         budget = plan_budget(self.model, len(prompt), params, eos_ids=self.eos_ids)
-        reuse = self.prefix.reusable(prompt)
-        self.cache = cache_for(self.model, self.cache, budget.slots, keep=reuse)
+        self.cache, reuse = self.prefix.prepare(self.cache, prompt, budget.slots)
         events = generate_ar(
             self.model, prompt, params, eos_ids=self.eos_ids, cache=self.cache, budget=budget, reuse=reuse
         )
@@ -213,8 +212,7 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]:
         budget = plan_budget(self.model, len(prompt), params, eos_ids=self.eos_ids, slack=self.tree.max_nodes)
-        reuse = self.prefix.reusable(prompt)
-        self.cache = cache_for(self.model, self.cache, budget.slots, keep=reuse)
+        self.cache, reuse = self.prefix.prepare(self.cache, prompt, budget.slots)
         events = generate_speculative(
             self.model,
             self.drafter,
@@ -250,6 +248,7 @@ def make_decoder(
     draft_weights: str = "auto",
     ngrams: NgramTable | None = None,
     reuse_prefix: bool = True,
+    prefix_cache_mb: int | None = None,
 ) -> Decoder:
     """``ar``; or a speculative method (needs ``draft``, an EAGLE-2 head for ``model``):
     ``eagle2`` drafts over the full vocabulary, the others over a policy's active vocabulary
@@ -262,10 +261,12 @@ def make_decoder(
     target's are quantised, ``fp32`` keeps the head's own; adapting methods always keep fp32.
     ``ngrams``: the model's n-gram table, which ``tree.table_lookup`` reads (``ngram_table.py``).
     ``reuse_prefix``: a prompt keeps the cached slots it shares with the decoder's last request,
-    where that is exact (``prefix.py``)."""
+    or with one of the earlier sequences kept in ``prefix_cache_mb`` MiB of snapshots (None:
+    ``prefix.STORE_MB``), where that is exact (``prefix.py``)."""
     args = (eos_ids, draft, tree, vocab, indices, adapt, verify_logits, prefetch, draft_weights, ngrams)
     dec = _build_decoder(name, model, *args)
     dec.prefix.enabled = dec.prefix.enabled and reuse_prefix
+    dec.prefix.store_bytes = (STORE_MB if prefix_cache_mb is None else prefix_cache_mb) << 20
     return dec
 
 

@@ -19,16 +19,47 @@ paths) ``reusable`` is always 0.
 What a request leaves: its prompt and every token it emitted but the last -- the slots plain
 decoding has written by then (a speculative round may have written more; those are not
 counted, so what the next request reuses does not depend on the method).
+
+Several recent sequences: before a request overwrites slots the cache holds (a prompt that
+differs from the last request's), :meth:`PrefixCache.prepare` copies those slots -- K/V and
+kept features -- into a small store of snapshots (least recently used out first, within
+``store_bytes``); a later prompt that shares a longer prefix with a snapshot than with the live
+cache gets the snapshot's slots copied back instead of prefilling them (what llama.cpp's
+server does with its prompt cache): clients that alternate between long documents or system
+prompts each keep theirs. Copies of exact slots: just as lossless.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from evospec.decoding.budget import cache_for
 from evospec.decoding.events import StepEvent
+from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
+
+STORE_MB = 256  # default room for snapshots of earlier sequences (--prefix-cache-mb)
+MIN_SNAPSHOT = 128  # shorter sequences are not kept: prefilling them again costs little
+MIN_GAIN = 64  # a snapshot replaces the live cache's prefix only where it keeps this many more slots
+
+
+@dataclass
+class _Snapshot:
+    """Slots [0, n) of an earlier sequence: its tokens, K/V and kept features."""
+
+    tokens: tuple[int, ...]
+    k: torch.Tensor  # [L, 1, H_kv, n, Dh]
+    v: torch.Tensor
+    features: torch.Tensor | None  # [n, D'] (drafted methods) or None
+    hidden: torch.Tensor | None  # [n, D] where it differs from features (EAGLE-3)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.k, self.v, self.features, self.hidden)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def reuse_is_exact(model: Transformer) -> bool:
@@ -47,8 +78,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PrefixCache:
     """The tokens (and optionally per-slot features) behind a decoder's cache slots [0, n)."""
 
-    def __init__(self, model: Transformer, *, enabled: bool = True) -> None:
+    def __init__(self, model: Transformer, *, enabled: bool = True, store_mb: int = STORE_MB) -> None:
+        self.model = model
         self.enabled = enabled and reuse_is_exact(model)
+        self.store_bytes = store_mb << 20  # room for snapshots of earlier sequences; 0: none
+        self.store: list[_Snapshot] = []  # least recently used first
+        self.min_snapshot, self.min_gain = MIN_SNAPSHOT, MIN_GAIN
         self.tokens: list[int] = []  # ids of the valid slots [0, len(tokens))
         # per-slot target features (drafted methods): what the draft reads, [capacity, D'], and
         # the final features, [capacity, D], where those differ (EAGLE-3; None: the same)
@@ -61,6 +96,53 @@ class PrefixCache:
         if not self.enabled or len(prompt) < 2:
             return 0
         return min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+
+    @torch.inference_mode()  # the kept features are inference tensors (written by forwards)
+    def prepare(self, cache: KVCache | None, prompt: Sequence[int], slots: int) -> tuple[KVCache, int]:
+        """The KV cache for a request needing ``slots`` slots, and how many of ``prompt``'s slots
+        it already holds: the live cache's shared prefix, or a stored snapshot's where that is
+        longer (copied in, with its features). Slots the request will overwrite are stored first."""
+        live = self.reusable(prompt)
+        best, source = live, None
+        if self.enabled and len(prompt) >= 2:
+            for snap in self.store:
+                n = min(common_prefix(snap.tokens, prompt), len(prompt) - 1)
+                if n >= best + self.min_gain:
+                    best, source = n, snap
+        if cache is not None and len(self.tokens) > (live if source is None else 0):
+            self._keep(cache)  # the live sequence is about to be overwritten past `live`
+        if source is None:
+            return cache_for(self.model, cache, slots, keep=live), live
+        cache = cache_for(self.model, cache, slots, keep=0)
+        cache.k[:, :, :, :best] = source.k[:, :, :, :best]
+        cache.v[:, :, :, :best] = source.v[:, :, :, :best]
+        cache.advance(best)
+        self.tokens = list(source.tokens[:best])
+        if source.features is not None:
+            self.write(0, source.features[:best], None if source.hidden is None else source.hidden[:best])
+        self.store.remove(source)
+        self.store.append(source)  # most recently used
+        return cache, best
+
+    def _keep(self, cache: KVCache) -> None:
+        """Store the live cache's valid slots as a snapshot (if long enough and room allows)."""
+        n = len(self.tokens)
+        if not self.enabled or n < self.min_snapshot or cache.batch != 1 or cache.max_len < n:
+            return
+        if self.features is not None and self.features.shape[0] < n:
+            return  # a drafted decoder's features must come with its slots
+        tokens = tuple(self.tokens)
+        if any(snap.tokens[:n] == tokens for snap in self.store):
+            return  # already kept (or a longer run of it)
+        feats = None if self.features is None else self.features[:n].clone()
+        hidden = None if self.hidden is None or feats is None else self.hidden[:n].clone()
+        snap = _Snapshot(tokens, cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone(), feats, hidden)
+        if snap.nbytes > self.store_bytes:
+            return
+        self.store = [s for s in self.store if tokens[: len(s.tokens)] != s.tokens]  # prefixes of it
+        self.store.append(snap)
+        while sum(s.nbytes for s in self.store) > self.store_bytes:
+            self.store.pop(0)
 
     def write(self, start: int, features: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Keep the target's features at slots [start, start + n): ``features`` [n, D'] (what

@@ -187,3 +187,52 @@ def test_reuse_can_be_turned_off():
     assert stats.cached_tokens == 0 and again == ar_tokens(
         target, [*prompt, *out, 1], SamplingParams(max_new_tokens=5)
     )
+
+
+def _small_store(dec, mb: int = 64):
+    dec.prefix.store_bytes, dec.prefix.min_snapshot, dec.prefix.min_gain = mb << 20, 8, 4
+    return dec
+
+
+@needs_ops
+@pytest.mark.parametrize("method", ["ar", "eagle2", "eagle3"])
+def test_alternating_prompts_each_get_their_slots_back_from_the_store(method):
+    """Two long prompts in turn: each request after the first two restores its sequence's
+    slots (and features) from the snapshot kept when the other overwrote them; every output
+    is AR's from an empty cache."""
+    target = _target(5)
+    dec = _small_store(_decoder(method, target))
+    params = SamplingParams(max_new_tokens=10)
+    docs = [prompt_of(20, 30), prompt_of(21, 30)]
+    answers = {}
+    for i, doc in enumerate(docs):  # fills the live cache, then the store
+        got, stats = _run(dec, doc, params)
+        assert stats.cached_tokens == 0 and got == ar_tokens(target, doc, params)
+        answers[i] = got
+    assert [len(s.tokens) for s in dec.prefix.store] == [len(docs[0]) + len(answers[0]) - 1]
+    for turn in range(4):
+        i = turn % 2
+        follow = [*docs[i], *answers[i], *prompt_of(30 + turn, 3)]
+        got, stats = _run(dec, follow, params)
+        assert got == ar_tokens(target, follow, params), turn
+        assert stats.cached_tokens == len(docs[i]) + len(answers[i]) - 1, turn
+        docs[i], answers[i] = follow, got
+
+
+@needs_ops
+def test_the_store_keeps_what_fits_least_recently_used_out_first_and_can_be_off():
+    target = _target(6)
+    params = SamplingParams(max_new_tokens=4)
+    prompts = [prompt_of(40 + i, 24) for i in range(3)]
+    dec = _small_store(_decoder("ar", target))
+    for p in prompts:
+        _run(dec, p, params)
+    one = dec.prefix.store[0].nbytes
+    assert len(dec.prefix.store) == 2  # the first two, the third is live
+    dec.prefix.store_bytes = one  # room for one: a new snapshot drops the oldest
+    _run(dec, prompt_of(50, 24), params)
+    assert [s.tokens[:24] for s in dec.prefix.store] == [tuple(prompts[2])]
+    off = _small_store(_decoder("ar", target), mb=0)
+    for p in [*prompts, prompts[0]]:
+        _, stats = _run(off, p, params)
+    assert off.prefix.store == [] and stats.cached_tokens == 0

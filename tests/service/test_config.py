@@ -139,6 +139,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("max_tokens_limit: -1\n", "max_tokens_limit must be >= 1"),
         ("dtype: float8\n", "dtype 'float8'"),
         ("pack_weights: 1\n", "pack_weights must be bool"),
+        ("prefix_cache_mb: -2\n", "prefix_cache_mb must be >= 0"),
+        ("prefix_cache_mb: lots\n", "prefix_cache_mb must be int"),
         ("verify_logits: some\n", "verify_logits 'some' is not one of"),
         ("draft_weights: int4\n", "draft_weights 'int4' is not one of"),
         ("tree: {top_k: 0}\n", "tree.top_k must be an integer >= 1"),
