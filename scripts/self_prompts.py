@@ -1,0 +1,76 @@
+"""User prompts written by the target itself, for draft-head training data (Magpie-style).
+
+The chat template is rendered up to where a user's message begins, and the target samples
+what follows (temperature ``--temperature``, nucleus ``--top-p``) until its end-of-turn: an
+instruct model writes the kind of request it was tuned to answer. Prompts are deduplicated
+(case and spacing folded), kept between ``--min-words`` and ``--max-tokens`` long, and written as
+JSONL ``{"prompt": ...}``, the format ``evospec train-draft --data`` reads as generation prompts.
+No data set is read, so none of the evaluation sets can leak in. Resumable: an existing
+``--out`` is kept and extended. Used for draft head version 5 (docs/draft-head.md):
+
+    .venv/bin/python scripts/self_prompts.py --count 3000 --out ~/.cache/evospec/self_prompts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from evospec.assembly import StackSettings, assemble
+from evospec.decoding.sampling import SamplingParams
+
+MARK = "\x00USER\x00"
+
+
+def _key(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=3000, help="prompts to have in --out (default 3000)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--max-tokens", type=int, default=96, help="longest prompt kept, in tokens")
+    ap.add_argument("--min-words", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0, help="first sampling seed (one per attempt)")
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    stack = assemble(StackSettings(methods=("ar",), weights=args.weights), progress=False)
+    codec, decoder = stack.codec, stack.decoder("ar")
+    rendered = codec.render_chat([{"role": "user", "content": MARK}])
+    prefix = codec.tok.encode(rendered[: rendered.index(MARK)], add_special_tokens=False).ids
+    kept = [json.loads(line)["prompt"] for line in args.out.read_text().splitlines()] if args.out.exists() else []
+    seen = {_key(p) for p in kept}
+    attempt, start = args.seed + len(kept) * 2, time.time()
+    with args.out.open("a") as out:
+        while len(kept) < args.count:
+            params = SamplingParams(
+                max_new_tokens=args.max_tokens + 1, temperature=args.temperature, top_p=args.top_p, seed=attempt
+            )
+            attempt += 1
+            ids = [t for ev in decoder.generate(prefix, params) for t in ev.tokens]
+            finished = bool(ids) and ids[-1] in stack.eos_ids
+            text = codec.decode(ids).strip()
+            if not finished or len(text.split()) < args.min_words or _key(text) in seen:
+                continue
+            seen.add(_key(text))
+            kept.append(text)
+            out.write(json.dumps({"prompt": text}) + "\n")
+            out.flush()
+            if len(kept) % 50 == 0:
+                rate = len(kept) / (time.time() - start)
+                print(f"{len(kept)}/{args.count} prompts ({attempt - args.seed} tries, {rate:.1f}/s)", file=sys.stderr)
+    print(f"{len(kept)} prompts in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
