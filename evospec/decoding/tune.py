@@ -16,13 +16,14 @@ result says so (``beats_ar: false``) and the fastest shape is still returned.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,22 @@ def _tok_per_s(
     return tokens / (time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def _live_cache_only(decoders: Iterable[Decoder]) -> Iterator[None]:
+    """Calibration visits its prompts many times: a decoder that copied an earlier visit's slots
+    back from its prefix store (``prefix.py``) would skip prefills a first visit pays, and AR,
+    timed most often, would gain most. So timings keep only the live cache, as each prompt's
+    first visit has it."""
+    stores = [(d.prefix, d.prefix.store_bytes) for d in decoders if getattr(d, "prefix", None) is not None]
+    for prefix, _ in stores:
+        prefix.store_bytes = 0
+    try:
+        yield
+    finally:
+        for prefix, room in stores:
+            prefix.store_bytes = room
+
+
 def calibrate(
     build: Callable[[TreeConfig], Decoder],
     ar: Decoder,
@@ -155,12 +172,18 @@ def calibrate(
     once it has taken 1 / :data:`PRUNE` times the leader's time (every candidate writes the
     same greedy tokens, so it cannot reach PRUNE x the leader's speed any more).
     """
+    decoders = {i: build(tree) for i, tree in enumerate(candidates)}
+    record_steps(getattr(ar, "model", None), decoders.values())  # no candidate's timing pays for recording a graph
+    with _live_cache_only([ar, *decoders.values()]):
+        return _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress)
+
+
+def _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress) -> dict:
+    """:func:`calibrate`'s timing loop over the recorded ``decoders`` (one per candidate)."""
     from tqdm.auto import tqdm
 
     params = SamplingParams(max_new_tokens=max_new_tokens)
     warm = SamplingParams(max_new_tokens=4)
-    decoders = {i: build(tree) for i, tree in enumerate(candidates)}
-    record_steps(getattr(ar, "model", None), decoders.values())  # no candidate's timing pays for recording a graph
     for dec in [ar, *decoders.values()]:
         list(dec.generate(prompts[0], warm))
     # a first AR run: the tokens every full run writes (every decoder writes AR's), the unit a

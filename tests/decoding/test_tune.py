@@ -213,3 +213,24 @@ def test_a_run_still_going_after_the_leaders_time_over_prune_is_stopped():
     assert emitted[SLOW] - 4 < 10
     slow = next(row for row in res["table"] if TreeConfig(**row["tree"]) == SLOW)
     assert slow["tok_per_s"] < tune.PRUNE * res["tok_per_s"] and TreeConfig(**res["tree"]) == FAST
+
+
+def test_calibration_times_with_the_live_cache_only_and_gives_the_store_back():
+    """Calibration repeats its prompts: no decoder may copy an earlier visit's slots back from
+    its prefix store while it is timed (AR, timed most, would gain most); afterwards the
+    decoders keep their store's room."""
+    seen = []
+
+    class _Stored(_Sleepy):
+        def __init__(self, delay: float) -> None:
+            super().__init__(delay)
+            self.prefix = SimpleNamespace(store_bytes=256 << 20)
+
+        def generate(self, prompt, params):
+            seen.append(self.prefix.store_bytes)
+            yield from super().generate(prompt, params)
+
+    ar = _Stored(0.002)
+    tune.calibrate(lambda t: _Stored(0.001), ar, [[1, 2]], candidates=[SLOW], max_new_tokens=2, progress=False)
+    assert seen and set(seen) == {0}
+    assert ar.prefix.store_bytes == 256 << 20
