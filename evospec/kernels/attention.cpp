@@ -17,10 +17,11 @@
 //   lanes (key t - t0 mod 16, in key order) and the same tree
 //   out[d] = (sum over keys in order of e[t] * v_t[d], fused) * (1 / total)
 // A row's bits depend only on its query, its keys and values and how many it sees: never on
-// n, on the rows computed beside it (a block of rows shares each key's and value's load, and
-// nothing else) or on the thread split; a left-padded row (a masked leading run) gives the
-// bits of the same row without the padding. So one-token steps, verified chains and prefill
-// rows agree bitwise, which keeps speculative decoding equal to plain decoding.
+// n, on the rows computed beside it (a block of rows shares loads -- each value's, and each
+// key's or its f16 conversion -- and nothing else) or on the thread split; a left-padded row
+// (a masked leading run) gives the bits of the same row without the padding. So one-token
+// steps, verified chains and prefill rows agree bitwise, which keeps speculative decoding equal
+// to plain decoding.
 //
 // Why: at a few hundred cached slots attention is a sixth of a SmolLM2 int4 step, and at a few
 // thousand most of it. Scores are formed 16 keys at a time (one transposing add tree instead
