@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from evospec.assembly import StackSettings, assemble
 from evospec.decoding.sampling import SamplingParams
 
@@ -43,13 +41,14 @@ def main() -> None:
     ap.add_argument("--min-words", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="first sampling seed (one per attempt)")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     stack = assemble(StackSettings(methods=("ar",), weights=args.weights), progress=False)
     codec, decoder = stack.codec, stack.decoder("ar")
     rendered = codec.render_chat([{"role": "user", "content": MARK}])
     prefix = codec.tok.encode(rendered[: rendered.index(MARK)], add_special_tokens=False).ids
     kept = [json.loads(line)["prompt"] for line in args.out.read_text().splitlines()] if args.out.exists() else []
     seen = {_key(p) for p in kept}
+    # a resumed run starts past the seeds the first one most likely tried (~1.15 tries per kept
+    # prompt here); a prompt drawn again is dropped by the deduplication anyway
     attempt, start = args.seed + len(kept) * 2, time.time()
     with args.out.open("a") as out:
         while len(kept) < args.count:

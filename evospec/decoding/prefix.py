@@ -78,10 +78,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PrefixCache:
     """The tokens (and optionally per-slot features) behind a decoder's cache slots [0, n)."""
 
-    def __init__(self, model: Transformer, *, enabled: bool = True, store_mb: int = STORE_MB) -> None:
+    def __init__(self, model: Transformer, *, enabled: bool = True) -> None:
         self.model = model
         self.enabled = enabled and reuse_is_exact(model)
-        self.store_bytes = store_mb << 20  # room for snapshots of earlier sequences; 0: none
+        self.store_bytes = STORE_MB << 20  # room for snapshots of earlier sequences; 0: none
         self.store: list[_Snapshot] = []  # least recently used first
         self.min_snapshot, self.min_gain = MIN_SNAPSHOT, MIN_GAIN
         self.tokens: list[int] = []  # ids of the valid slots [0, len(tokens))

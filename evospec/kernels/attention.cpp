@@ -288,8 +288,16 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
   // Threads only where a block's work outweighs waking them (long contexts).
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, rb * s * dh));
   at::parallel_for(0, b * hk * blocks, grain, [&](int64_t first, int64_t last) {
-    std::vector<float> score(rb * stride), kbuf(kW * dh), zeros(dh, 0.0f);
-    const std::vector<T> zeros_t(dh, T{0});  // +0 in either format
+    // Per-thread scratch kept across calls (a step calls this once per layer): scores and
+    // converted keys are written before they are read; the zero rows only ever grow, with zeros.
+    thread_local std::vector<float> score, kbuf, zeros;
+    thread_local std::vector<T> zeros_t;  // +0 in either format
+    if (score.size() < static_cast<size_t>(rb * stride)) score.resize(rb * stride);
+    if (kbuf.size() < static_cast<size_t>(kW * dh)) kbuf.resize(kW * dh);
+    if (zeros.size() < static_cast<size_t>(dh)) {
+      zeros.resize(dh, 0.0f);
+      zeros_t.resize(dh, T{0});
+    }
     for (int64_t job = first; job < last; ++job) {
       const int64_t bi = job / (hk * blocks), kv = job / blocks % hk, r0 = job % blocks * rb;
       Rows rows;

@@ -6,10 +6,9 @@
 //   rope_qkv(qkv bf16 [B, n, (Hq + 2 Hk) Dh], cos, sin f32 [n, Dh] or [B, n, Dh], Hq, Hk)
 //                                                          -> q f32 [B, Hq, n, Dh], k, v [B, Hk, n, Dh]
 //   silu_mul_bf16(gu bf16 [..., 2 I])                       -> silu(gu[:I]) * gu[I:] bf16 [..., I]
-//   decode_attention(q f32 [B, H, n, Dh], keys, values f32 [B, Hk, S, Dh], mask?, scale)
-//                                   -> softmax(scale q k^T) v f32 [B, H, n, Dh], row j over S - n + 1 + j keys
 //   llama_layer(...): one decoder layer (a step, a row-exact chain, causal prefill rows): the
-//                     calls above plus int4_matmul's, as fused.py's loop makes them
+//                     calls above plus attention.cpp's decode_attention and int4_matmul's, as
+//                     fused.py's loop makes them
 //
 // Every op computes each row (the last dimension) with the same code whatever the number of
 // rows, in float32, rounding once to bfloat16 (nearest-even) at the end: a row's result never
@@ -32,11 +31,6 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
-#include <vector>
-
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 namespace {
 

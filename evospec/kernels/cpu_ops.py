@@ -6,7 +6,8 @@ and a torch reference of each op with the same contract (for tests, and the numb
 compiled ops must stay close to). Knows tensors only: no models.
 
 The ops (shapes in ``cpu_ops.cpp``): ``rms_norm_bf16``, ``add_rms_norm_bf16``, ``rope_qkv``,
-``silu_mul_bf16`` and ``decode_attention`` (one query row); the same library carries the int4 x
+``silu_mul_bf16``, and ``decode_attention`` (``attention.cpp``: steps, chains and prefill rows over
+an f32 or f16 KV cache); the same library carries the int4 x
 int8 matmuls of ``int4_matmul.cpp`` and ``int8_matmul.cpp`` (``int4_matmul.py``, ``int8_matmul.py``). They replace ~45 small aten calls
 per layer of a quantised decode step (norm pieces, casts, RoPE slices) with four, and SDPA's
 one-row attention with a leaner loop. Each computes a row with the same code whatever
