@@ -1,27 +1,30 @@
 // Decode attention on the CPU, registered as the torch op evospec::decode_attention.
 //
 // Contract (cpu_ops.py holds the torch reference, decode_attention_ref):
-//   decode_attention(q f32 [B, H, n, Dh], keys, values f32 or f16 [B, Hk, S, Dh], mask?, scale)
-//     -> softmax(scale q k^T) v, f32 [B, H, n, Dh]
+//   decode_attention(q f32 [B, H, n, Dh], keys, values f32 or f16 [B, Hk, S, Dh], mask?, scale,
+//                    window = 0) -> softmax(scale q k^T) v, f32 [B, H, n, Dh]
 // Row j of n sees the first S - n + 1 + j keys: n = 1 is a step; a chain verified after the
 // cache has each row see the cache and the rows before it; a prefill's rows are causal. mask
-// (n = 1 only) hides keys (True = attend); H is a multiple of Hk (grouped queries). A head size
-// that is not a multiple of 16 is padded with zeros (copies: tiny test models only).
+// (n = 1 only) hides keys (True = attend); window > 0 (a sliding-window layer) also hides a
+// row's keys more than window - 1 behind its last one. H is a multiple of Hk (grouped
+// queries). A head size that is not a multiple of 16 is padded with zeros (copies: tiny test
+// models only).
 //
-// Per row, in float32, from its first visible key t0 (products summed by explicit fused
-// multiply-adds, one rounding each, std::fma where the CPU has none: the same bits everywhere;
-// no other contraction, -ffp-contract=off):
+// Per row, in float32, from its first visible key t0 (with a window: the window's first key
+// rounded down to a multiple of 16, the keys before it hidden), products summed by explicit
+// fused multiply-adds (one rounding each, std::fma where the CPU has none: the same bits
+// everywhere; no other contraction, -ffp-contract=off):
 //   score[t] = scale * dot(q, k_t): 16 lane sums over Dh (lane l takes d = l mod 16, in d
 //              order), then one fixed tree over the lanes (lanes l and l + 8, then l + 4, ...)
 //   m = max score; e[t] = exp(score[t] - m), 0 for a hidden key; total = the e's summed in 16
 //   lanes (key t - t0 mod 16, in key order) and the same tree
 //   out[d] = (sum over keys in order of e[t] * v_t[d], fused) * (1 / total)
-// A row's bits depend only on its query, its keys and values and how many it sees: never on
-// n, on the rows computed beside it (a block of rows shares loads -- each value's, and each
-// key's or its f16 conversion -- and nothing else) or on the thread split; a left-padded row
-// (a masked leading run) gives the bits of the same row without the padding. So one-token
-// steps, verified chains and prefill rows agree bitwise, which keeps speculative decoding equal
-// to plain decoding.
+// A hidden key adds exact zeros, so a row's bits depend only on its query, its visible keys and
+// values and how many it sees: never on n, on the rows computed beside it (a block of rows
+// shares loads -- each value's, and each key's or its f16 conversion -- and nothing else) or on
+// the thread split; a left-padded row (a masked leading run) gives the bits of the same row
+// without the padding. So one-token steps, verified chains and prefill rows agree bitwise,
+// which keeps speculative decoding equal to plain decoding.
 //
 // Why: at a few hundred cached slots attention is a sixth of a SmolLM2 int4 step, and at a few
 // thousand most of it. Scores are formed 16 keys at a time (one transposing add tree instead
@@ -155,6 +158,7 @@ struct Rows {
   const float* q[kMaxRows];
   float* out[kMaxRows];
   int64_t keys[kMaxRows];
+  int64_t lo[kMaxRows];  // its first visible key (a window's), hidden before it; 0 without one
   int nr;
 };
 
@@ -200,11 +204,13 @@ void exp_shifted(float* __restrict__ s, int64_t n, float m) {
   }
 }
 
-// Row r's scores -> its e's (in place, 0 past its keys up to a whole block); returns 1 / total.
-float softmax_row(float* s, int64_t count, int64_t t0, const bool* mask) {
+// Row r's scores -> its e's (in place, 0 before `lo` and past its keys up to a whole block);
+// returns 1 / total.
+float softmax_row(float* s, int64_t count, int64_t t0, int64_t lo, const bool* mask) {
   const int64_t padded = (count + kW - 1) / kW * kW;
   if (mask)
     for (int64_t i = 0; i < count; ++i) s[i] = mask[t0 + i] ? s[i] : -INFINITY;
+  for (int64_t i = 0; i < lo - t0 && i < count; ++i) s[i] = -INFINITY;
   for (int64_t i = count; i < padded; ++i) s[i] = -INFINITY;
   V best = splat(-INFINITY);
   for (int64_t i = 0; i < padded; i += kW) {
@@ -259,7 +265,8 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
   for (int64_t tb = t0; tb < end; tb += kW)
     score_block(rows, kb, ks, tb, end, t0, dh, sc, score, stride, kbuf, zeros, zeros_t);
   float inv[kMaxRows];
-  for (int r = 0; r < rows.nr; ++r) inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, mask);
+  for (int r = 0; r < rows.nr; ++r)
+    inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask);
   if (dh % (4 * kW) == 0) return weigh_rows<T, 4>(rows, vb, vs, t0, end, dh, score, stride, inv);
   if (dh % (2 * kW) == 0) return weigh_rows<T, 2>(rows, vb, vs, t0, end, dh, score, stride, inv);
   weigh_rows<T, 1>(rows, vb, vs, t0, end, dh, score, stride, inv);
@@ -267,7 +274,7 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const bool* mp, bool per_batch,
-         float scale, at::Tensor& out) {
+         float scale, int64_t window, at::Tensor& out) {
   const int64_t b = q.size(0), h = q.size(1), n = q.size(2), dh = q.size(3);
   const int64_t hk = keys.size(1), s = keys.size(2), group = h / hk;
   const float* qp = q.data_ptr<float>();
@@ -308,11 +315,17 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
         rows.q[i] = qp + row * dh;
         rows.out[i] = op + row * dh;
         rows.keys[i] = s - n + 1 + j;
+        rows.lo[i] = window > 0 ? std::max<int64_t>(0, rows.keys[i] - window) : 0;
       }
       const bool* mr = mp ? mp + (per_batch ? bi * s : 0) : nullptr;
       int64_t t0 = 0;  // a masked leading run (left padding) is skipped, if the row sees any key
       while (mr && t0 < s && !mr[t0]) ++t0;
       if (t0 == s) t0 = 0;
+      if (window > 0) {  // from the block of 16 holding the earliest window start: a lone row's lanes
+        int64_t lo = rows.lo[0];
+        for (int i = 1; i < rows.nr; ++i) lo = std::min(lo, rows.lo[i]);
+        t0 = std::max(t0, lo / kW * kW);
+      }
       attend<T>(rows, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, t0, mr, scale, dh,
                 score.data(), stride, kbuf.data(), zeros.data(), zeros_t.data());
     }
@@ -322,7 +335,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const std::optional<at::Tensor>& mask, double scale) {
+                            const std::optional<at::Tensor>& mask, double scale, int64_t window) {
   const auto kt = keys.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat && (kt == at::kFloat || kt == at::kHalf) && values.scalar_type() == kt,
               "decode_attention: q must be float32, keys and values both float32 or both float16");
@@ -333,6 +346,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   TORCH_CHECK(keys.size(0) == b && keys.size(3) == dh && hk > 0 && h % hk == 0 && n >= 1 && n <= s,
               "decode_attention: shapes of q and keys differ");
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "decode_attention: keys need a contiguous last dim");
+  TORCH_CHECK(window >= 0, "decode_attention: window must be >= 0");
   at::Tensor m;
   const bool* mp = nullptr;
   bool per_batch = false;
@@ -346,23 +360,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   if (dh % kW) {  // zero lanes up to a multiple of 16 add exact zeros: the same sums, padded copies
     const int64_t pad = kW - dh % kW;
     return decode_attention(at::constant_pad_nd(q, {0, pad}), at::constant_pad_nd(keys, {0, pad}),
-                            at::constant_pad_nd(values, {0, pad}), mask, scale)
+                            at::constant_pad_nd(values, {0, pad}), mask, scale, window)
         .narrow(3, 0, dh)
         .contiguous();
   }
   auto qc = q.contiguous();
   auto out = at::empty({b, h, n, dh}, q.options());
   if (kt == at::kHalf)
-    run<uint16_t>(qc, keys, values, mp, per_batch, static_cast<float>(scale), out);
+    run<uint16_t>(qc, keys, values, mp, per_batch, static_cast<float>(scale), window, out);
   else
-    run<float>(qc, keys, values, mp, per_batch, static_cast<float>(scale), out);
+    run<float>(qc, keys, values, mp, per_batch, static_cast<float>(scale), window, out);
   return out;
 }
 
 }  // namespace evospec_attention
 
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("decode_attention", &evospec_attention::decode_attention); }

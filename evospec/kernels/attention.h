@@ -11,6 +11,6 @@ namespace evospec_attention {
 // (n = 1 only, optional) bool with S or B * S elements, True = attend -> f32 [B, H, n, Dh];
 // row j sees the first S - n + 1 + j keys. See attention.cpp for the arithmetic.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const std::optional<at::Tensor>& mask, double scale);
+                            const std::optional<at::Tensor>& mask, double scale, int64_t window = 0);
 
 }  // namespace evospec_attention

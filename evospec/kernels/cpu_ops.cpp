@@ -9,6 +9,16 @@
 //   llama_layer(...): one decoder layer (a step, a row-exact chain, causal prefill rows): the
 //                     calls above plus attention.cpp's decode_attention and int4_matmul's, as
 //                     fused.py's loop makes them
+// Gemma-3's blocks (norms after each sublayer too, q/k norms, GELU, sliding windows) add:
+//   rope_qkv_normed(qkv, cos, sin, Hq, Hk, qw f32 [Dh], kw, eps)
+//                                                          -> rope_qkv with each q and k head
+//                                                             RMS-normed (by qw / kw) first
+//   norm_add_rms_norm_bf16(x f32 [..., D], y, w, w_next, eps) -> (s = x + rms_norm(y) f32,
+//                                                                 rms_norm(s) by w_next bf16)
+//   gelu_mul_bf16(gu bf16 [..., 2 I])                       -> gelu_tanh(gu[:I]) * gu[I:] bf16
+//   gemma_layer(...): one Gemma-3 decoder layer, as fused.py's Gemma loop makes its calls
+// A Gemma norm's weight is 1 + w (fused.py precomputes it), so every norm here multiplies by
+// the weight it is given.
 //
 // Every op computes each row (the last dimension) with the same code whatever the number of
 // rows, in float32, rounding once to bfloat16 (nearest-even) at the end: a row's result never
@@ -31,6 +41,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -55,6 +66,14 @@ inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, u
                      int64_t d, float eps) {
   float inv = inv_rms(x, d, eps);
   for (int64_t i = 0; i < d; ++i) out[i] = f32_to_bf16(w[i] * (x[i] * inv));
+}
+
+// x + w * (y * inv_rms(y)) over one row (y converted to float32 in `buf`): a Gemma sublayer's
+// output normed and added to the residual stream.
+inline void norm_add_row(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                         float* __restrict__ out, int64_t d, float eps) {
+  float inv = inv_rms(y, d, eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] + w[i] * (y[i] * inv);
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
@@ -109,8 +128,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const 
   return {sum, out};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
-                                                        const at::Tensor& sin, int64_t hq, int64_t hk) {
+// rope_qkv, with each q / k head RMS-normed by qw / kw first where they are given.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_impl(const at::Tensor& qkv, const at::Tensor& cos,
+                                                             const at::Tensor& sin, int64_t hq, int64_t hk,
+                                                             const float* qw, const float* kw, float eps) {
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 3, "rope_qkv: qkv must be bfloat16 [B, n, F]");
   const int64_t b = qkv.size(0), n = qkv.size(1);
   const int64_t dh = cos.size(-1), half = dh / 2;
@@ -144,12 +165,66 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, c
           for (int64_t i = 0; i < dh; ++i) dst[i] = row[i];
           continue;
         }
+        if (const float* w = h < hq ? qw : kw) {
+          const float inv = inv_rms(row, dh, eps);
+          for (int64_t i = 0; i < dh; ++i) row[i] = w[i] * (row[i] * inv);
+        }
         for (int64_t i = 0; i < half; ++i) dst[i] = row[i] * cr[i] - row[i + half] * sr[i];
         for (int64_t i = half; i < dh; ++i) dst[i] = row[i] * cr[i] + row[i - half] * sr[i];
       }
     }
   });
   return {q, k, v};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t hq, int64_t hk) {
+  return rope_qkv_impl(qkv, cos, sin, hq, hk, nullptr, nullptr, 0.0f);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_normed(const at::Tensor& qkv, const at::Tensor& cos,
+                                                               const at::Tensor& sin, int64_t hq, int64_t hk,
+                                                               const at::Tensor& qw, const at::Tensor& kw,
+                                                               double eps) {
+  const int64_t dh = cos.size(-1);
+  for (const auto* w : {&qw, &kw})
+    TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->dim() == 1 && w->size(0) == dh,
+                "rope_qkv_normed: qw, kw must be contiguous float32 [Dh]");
+  return rope_qkv_impl(qkv, cos, sin, hq, hk, qw.data_ptr<float>(), kw.data_ptr<float>(), static_cast<float>(eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& y,
+                                                          const at::Tensor& w, const at::Tensor& w_next,
+                                                          double eps) {
+  check_rows(x, w, "norm_add_rms_norm_bf16");
+  check_rows(x, w_next, "norm_add_rms_norm_bf16");
+  TORCH_CHECK(y.sizes() == x.sizes(), "norm_add_rms_norm_bf16: x and y differ in shape");
+  auto yc = y.contiguous();
+  TORCH_CHECK(yc.scalar_type() == at::kBFloat16 || yc.scalar_type() == at::kFloat,
+              "norm_add_rms_norm_bf16: y must be bfloat16 or float32");
+  const bool y_bf16 = yc.scalar_type() == at::kBFloat16;
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  auto sum = at::empty_like(x);
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xp = x.data_ptr<float>();
+  const float *wp = w.contiguous().data_ptr<float>(), *np = w_next.contiguous().data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const void* yp = yc.data_ptr();
+  at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+    std::vector<float> buf(y_bf16 ? d : 0);
+    for (int64_t r = a; r < b; ++r) {
+      const float* yr = static_cast<const float*>(yp) + r * d;
+      if (y_bf16) {
+        const uint16_t* yh = static_cast<const uint16_t*>(yp) + r * d;
+        for (int64_t i = 0; i < d; ++i) buf[i] = bf16_to_f32(yh[i]);
+        yr = buf.data();
+      }
+      norm_add_row(xp + r * d, yr, wp, sp + r * d, d, static_cast<float>(eps));
+      norm_row(sp + r * d, np, op + r * d, d, static_cast<float>(eps));
+    }
+  });
+  return {sum, out};
 }
 
 // Kept out of line: inlined into silu_mul_bf16's loop, whose g and u point into one buffer, GCC 12
@@ -162,8 +237,20 @@ __attribute__((noinline)) void silu_mul_row(const uint16_t* __restrict__ g, cons
   }
 }
 
-at::Tensor silu_mul_bf16(const at::Tensor& gu) {
-  TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.size(-1) % 2 == 0, "silu_mul_bf16: gu must be bfloat16 [..., 2 I]");
+// gelu_tanh(g) = 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), written as
+// g / (1 + exp(-2 u)) (the same function) so that it shares SiLU's exp.
+__attribute__((noinline)) void gelu_mul_row(const uint16_t* __restrict__ g, const uint16_t* __restrict__ u,
+                                            uint16_t* __restrict__ o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float gv = bf16_to_f32(g[i]);
+    float arg = 1.5957691216057308f * (gv + 0.044715f * (gv * gv * gv));  // 2 u
+    o[i] = f32_to_bf16(gv / (1.0f + exp_f32(-arg)) * bf16_to_f32(u[i]));
+  }
+}
+
+template <void (*Row)(const uint16_t*, const uint16_t*, uint16_t*, int64_t)>
+at::Tensor act_mul_bf16(const at::Tensor& gu, const char* name) {
+  TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.size(-1) % 2 == 0, name, ": gu must be bfloat16 [..., 2 I]");
   auto x = gu.contiguous();
   const int64_t width = x.size(-1), inter = width / 2, rows = x.numel() / width;
   auto sizes = x.sizes().vec();
@@ -172,15 +259,13 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu) {
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      const uint16_t* g = xp + r * width;
-      const uint16_t* u = g + inter;
-      uint16_t* o = op + r * inter;
-      silu_mul_row(g, u, o, inter);
-    }
+    for (int64_t r = a; r < b; ++r) Row(xp + r * width, xp + r * width + inter, op + r * inter, inter);
   });
   return out;
 }
+
+at::Tensor silu_mul_bf16(const at::Tensor& gu) { return act_mul_bf16<silu_mul_row>(gu, "silu_mul_bf16"); }
+at::Tensor gelu_mul_bf16(const at::Tensor& gu) { return act_mul_bf16<gelu_mul_row>(gu, "gelu_mul_bf16"); }
 
 at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed) {  // int4_matmul.cpp's op
   static const auto op = c10::Dispatcher::singleton()
@@ -212,12 +297,43 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   keys.narrow(2, end - n, n).copy_(k);
   values.narrow(2, end - n, n).copy_(v);
   auto out = evospec_attention::decode_attention(q, keys.narrow(2, 0, end), values.narrow(2, 0, end),
-                                                 std::nullopt, scale);
+                                                 std::nullopt, scale, 0);
   out = out.transpose(1, 2).to(at::kBFloat16, false, false, at::MemoryFormat::Contiguous).view({b * n, -1});
   auto [x1, h1] = add_rms_norm_bf16(x, int4_rows(out, o_w), post_w, eps);
   auto mlp = int4_rows(silu_mul_bf16(int4_rows(h1, gate_up_w)), down_w);
   if (next_w.has_value() && next_w->defined()) return add_rms_norm_bf16(x1, mlp, *next_w, eps);
   return {x1 + mlp, h1};
+}
+
+
+// One Gemma-3 decoder layer, as fused.py's Gemma loop makes its calls (llama_layer's contract
+// otherwise): h is x normed by this layer's input norm; the q/k heads are normed before RoPE;
+// attention hides keys `window` or more behind (a sliding layer; 0: a global one); each
+// sublayer's output is normed (post_w, post_ff_w) before it joins the residual stream; the MLP
+// is GELU-gated. Every *_w norm weight is Gemma's 1 + w.
+std::tuple<at::Tensor, at::Tensor> gemma_layer(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& o_w,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,
+    const at::Tensor& post_w, const at::Tensor& pre_ff_w, const at::Tensor& post_ff_w,
+    const std::optional<at::Tensor>& next_w, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, int64_t layer, const at::Tensor& slots, int64_t b, int64_t n, int64_t hq, int64_t hk,
+    double scale, double eps, int64_t window) {
+  const int64_t end = slots.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == b * n && h.sizes() == x.sizes(), "gemma_layer: x, h must be [B n, D]");
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
+              "gemma_layer: the cache cannot hold these slots");
+  auto [q, k, v] = rope_qkv_normed(int4_rows(h, qkv_w).view({b, n, -1}), cos, sin, hq, hk, q_norm_w, k_norm_w, eps);
+  auto keys = k_cache.select(0, layer), values = v_cache.select(0, layer);  // [B, Hk, S, Dh]
+  keys.narrow(2, end - n, n).copy_(k);
+  values.narrow(2, end - n, n).copy_(v);
+  auto out = evospec_attention::decode_attention(q, keys.narrow(2, 0, end), values.narrow(2, 0, end),
+                                                 std::nullopt, scale, window);
+  out = out.transpose(1, 2).to(at::kBFloat16, false, false, at::MemoryFormat::Contiguous).view({b * n, -1});
+  auto [x1, h1] = norm_add_rms_norm_bf16(x, int4_rows(out, o_w), post_w, pre_ff_w, eps);
+  auto mlp = int4_rows(gelu_mul_bf16(int4_rows(h1, gate_up_w)), down_w);
+  const bool last = !(next_w.has_value() && next_w->defined());
+  auto [x2, h2] = norm_add_rms_norm_bf16(x1, mlp, post_ff_w, last ? pre_ff_w : *next_w, eps);
+  return {x2, last ? h1 : h2};
 }
 
 }  // namespace
@@ -230,6 +346,14 @@ TORCH_LIBRARY(evospec, m) {
   m.def("llama_layer(Tensor x, Tensor h, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
         "Tensor post_w, Tensor? next_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int layer, Tensor slots, int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
+  m.def("rope_qkv_normed(Tensor qkv, Tensor cos, Tensor sin, int hq, int hk, Tensor qw, Tensor kw, float eps) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("norm_add_rms_norm_bf16(Tensor x, Tensor y, Tensor w, Tensor w_next, float eps) -> (Tensor, Tensor)");
+  m.def("gelu_mul_bf16(Tensor gu) -> Tensor");
+  m.def("gemma_layer(Tensor x, Tensor h, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
+        "Tensor q_norm_w, Tensor k_norm_w, Tensor post_w, Tensor pre_ff_w, Tensor post_ff_w, Tensor? next_w, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, Tensor slots, int b, int n, "
+        "int hq, int hk, float scale, float eps, int window) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evospec, CPU, m) {
@@ -238,4 +362,8 @@ TORCH_LIBRARY_IMPL(evospec, CPU, m) {
   m.impl("rope_qkv", &rope_qkv);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("llama_layer", &llama_layer);
+  m.impl("rope_qkv_normed", &rope_qkv_normed);
+  m.impl("norm_add_rms_norm_bf16", &norm_add_rms_norm_bf16);
+  m.impl("gelu_mul_bf16", &gelu_mul_bf16);
+  m.impl("gemma_layer", &gemma_layer);
 }

@@ -6,7 +6,8 @@ and a torch reference of each op with the same contract (for tests, and the numb
 compiled ops must stay close to). Knows tensors only: no models.
 
 The ops (shapes in ``cpu_ops.cpp``): ``rms_norm_bf16``, ``add_rms_norm_bf16``, ``rope_qkv``,
-``silu_mul_bf16``, and ``decode_attention`` (``attention.cpp``: steps, chains and prefill rows over
+``silu_mul_bf16``, Gemma-3's ``rope_qkv_normed``, ``norm_add_rms_norm_bf16`` and
+``gelu_mul_bf16``, and ``decode_attention`` (``attention.cpp``: steps, chains and prefill rows over
 an f32 or f16 KV cache); the same library carries the int4 x
 int8 matmuls of ``int4_matmul.cpp`` and ``int8_matmul.cpp`` (``int4_matmul.py``, ``int8_matmul.py``). They replace ~45 small aten calls
 per layer of a quantised decode step (norm pieces, casts, RoPE slices) with four, and SDPA's
@@ -140,6 +141,39 @@ def rope_qkv_ref(
     return qk[:, :hq].contiguous(), qk[:, hq:].contiguous(), heads[:, hq + hk :].contiguous()
 
 
+def rope_qkv_normed_ref(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, qw: torch.Tensor, kw: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rope_qkv_ref with each q head RMS-normed by ``qw`` and each k head by ``kw`` ([Dh]) first."""
+    b, n, _ = qkv.shape
+    dh = cos.shape[-1]
+    heads = qkv.float().view(b, n, hq + 2 * hk, dh)
+    q = F.rms_norm(heads[:, :, :hq], (dh,), qw, eps)
+    k = F.rms_norm(heads[:, :, hq : hq + hk], (dh,), kw, eps)
+    c = cos.reshape(-1, n, dh)[:, None]
+    s = sin.reshape(-1, n, dh)[:, None]
+    qk = torch.cat([q, k], dim=2).transpose(1, 2)  # [B, hq + hk, n, Dh]
+    half = dh // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    qk = qk * c + rotated * s
+    v = heads[:, :, hq + hk :].transpose(1, 2)
+    return qk[:, :hq].contiguous(), qk[:, hq:].contiguous(), v.contiguous()
+
+
+def norm_add_rms_norm_bf16_ref(
+    x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, w_next: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + rms_norm(y) by w in f32, its rms norm by w_next in bf16): a Gemma sublayer's exit."""
+    s = x + F.rms_norm(y.float(), w.shape, w, eps)
+    return s, rms_norm_bf16_ref(s, w_next, eps)
+
+
+def gelu_mul_bf16_ref(gu: torch.Tensor) -> torch.Tensor:
+    """gu bf16 [..., 2 I] -> gelu_tanh(gate) * up, bf16 [..., I]."""
+    gate, up = gu.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(torch.bfloat16)
+
+
 def silu_mul_bf16_ref(gu: torch.Tensor) -> torch.Tensor:
     """gu bf16 [..., 2 I] -> silu(gate) * up, bf16 [..., I]."""
     gate, up = gu.float().chunk(2, dim=-1)
@@ -147,16 +181,25 @@ def silu_mul_bf16_ref(gu: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention_ref(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [B, H, n, Dh], keys/values [B, H_kv, S, Dh] (grouped queries); row j sees the first
-    S - n + 1 + j keys, and for n = 1 ``mask`` (bool, S or B * S elements, True = attend)
+    S - n + 1 + j keys, and for n = 1 ``mask`` (bool, S or B * S elements, True = attend);
+    ``window`` > 0 hides keys ``window`` or more behind a row's last one
     -> softmax(scale q k^T) v [B, H, n, Dh], f32."""
     n, s = q.shape[2], keys.shape[2]
     if mask is not None:
         mask = mask.reshape(-1, 1, 1, s)  # [1 or B, 1, 1, S]
-    elif n > 1:
+    elif n > 1 or window:
         mask = torch.ones(n, s, dtype=torch.bool).tril(s - n)
+    if window:
+        last = torch.arange(s - n, s)[:, None]  # row j's last visible key
+        mask = mask & (last - torch.arange(s)[None, :] < window)
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
     )

@@ -1,7 +1,8 @@
-"""The decoder blocks through the fused CPU ops, for Llama-style models with quantised linears.
+"""The decoder blocks through the fused CPU ops, for Llama-style and Gemma-3 models with quantised
+linears.
 
 Owns: :func:`supports_fused_ops` (which models qualify) and :func:`run_fused_layers`, the layer
-loop ``Transformer.run_layers`` runs when ``Transformer.fused_ops`` is set. Per layer:
+loop ``Transformer.run_layers`` runs when ``Transformer.fused_ops`` is set. Per Llama layer:
 
     h = rms_norm(x) -> bf16          (the previous layer's add_rms_norm gives it)
     q, k, v = rope_qkv(qkv(h))       # [B, H, n, Dh] f32, rotated
@@ -16,9 +17,16 @@ norm pieces, RoPE slices), and one-query attention runs as its ``decode_attentio
 cache and the row-by-row verification are the Transformer's own
 (``Attention.attend_rotated``), so chains stay row-exact.
 
+A Gemma-3 layer (:func:`_gemma_loop_layer`) norms each sublayer's output before adding it
+(``norm_add_rms_norm_bf16``), norms the q/k heads before RoPE (``rope_qkv_normed``), gates its
+MLP with GELU (``gelu_mul_bf16``), takes the local RoPE table on its sliding layers, and its
+attention op hides the keys past the window itself (``decode_attention``'s ``window``), so a
+step needs no position-dependent mask and can be recorded like a Llama one. Its norms scale by
+1 + w, precomputed once (:class:`GemmaNorms`).
+
 Where every linear runs our int4 kernel and the forward has no mask (recorded steps and chains,
-a prefill's causal rows), each layer is one ``llama_layer`` op: the same calls in C++, so a
-recorded step replays one node per layer.
+a prefill's causal rows), each layer is one ``llama_layer`` / ``gemma_layer`` op: the same calls
+in C++, so a recorded step replays one node per layer.
 
 The numbers differ from the unfused path only by rounding (one bf16 rounding where there were
 two, our exp in SiLU): a model decides at load and then every forward -- prefill, steps,
@@ -26,6 +34,8 @@ chains, trees, batches, recorded or eager -- takes this path, so its methods agr
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,13 +45,46 @@ from evospec.models.quant import Bf16Matmul, Int4Matmul, Int8Matmul, QuantLinear
 _BF16_INPUT = (Int4Matmul, Int8Matmul, Bf16Matmul)  # matmuls that cast their input to bf16
 
 
+@dataclass(frozen=True)
+class GemmaNorms:
+    """A Gemma-3 block's norm weights as its fused ops take them: 1 + w, float32 [D] ([Dh] for
+    q and k), from the block's RMSNorm parameters (frozen targets: computed once)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    post_attn: torch.Tensor
+    pre_ff: torch.Tensor
+    post_ff: torch.Tensor
+    input: torch.Tensor
+
+    @classmethod
+    def of(cls, block: nn.Module) -> GemmaNorms:
+        def w(norm: nn.Module) -> torch.Tensor:
+            return (norm.offset + norm.weight.detach().float()).contiguous()
+
+        attn = block.self_attn
+        return cls(
+            w(attn.q_norm), w(attn.k_norm), w(block.post_attention_layernorm),
+            w(block.pre_feedforward_layernorm), w(block.post_feedforward_layernorm), w(block.input_layernorm),
+        )  # fmt: skip
+
+
+def _gemma_blocks(cfg) -> bool:
+    """Gemma-3's blocks as the fused ops know them: sandwich norms, q/k norms, GELU (tanh)."""
+    return cfg.is_gemma and cfg.qk_norm and not cfg.attention_bias and cfg.hidden_act == "gelu_pytorch_tanh"
+
+
 def supports_fused_ops(model: nn.Module) -> bool:
-    """Llama-style blocks (plain RMSNorm, SiLU MLP, no q/k norm or biases, no sliding
-    layers) whose q/k/v and gate/up are fused quantised matmuls with bf16 activations."""
+    """Llama-style blocks (plain RMSNorm, SiLU MLP, no q/k norm or biases, no sliding layers)
+    or Gemma-3 blocks, whose q/k/v and gate/up are fused quantised matmuls with bf16
+    activations."""
     cfg = model.cfg
-    if cfg.is_gemma or cfg.qk_norm or cfg.attention_bias or cfg.hidden_act != "silu":
+    if cfg.is_gemma:
+        if not _gemma_blocks(cfg):
+            return False
+    elif cfg.qk_norm or cfg.attention_bias or cfg.hidden_act != "silu":
         return False
-    if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+    elif any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
         return False
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
@@ -67,15 +110,17 @@ def enable_fused_ops(model: nn.Module) -> bool:
     device = next(model.parameters()).device
     model.fused_ops = device.type == "cpu" and supports_fused_ops(model) and load_cpu_ops()
     model.kv_dtype = torch.float16 if model.fused_ops else None  # the op's attention reads f16 K/V
+    for block in model.layers:
+        block.fused_norms = GemmaNorms.of(block) if model.fused_ops and model.cfg.is_gemma else None
     return model.fused_ops
 
 
 def run_fused_layers(
     model: nn.Module,
     x: torch.Tensor,  # [B, n, D] f32
-    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ropes: tuple,  # (global, local) cos/sin tables for these positions
     cache,
-    mask: torch.Tensor | None,
+    masks: dict[bool, torch.Tensor | None],  # by layer kind: sliding or not (Transformer's)
     rows: list | None,
     aux_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -84,30 +129,52 @@ def run_fused_layers(
     cfg = model.cfg
     eps = cfg.rms_norm_eps
     layers = model.layers
+    gemma = cfg.is_gemma
     b, n, dim = x.shape
-    cos, sin = cos_sin
     seen: dict[int, torch.Tensor] = {}
     # Activations stay flat rows [B * n, D] and the matmuls are called on them directly
     # (``rows``): the reshapes, casts and shape reads around each product were ~50 of a
     # layer's ~80 nodes in a recorded step, and a step replays every node.
     x = x.view(b * n, dim)  # f32 residual stream
-    h = ops.rms_norm_bf16(x, layers[0].input_layernorm.weight, eps)  # [B n, D] bf16
-    one_op = _layer_op_applies(model, cache, mask, rows)
+    h = ops.rms_norm_bf16(x, _input_norm(layers[0]), eps)  # [B n, D] bf16
+    one_op = _layer_op_applies(model, cache, masks[False], rows)
     slots = _slot_tensor(cache, n) if one_op else None  # [length + n]: where this forward writes
     for i, block in enumerate(layers):
-        attn, mlp = block.self_attn, block.mlp
-        nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None  # None: the last
-        if one_op:  # the same calls as _loop_layer, as one node
-            x, h = ops.llama_layer(
-                x, h, attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed,
-                mlp.down_proj.matmul.packed, block.post_attention_layernorm.weight, nxt, cos, sin,
-                cache.k, cache.v, i, slots, b, n, attn.num_heads, attn.num_kv_heads, attn.scale, eps,
-            )  # fmt: skip
+        nxt = _input_norm(layers[i + 1]) if i + 1 < len(layers) else None  # None: the last
+        sliding = cfg.is_sliding(i)
+        cos, sin = cos_sin = ropes[sliding]
+        if one_op:  # the same calls as the loop layer, as one node
+            x, h = _layer_op(block, x, h, nxt, (b, n), cos, sin, cache, i, slots, eps)
+        elif gemma:
+            x, h = _gemma_loop_layer(block, x, h, nxt, (b, n), cos_sin, cache, masks, sliding, rows, eps)
         else:
-            x, h = _loop_layer(block, x, h, nxt, (b, n), cos_sin, cache, mask, rows, eps)
+            x, h = _loop_layer(block, x, h, nxt, (b, n), cos_sin, cache, masks[False], rows, eps)
         if i in aux_layers:
             seen[i] = x.view(b, n, dim)
     return x.view(b, n, dim), [seen[i] for i in aux_layers]
+
+
+def _input_norm(block: nn.Module) -> torch.Tensor:
+    """The weight a block's input norm multiplies by (Gemma: 1 + w)."""
+    return block.fused_norms.input if block.fused_norms is not None else block.input_layernorm.weight
+
+
+def _layer_op(block, x, h, next_w, shape, cos, sin, cache, layer, slots, eps):
+    """One layer as one ``llama_layer`` / ``gemma_layer`` op."""
+    ops = torch.ops.evospec
+    b, n = shape
+    attn, mlp, w = block.self_attn, block.mlp, block.fused_norms
+    mats = (attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed, mlp.down_proj.matmul.packed)
+    heads = (attn.num_heads, attn.num_kv_heads, attn.scale, eps)
+    if w is None:
+        return ops.llama_layer(
+            x, h, *mats, block.post_attention_layernorm.weight, next_w, cos, sin, cache.k, cache.v, layer, slots,
+            b, n, *heads,
+        )  # fmt: skip
+    return ops.gemma_layer(
+        x, h, *mats, w.q, w.k, w.post_attn, w.pre_ff, w.post_ff, next_w, cos, sin, cache.k, cache.v, layer, slots,
+        b, n, *heads, attn.window,
+    )  # fmt: skip
 
 
 def _loop_layer(block, x, h, next_w, shape, cos_sin, cache, mask, rows, eps):
@@ -126,6 +193,24 @@ def _loop_layer(block, x, h, next_w, shape, cos_sin, cache, mask, rows, eps):
     if next_w is None:
         return x + m, h  # promotes to f32: the same sum add_rms_norm forms
     return ops.add_rms_norm_bf16(x, m, next_w, eps)
+
+
+def _gemma_loop_layer(block, x, h, next_w, shape, cos_sin, cache, masks, sliding, rows, eps):
+    """One Gemma-3 layer op by op (``gemma_layer``'s calls): (x f32, h bf16) [B n, D] -> the
+    same after it. The attention op takes the full-attention mask and hides the keys past a
+    sliding layer's window itself; SDPA's masked multi-row fallback takes the sliding mask."""
+    ops = torch.ops.evospec
+    (b, n), (cos, sin) = shape, cos_sin
+    attn, mlp, w = block.self_attn, block.mlp, block.fused_norms
+    qkv = attn.qkv.rows(h).view(b, n, -1)
+    q, k, v = ops.rope_qkv_normed(qkv, cos, sin, attn.num_heads, attn.num_kv_heads, w.q, w.k, eps)
+    out = attn.attend_rotated(q, k, v, cache, masks[False], rows, fused=True, sliding_mask=masks[sliding])
+    out = out.transpose(1, 2).to(torch.bfloat16, memory_format=torch.contiguous_format)
+    a = attn.o_proj.matmul.rows(out.view(b * n, -1))  # bf16
+    x, h = ops.norm_add_rms_norm_bf16(x, a, w.post_attn, w.pre_ff, eps)
+    m = mlp.down_proj.matmul.rows(ops.gelu_mul_bf16(mlp.gate_up.rows(h)))  # bf16
+    x, h_next = ops.norm_add_rms_norm_bf16(x, m, w.post_ff, w.pre_ff if next_w is None else next_w, eps)
+    return x, (h if next_w is None else h_next)
 
 
 def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:

@@ -20,9 +20,10 @@ If recording fails (a module the tracer cannot follow, a torch without ``torch.j
 is logged once and the eager forward runs from then on.
 
 Scope: one sequence, no attention mask, chains of up to ``MAX_CHAIN`` tokens. Models with
-sliding-window layers (their one-token masks depend on the position) and oneDNN-packed fp32
-linears (``--weights fp32``: an opaque weight tensor) keep the eager path, as do branching
-trees, batches and prefill. The graphs hold the modules' weights by reference: changing the
+sliding-window layers (Gemma-3) are recorded only on the fused ops, whose attention hides the
+keys past the window itself (elsewhere their one-token masks depend on the position);
+oneDNN-packed fp32 linears (``--weights fp32``: an opaque weight tensor) keep the eager path,
+as do branching trees, batches and prefill. The graphs hold the modules' weights by reference: changing the
 model's modules afterwards needs :meth:`StepGraph.reset`.
 """
 
@@ -61,7 +62,7 @@ class _ChainRow:
     for row-exact verification: it sees the cache up to its own slot (a view, as a one-token
     step at its position does), found from the keys' symbolic length."""
 
-    masks: ClassVar[dict] = {False: None, True: None}  # a one-token step's (no sliding layers here)
+    masks: ClassVar[dict] = {False: None, True: None}  # a one-token step's (sliding layers: the op windows)
     index = None  # its keys are a view of the cache, as RowAttention's chain rows
 
     def __init__(self, back: int) -> None:
@@ -87,9 +88,10 @@ class _Step(nn.Module):
         x = m.embed_tokens(tokens)
         if m.cfg.embed_scale != 1.0:
             x = x * torch.tensor(m.cfg.embed_scale, dtype=x.dtype)
-        cos_sin = m.rope_global(positions, x.dtype)
+        rope_g = m.rope_global(positions, x.dtype)
+        rope_l = m.rope_local(positions, x.dtype) if m.cfg.is_gemma else rope_g
         cache = _SlotCache(k, v, slots)
-        x, aux = m.run_layers(x, (cos_sin, cos_sin), cache, {False: None, True: None}, self.rows, self.aux)
+        x, aux = m.run_layers(x, (rope_g, rope_l), cache, {False: None, True: None}, self.rows, self.aux)
         hidden = m.norm(x)
         if self.logits == "none":
             return (hidden, *aux)
@@ -98,10 +100,11 @@ class _Step(nn.Module):
 
 def supports_step_graph(model: nn.Module) -> bool:
     """True where a step can be recorded and reproduces the eager one: no sliding-window
-    layers, and no oneDNN-packed fp32 linears (their packed weight is an opaque tensor that a
-    recorded graph cannot hold; the quantised formats' plain tensors it can)."""
+    layers unless on the fused ops (whose attention applies the window), and no
+    oneDNN-packed fp32 linears (their packed weight is an opaque tensor that a recorded graph
+    cannot hold; the quantised formats' plain tensors it can)."""
     cfg = model.cfg
-    if any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+    if any(cfg.is_sliding(i) for i in range(cfg.num_layers)) and not getattr(model, "fused_ops", False):
         return False
     return not any(isinstance(v, PackedMatmul) for mod in model.modules() for v in vars(mod).values())
 
@@ -129,7 +132,8 @@ class StepGraph:
     def __init__(self, model: nn.Module) -> None:
         if not supports_step_graph(model):
             raise ValueError(
-                "the one-token step graph needs a model without sliding-window layers or packed fp32 linears"
+                "the one-token step graph needs a model without packed fp32 linears, and sliding-window "
+                "layers only on the fused CPU ops"
             )
         self.model = model
         self._graphs: dict[tuple, torch.jit.ScriptModule] = {}  # (n, logits[, aux layers]) -> graph

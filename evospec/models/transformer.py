@@ -91,6 +91,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.attn_scale
         self.sliding = cfg.is_sliding(layer)
+        # keys a query sees at most on a sliding layer, where the fused attention op hides the
+        # rest itself (the eager path's masks do it otherwise); 0: a global layer
+        self.window = int(cfg.sliding_window) if self.sliding and cfg.sliding_window else 0
         d, hd = cfg.hidden_size, cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=bias)
@@ -133,29 +136,42 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         rows: list[RowAttention] | None,
         fused: bool = False,
+        sliding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k/v into the cache and attend (all rows at once, or row by row): [B, H, n, Dh].
-        ``fused``: one-query attention runs as the fused CPU op (``fused.py``'s models)."""
+        ``fused``: attention runs as the fused CPU op (``fused.py``'s models), which takes the
+        full-attention ``mask`` and, on a sliding layer, hides the keys past the window itself;
+        ``sliding_mask`` (that layer's own mask) then serves only SDPA's masked multi-row
+        fallback. Unfused, ``mask`` is the layer's own."""
         keys, values = cache.write(self.layer, k, v)  # [B, H_kv, P+n, Dh]
+        if not (fused and self.window):
+            sliding_mask = mask
         if rows is None:
-            return self._attend(q, keys, values, mask, fused)
-        if fused and all(r.index is None and r.masks[self.sliding] is None for r in rows):
+            return self._attend(q, keys, values, mask, fused, sliding_mask)
+        kind = self.sliding and not fused  # which of a row's masks: the op windows by itself
+        if fused and all(r.index is None and r.masks[kind] is None for r in rows):
             # a chain: row j sees the cache and rows 0..j, as the op's rows do; one call, the
             # bits of one call per row
-            return torch.ops.evospec.decode_attention(q, keys, values, None, self.scale)
+            return torch.ops.evospec.decode_attention(q, keys, values, None, self.scale, self.window)
         parts = [
-            self._attend(q[:, :, j : j + 1], *row.keys(keys, values), row.masks[self.sliding], fused)
+            self._attend(q[:, :, j : j + 1], *row.keys(keys, values), row.masks[kind], fused, row.masks[self.sliding])
             for j, row in enumerate(rows)
         ]
         return torch.cat(parts, dim=2)
 
-    def _attend(self, q, keys, values, mask, fused=False) -> torch.Tensor:  # q [B, H, n, Dh] -> same
+    def _attend(self, q, keys, values, mask, fused=False, sdpa_mask=None) -> torch.Tensor:
+        """q [B, H, n, Dh] -> same. ``sdpa_mask``: what SDPA takes where the op cannot serve a
+        fused forward (default: ``mask``)."""
         if fused and (q.shape[2] == 1 or mask is None):
             # one query, or causal rows (a prefill): row j attends with the call a one-token
             # step at its position makes, so a prefill writes bitwise the K/V and logits that
             # decoding the prompt token by token would (what prefix reuse relies on)
             one = q.shape[2] == 1
-            return torch.ops.evospec.decode_attention(q, keys, values, mask if one else None, self.scale)
+            return torch.ops.evospec.decode_attention(
+                q, keys, values, mask if one else None, self.scale, self.window
+            )
+        if fused and sdpa_mask is not None:
+            mask = sdpa_mask
         if keys.dtype != q.dtype:  # an f16 cache (fused models) under a masked multi-row forward
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         return F.scaled_dot_product_attention(
@@ -212,6 +228,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, off)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, off)
         self.sandwich = cfg.is_gemma  # Gemma3: norms before and after both sublayers
+        self.fused_norms = None  # Gemma on the fused ops: its norms' 1 + w (fused.GemmaNorms)
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, off)
@@ -341,7 +358,7 @@ class Transformer(nn.Module):
         ``aux_layers``, one per entry). The one loop both the eager forward and the recorded steps run; with
         ``fused_ops`` set it runs through the fused CPU ops (``fused.py``)."""
         if self.fused_ops:
-            return run_fused_layers(self, x, ropes[0], cache, masks[False], rows, aux_layers)
+            return run_fused_layers(self, x, ropes, cache, masks, rows, aux_layers)
         seen: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             sliding = self.cfg.is_sliding(i)

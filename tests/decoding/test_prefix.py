@@ -26,9 +26,10 @@ CHAIN = TreeConfig(top_k=1, depth=2, total_tokens=2, lookup=3, lookup_ngram=1)
 TREE = TreeConfig(top_k=3, depth=3, total_tokens=8)
 
 
-def _target(seed: int = 0):
-    """A tiny int4 target on the fused ops with real-sized attention rows (row-exact forwards)."""
-    model = tiny_target(seed, head_dim=64, ctx=256)
+def _target(seed: int = 0, family: str = "llama"):
+    """A tiny int4 target on the fused ops with real-sized attention rows (row-exact forwards);
+    Gemma-3's has a 6-token sliding window."""
+    model = tiny_target(seed, head_dim=64, ctx=256, family=family)
     quantize_linears(model, "int4")
     model.exact_rows = True
     assert enable_fused_ops(model)
@@ -89,6 +90,22 @@ def test_a_conversation_reuses_its_turns_and_every_answer_equals_a_fresh_one(met
         assert stats.cached_tokens == expected
         expected = len(prompt) + len(got) - 1  # what the next turn keeps: all but the last token
         prompt = [*prompt, *got, *prompt_of(10 + turn, 4)]
+
+
+@needs_ops
+@pytest.mark.parametrize("method", ["ar", "ngram", "eagle2"])
+def test_a_gemma_conversation_reuses_its_turns_past_the_window_and_equals_fresh_answers(method):
+    target = _target(4, family="gemma3")
+    dec = _decoder(method, target)
+    params = SamplingParams(max_new_tokens=10)
+    prompt = prompt_of(5, 9)
+    expected = 0
+    for turn in range(3):
+        got, stats = _run(dec, prompt, params)
+        assert got == ar_tokens(target, prompt, params), turn
+        assert stats.cached_tokens == expected
+        expected = len(prompt) + len(got) - 1
+        prompt = [*prompt, *got, *prompt_of(20 + turn, 3)]
 
 
 @needs_ops
