@@ -214,7 +214,7 @@ def _gemma_loop_layer(block, x, h, next_w, shape, cos_sin, cache, masks, sliding
 
 
 def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
-    """Whether the layers can run as ``llama_layer`` ops: a KV cache (or a recorded step's slot
+    """Whether the layers can run as ``llama_layer`` / ``gemma_layer`` ops: a KV cache (or a recorded step's slot
     cache); one token, a prefill's causal rows or a row-exact chain (each row sees the cache and
     the rows before it: a prompt's rest after reused slots, a chain verified eagerly); every
     linear on our int4 kernel. Trees, padded batches and other formats keep the loop."""
@@ -237,7 +237,7 @@ def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
 
 
 def _slot_tensor(cache, n: int) -> torch.Tensor:
-    """A tensor of the cache's length after this forward, the size ``llama_layer`` reads (a
+    """A tensor of the cache's length after this forward, the size the layer ops read (a
     recorded step's own, so that its graph keeps the length symbolic)."""
     from evospec.models.step import _SlotCache
 
