@@ -95,39 +95,61 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& y,
-                                                     const at::Tensor& w, double eps) {
-  check_rows(x, w, "add_rms_norm_bf16");
-  TORCH_CHECK(y.sizes() == x.sizes(), "add_rms_norm_bf16: x and y differ in shape");
+// The residual stream's update and the next norm, one row at a time: s = x + y, or with `post`
+// (a Gemma sublayer's output norm) s = x + rms_norm(y) by post; then h = rms_norm(s) by w, bf16.
+// y (bf16 or f32) is read as float32 (exactly) into a per-thread row buffer.
+std::tuple<at::Tensor, at::Tensor> residual_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor* post,
+                                                 const at::Tensor& w, double eps, const char* name) {
+  check_rows(x, w, name);
+  if (post) check_rows(x, *post, name);
+  TORCH_CHECK(y.sizes() == x.sizes(), name, ": x and y differ in shape");
   auto yc = y.contiguous();
-  TORCH_CHECK(yc.scalar_type() == at::kBFloat16 || yc.scalar_type() == at::kFloat,
-              "add_rms_norm_bf16: y must be bfloat16 or float32");
+  TORCH_CHECK(yc.scalar_type() == at::kBFloat16 || yc.scalar_type() == at::kFloat, name,
+              ": y must be bfloat16 or float32");
   const bool y_bf16 = yc.scalar_type() == at::kBFloat16;
   const int64_t d = x.size(-1), rows = x.numel() / d;
   auto sum = at::empty_like(x);
   auto out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
   const float* xp = x.data_ptr<float>();
   const float* wp = w.contiguous().data_ptr<float>();
+  const float* pp = post ? post->contiguous().data_ptr<float>() : nullptr;
   float* sp = sum.data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const void* yp = yc.data_ptr();
+  const float f_eps = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
+    thread_local std::vector<float> buf;
+    if (y_bf16 && buf.size() < static_cast<size_t>(d)) buf.resize(d);
     for (int64_t r = a; r < b; ++r) {
       const float* xr = xp + r * d;
       float* sr = sp + r * d;
+      const float* yr = static_cast<const float*>(yp) + r * d;
       if (y_bf16) {
-        const uint16_t* yr = static_cast<const uint16_t*>(yp) + r * d;
-        for (int64_t i = 0; i < d; ++i) sr[i] = xr[i] + bf16_to_f32(yr[i]);
+        const uint16_t* yh = static_cast<const uint16_t*>(yp) + r * d;
+        for (int64_t i = 0; i < d; ++i) buf[i] = bf16_to_f32(yh[i]);
+        yr = buf.data();
+      }
+      if (pp) {
+        norm_add_row(xr, yr, pp, sr, d, f_eps);
       } else {
-        const float* yr = static_cast<const float*>(yp) + r * d;
         for (int64_t i = 0; i < d; ++i) sr[i] = xr[i] + yr[i];
       }
-      norm_row(sr, wp, op + r * d, d, static_cast<float>(eps));
+      norm_row(sr, wp, op + r * d, d, f_eps);
     }
   });
   return {sum, out};
 }
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& y,
+                                                     const at::Tensor& w, double eps) {
+  return residual_norm(x, y, nullptr, w, eps, "add_rms_norm_bf16");
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& y,
+                                                          const at::Tensor& w, const at::Tensor& w_next,
+                                                          double eps) {
+  return residual_norm(x, y, &w, w_next, eps, "norm_add_rms_norm_bf16");
+}
 // rope_qkv, with each q / k head RMS-normed by qw / kw first where they are given.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_impl(const at::Tensor& qkv, const at::Tensor& cos,
                                                              const at::Tensor& sin, int64_t hq, int64_t hk,
@@ -191,40 +213,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_normed(const at::Tensor&
     TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->dim() == 1 && w->size(0) == dh,
                 "rope_qkv_normed: qw, kw must be contiguous float32 [Dh]");
   return rope_qkv_impl(qkv, cos, sin, hq, hk, qw.data_ptr<float>(), kw.data_ptr<float>(), static_cast<float>(eps));
-}
-
-std::tuple<at::Tensor, at::Tensor> norm_add_rms_norm_bf16(const at::Tensor& x, const at::Tensor& y,
-                                                          const at::Tensor& w, const at::Tensor& w_next,
-                                                          double eps) {
-  check_rows(x, w, "norm_add_rms_norm_bf16");
-  check_rows(x, w_next, "norm_add_rms_norm_bf16");
-  TORCH_CHECK(y.sizes() == x.sizes(), "norm_add_rms_norm_bf16: x and y differ in shape");
-  auto yc = y.contiguous();
-  TORCH_CHECK(yc.scalar_type() == at::kBFloat16 || yc.scalar_type() == at::kFloat,
-              "norm_add_rms_norm_bf16: y must be bfloat16 or float32");
-  const bool y_bf16 = yc.scalar_type() == at::kBFloat16;
-  const int64_t d = x.size(-1), rows = x.numel() / d;
-  auto sum = at::empty_like(x);
-  auto out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  const float* xp = x.data_ptr<float>();
-  const float *wp = w.contiguous().data_ptr<float>(), *np = w_next.contiguous().data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const void* yp = yc.data_ptr();
-  at::parallel_for(0, rows, 16, [&](int64_t a, int64_t b) {
-    std::vector<float> buf(y_bf16 ? d : 0);
-    for (int64_t r = a; r < b; ++r) {
-      const float* yr = static_cast<const float*>(yp) + r * d;
-      if (y_bf16) {
-        const uint16_t* yh = static_cast<const uint16_t*>(yp) + r * d;
-        for (int64_t i = 0; i < d; ++i) buf[i] = bf16_to_f32(yh[i]);
-        yr = buf.data();
-      }
-      norm_add_row(xp + r * d, yr, wp, sp + r * d, d, static_cast<float>(eps));
-      norm_row(sp + r * d, np, op + r * d, d, static_cast<float>(eps));
-    }
-  });
-  return {sum, out};
 }
 
 // Kept out of line: inlined into silu_mul_bf16's loop, whose g and u point into one buffer, GCC 12

@@ -142,7 +142,14 @@ def rope_qkv_ref(
 
 
 def rope_qkv_normed_ref(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, qw: torch.Tensor, kw: torch.Tensor, eps: float
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    hq: int,
+    hk: int,
+    qw: torch.Tensor,
+    kw: torch.Tensor,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """rope_qkv_ref with each q head RMS-normed by ``qw`` and each k head by ``kw`` ([Dh]) first."""
     b, n, _ = qkv.shape

@@ -79,12 +79,10 @@ def supports_fused_ops(model: nn.Module) -> bool:
     or Gemma-3 blocks, whose q/k/v and gate/up are fused quantised matmuls with bf16
     activations."""
     cfg = model.cfg
-    if cfg.is_gemma:
-        if not _gemma_blocks(cfg):
-            return False
-    elif cfg.qk_norm or cfg.attention_bias or cfg.hidden_act != "silu":
-        return False
-    elif any(cfg.is_sliding(i) for i in range(cfg.num_layers)):
+    llama = not (cfg.qk_norm or cfg.attention_bias or cfg.hidden_act != "silu") and not any(
+        cfg.is_sliding(i) for i in range(cfg.num_layers)
+    )
+    if not (_gemma_blocks(cfg) if cfg.is_gemma else llama):
         return False
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
@@ -168,12 +166,12 @@ def _layer_op(block, x, h, next_w, shape, cos, sin, cache, layer, slots, eps):
     heads = (attn.num_heads, attn.num_kv_heads, attn.scale, eps)
     if w is None:
         return ops.llama_layer(
-            x, h, *mats, block.post_attention_layernorm.weight, next_w, cos, sin, cache.k, cache.v, layer, slots,
-            b, n, *heads,
+            x, h, *mats, block.post_attention_layernorm.weight, next_w, cos, sin, cache.k, cache.v,
+            layer, slots, b, n, *heads,
         )  # fmt: skip
     return ops.gemma_layer(
-        x, h, *mats, w.q, w.k, w.post_attn, w.pre_ff, w.post_ff, next_w, cos, sin, cache.k, cache.v, layer, slots,
-        b, n, *heads, attn.window,
+        x, h, *mats, w.q, w.k, w.post_attn, w.pre_ff, w.post_ff, next_w, cos, sin, cache.k, cache.v,
+        layer, slots, b, n, *heads, attn.window,
     )  # fmt: skip
 
 
@@ -214,10 +212,11 @@ def _gemma_loop_layer(block, x, h, next_w, shape, cos_sin, cache, masks, sliding
 
 
 def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
-    """Whether the layers can run as ``llama_layer`` / ``gemma_layer`` ops: a KV cache (or a recorded step's slot
-    cache); one token, a prefill's causal rows or a row-exact chain (each row sees the cache and
-    the rows before it: a prompt's rest after reused slots, a chain verified eagerly); every
-    linear on our int4 kernel. Trees, padded batches and other formats keep the loop."""
+    """Whether the layers can run as ``llama_layer`` / ``gemma_layer`` ops: a KV cache (or a
+    recorded step's slot cache); one token, a prefill's causal rows or a row-exact chain (each
+    row sees the cache and the rows before it: a prompt's rest after reused slots, a chain
+    verified eagerly); every linear on our int4 kernel. Trees, padded batches and other formats
+    keep the loop."""
     from evospec.models.kv_cache import KVCache
     from evospec.models.step import _SlotCache
 

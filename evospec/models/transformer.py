@@ -154,7 +154,9 @@ class Attention(nn.Module):
             # bits of one call per row
             return torch.ops.evospec.decode_attention(q, keys, values, None, self.scale, self.window)
         parts = [
-            self._attend(q[:, :, j : j + 1], *row.keys(keys, values), row.masks[kind], fused, row.masks[self.sliding])
+            self._attend(
+                q[:, :, j : j + 1], *row.keys(keys, values), row.masks[kind], fused, row.masks[self.sliding]
+            )
             for j, row in enumerate(rows)
         ]
         return torch.cat(parts, dim=2)

@@ -77,28 +77,45 @@ def test_recorded_fused_steps_are_bitwise_the_eager_ones_and_call_the_ops():
     assert code.count("evospec::llama_layer") == (len(model.layers) if vnni else 0)
 
 
+def assert_verification_reproduces_steps(model, prompt: list[int], tree: str) -> None:
+    """A 4-token chain or a branching tree after ``prompt``, verified in one forward, gives each
+    row bitwise the logits of the one-token step at its position."""
+    steps = _steps(model, prompt, 4)
+    path = [t for t, _ in steps]
+    p = len(prompt)
+    cache = model.new_cache(64)
+    model(torch.tensor([prompt]), torch.arange(p), cache, logits="none")
+    if tree == "chain":
+        tokens, mask, rows, depths = path[:4], None, [0, 1, 2, 3], [0, 1, 2, 3]
+    else:  # path[0] -> {path[1] (row 1), a sibling (row 2)}, path[1] -> path[2] (row 3)
+        tokens = [path[0], path[1], (path[1] + 1) % 64, path[2]]
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        rows, depths = [0, 1, None, 2], [0, 1, 1, 2]
+    out = model(torch.tensor([tokens]), p + torch.tensor(depths), cache, mask, logits="all").logits[0]
+    for row, step in enumerate(rows):
+        if step is not None:
+            assert torch.equal(out[row], steps[step][1]), row
+
+
+def assert_padded_rows_decode_as_alone(model, short: list[int], long: list[int], tol: float) -> None:
+    """A left-padded two-row batch prefill: each row's last logits as its prompt's alone."""
+    n = len(long)
+    cache = model.new_cache(n + 12, batch=2)
+    tokens = torch.tensor([[0] * (n - len(short)) + short, long])
+    out = model(tokens, torch.arange(n), cache, left_pad=torch.tensor([n - len(short), 0]), logits="last")
+    for row, prompt in enumerate((short, long)):
+        fresh = model.new_cache(n + 12)
+        alone = model(torch.tensor([prompt]), torch.arange(len(prompt)), fresh, logits="last")
+        torch.testing.assert_close(out.logits[row, -1], alone.logits[0, -1], rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("tree", ["chain", "branching"])
 def test_fused_verification_reproduces_one_token_steps(tree):
     """A chain (recorded graph) or a branching tree (eager rows) verified in one forward gives
     each row the logits plain decoding computes at that position, bit for bit."""
     model = _fused(5)
     model.step_graph = StepGraph(model)
-    prompt = prompt_of(4, 7)
-    steps = _steps(model, prompt, 4)
-    path = [t for t, _ in steps]
-    cache = model.new_cache(64)
-    model(torch.tensor([prompt]), torch.arange(7), cache, logits="none")
-    if tree == "chain":
-        tokens, mask, rows = path[:4], None, [0, 1, 2, 3]
-    else:  # path[0] -> {path[1] (row 1), a sibling (row 2)}, path[1] -> path[2] (row 3)
-        tokens = [path[0], path[1], (path[1] + 1) % 64, path[2]]
-        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-        rows = [0, 1, None, 2]
-    positions = torch.tensor([7, 8, 9, 10] if tree == "chain" else [7, 8, 8, 9])
-    out = model(torch.tensor([tokens]), positions, cache, mask, logits="all").logits[0]
-    for row, step in enumerate(rows):
-        if step is not None:
-            assert torch.equal(out[row], steps[step][1])
+    assert_verification_reproduces_steps(model, prompt_of(4, 7), tree)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -129,13 +146,7 @@ def test_fused_models_keep_an_f16_cache_and_a_masked_batch_still_attends_over_it
     model = _fused(4)
     assert model.new_cache(8).k.dtype == torch.float16
     assert tiny_target(4).new_cache(8).k.dtype == torch.float32
-    short, long = prompt_of(1, 5), prompt_of(2, 9)
-    cache = model.new_cache(16, batch=2)
-    tokens = torch.tensor([[0] * 4 + short, long])
-    out = model(tokens, torch.arange(9), cache, left_pad=torch.tensor([4, 0]), logits="last")
-    for row, prompt in enumerate((short, long)):
-        alone = model(torch.tensor([prompt]), torch.arange(len(prompt)), model.new_cache(16), logits="last")
-        torch.testing.assert_close(out.logits[row, -1], alone.logits[0, -1], rtol=1e-4, atol=1e-4)
+    assert_padded_rows_decode_as_alone(model, prompt_of(1, 5), prompt_of(2, 9), 1e-4)
 
 
 def test_load_model_switches_a_quantised_model_onto_the_fused_ops(monkeypatch, tmp_path):
@@ -149,13 +160,11 @@ def test_load_model_switches_a_quantised_model_onto_the_fused_ops(monkeypatch, t
     assert not load_model("t", progress=False, weights="fp32").model.fused_ops
 
 
-def test_one_op_layers_give_the_op_by_op_loops_bits(monkeypatch):
-    """llama_layer makes the layer loop's calls in C++: a prefill, one-token steps and a chain
-    give bitwise the logits and K/V the Python loop gives (eager here; recorded graphs are held
-    to the eager forward above)."""
+def assert_one_op_layers_match_the_loop(model, monkeypatch) -> None:
+    """A prefill, one-token steps and a chain through the one-op layers give bitwise the logits
+    and K/V of the op-by-op loop (eager here; recorded graphs are held to the eager forward)."""
     import evospec.models.fused as fused
 
-    model = _fused(6)
     if model.layers[0].self_attn.qkv.kernel != "vnni":
         pytest.skip("the one-op layers need our int4 kernel (AVX-512 VNNI)")
 
@@ -174,3 +183,8 @@ def test_one_op_layers_give_the_op_by_op_loops_bits(monkeypatch):
         loop = run()
     assert all(torch.equal(a, b) for a, b in zip(ops[0], loop[0], strict=True))
     assert torch.equal(ops[1], loop[1])
+
+
+def test_one_op_layers_give_the_op_by_op_loops_bits(monkeypatch):
+    """llama_layer makes the layer loop's calls in C++."""
+    assert_one_op_layers_match_the_loop(_fused(6), monkeypatch)

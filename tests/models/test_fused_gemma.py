@@ -13,7 +13,12 @@ from evospec.models.fused import enable_fused_ops, supports_fused_ops
 from evospec.models.quant import kernels_available, quantize_linears
 from evospec.models.step import StepGraph, supports_step_graph
 from tests.decoding.spec_helpers import ar_tokens, eagle_drafter, prompt_of, spec_tokens, tiny_target
-from tests.models.test_fused import _steps
+from tests.models.test_fused import (
+    _steps,
+    assert_one_op_layers_match_the_loop,
+    assert_padded_rows_decode_as_alone,
+    assert_verification_reproduces_steps,
+)
 
 pytestmark = pytest.mark.skipif(
     not (load_cpu_ops() and kernels_available("int4")), reason="needs the fused CPU ops and int4 kernels"
@@ -71,22 +76,7 @@ def test_recorded_gemma_steps_are_bitwise_the_eager_ones_and_one_op_per_layer():
 def test_fused_gemma_verification_reproduces_one_token_steps_past_the_window(tree):
     model = _gemma(5)
     model.step_graph = StepGraph(model)
-    prompt = prompt_of(4, 11)
-    steps = _steps(model, prompt, 4)
-    path = [t for t, _ in steps]
-    cache = model.new_cache(64)
-    model(torch.tensor([prompt]), torch.arange(11), cache, logits="none")
-    if tree == "chain":
-        tokens, mask, rows = path[:4], None, [0, 1, 2, 3]
-        positions = torch.arange(11, 15)
-    else:  # path[0] -> {path[1] (row 1), a sibling (row 2)}, path[1] -> path[2] (row 3)
-        tokens = [path[0], path[1], (path[1] + 1) % 64, path[2]]
-        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-        rows, positions = [0, 1, None, 2], torch.tensor([11, 12, 12, 13])
-    out = model(torch.tensor([tokens]), positions, cache, mask, logits="all").logits[0]
-    for row, step in enumerate(rows):
-        if step is not None:
-            assert torch.equal(out[row], steps[step][1]), row
+    assert_verification_reproduces_steps(model, prompt_of(4, 11), tree)
 
 
 def test_a_fused_gemma_prefill_writes_what_one_token_steps_write():
@@ -105,38 +95,12 @@ def test_a_fused_gemma_prefill_writes_what_one_token_steps_write():
 
 
 def test_one_gemma_op_per_layer_gives_the_op_by_op_loops_bits(monkeypatch):
-    import evospec.models.fused as fused
-
-    model = _gemma(7)
-    if model.layers[0].self_attn.qkv.kernel != "vnni":
-        pytest.skip("the one-op layers need our int4 kernel (AVX-512 VNNI)")
-
-    def run() -> tuple[list[torch.Tensor], torch.Tensor]:
-        cache = model.new_cache(32)
-        logits = [model(torch.tensor([prompt_of(3, 9)]), torch.arange(9), cache, logits="all").logits]
-        for pos in (9, 10):
-            logits.append(model(torch.tensor([[pos % 64]]), torch.tensor([pos]), cache, logits="all").logits)
-        logits.append(model(torch.tensor([[5, 7, 11]]), torch.arange(11, 14), cache, logits="all").logits)
-        return logits, cache.k[:, :, :, :14].clone()
-
-    with torch.inference_mode():
-        ops = run()
-        monkeypatch.setattr(fused, "_layer_op_applies", lambda *a: False)
-        loop = run()
-    assert all(torch.equal(a, b) for a, b in zip(ops[0], loop[0], strict=True))
-    assert torch.equal(ops[1], loop[1])
+    assert_one_op_layers_match_the_loop(_gemma(7), monkeypatch)
 
 
 def test_a_padded_gemma_batch_decodes_each_row_as_alone():
     """Batched generation (training data): left padding plus the window, over the f16 cache."""
-    model = _gemma(8)
-    short, long = prompt_of(1, 5), prompt_of(2, 12)
-    cache = model.new_cache(24, batch=2)
-    tokens = torch.tensor([[0] * 7 + short, long])
-    out = model(tokens, torch.arange(12), cache, left_pad=torch.tensor([7, 0]), logits="last")
-    for row, prompt in enumerate((short, long)):
-        alone = model(torch.tensor([prompt]), torch.arange(len(prompt)), model.new_cache(24), logits="last")
-        torch.testing.assert_close(out.logits[row, -1], alone.logits[0, -1], rtol=1e-3, atol=1e-3)
+    assert_padded_rows_decode_as_alone(_gemma(8), prompt_of(1, 5), prompt_of(2, 12), 1e-3)
 
 
 TREES = (TreeConfig(top_k=1, depth=3, total_tokens=3), TreeConfig(top_k=3, depth=3, total_tokens=8))

@@ -137,7 +137,7 @@ def test_int4_on_the_fused_ops_tracks_the_eager_int4_path_past_the_window(gemma_
     assert agree >= 0.95 and past >= 0.95
 
 
-def test_int4_fused_chain_verification_past_the_window_is_bitwise_plain_decoding(gemma_int4: LoadedModel) -> None:
+def test_int4_fused_chain_past_the_window_verifies_bitwise_as_steps(gemma_int4: LoadedModel) -> None:
     model, prefix = gemma_int4.model, 530
     ids = _long_prompt(gemma_int4, prefix + 4)
     cache = model.new_cache(prefix + 8)
