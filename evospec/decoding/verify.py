@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from evospec.decoding.node_logits import NodeLogits
-from evospec.decoding.sampling import SamplingParams, target_probs
+from evospec.decoding.sampling import SamplingParams, greedy_ids, target_probs
 from evospec.decoding.tree import DraftTree
 
 Rows = torch.Tensor | NodeLogits  # [N, V] logits of every node, or rows projected on demand
@@ -47,7 +47,7 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
     """
     if tree.chain:
         return _greedy_chain(tree, logits)
-    pred = torch.argmax(logits, dim=-1)  # [N]
+    pred = greedy_ids(logits)  # [N]
     parent = tree.parents.clamp(min=0)
     correct = tree.tokens == pred[parent]
     correct[0] = True
@@ -62,7 +62,7 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
 def _greedy_chain(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
     """:func:`greedy_accept` for a chain: node i is accepted while each token so far equals
     the argmax of the row before it."""
-    pred = torch.argmax(logits, dim=-1).tolist()  # [N]
+    pred = greedy_ids(logits).tolist()  # [N]
     drafted = tree.tokens.tolist()
     a = 0
     while a + 1 < len(drafted) and drafted[a + 1] == pred[a]:
@@ -79,7 +79,7 @@ def greedy_walk(tree: DraftTree, rows: Rows) -> tuple[torch.Tensor, int]:
             children.setdefault(par, {})[tok] = node  # siblings are distinct tokens
     path = [0]
     while True:
-        best = int(torch.argmax(rows[path[-1]]))
+        best = int(greedy_ids(rows[path[-1]]))
         child = children.get(path[-1], {}).get(best)
         if child is None:
             return torch.tensor(path, device=tree.tokens.device), best

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from evospec.decoding.sampling import SAMPLING_EPS, SamplingParams, pick_token, target_probs
+from evospec.decoding.sampling import SAMPLING_EPS, SamplingParams, greedy_ids, pick_token, target_probs
 
 # probabilities 0.5, 0.3, 0.15, 0.05 (in a shuffled order) as logits
 PROBS = torch.tensor([0.15, 0.5, 0.05, 0.3])
@@ -135,3 +135,14 @@ def test_tiny_top_p_keeps_the_most_likely_token(top_p: float) -> None:
     # 5e-324 becomes 0.0 in float32: a plain "mass before >= top_p" mask would drop every token
     probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
     assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_greedy_ids_pick_as_argmax_does_with_ties_and_nans():
+    """Few distinct values make ties everywhere; a NaN wins as in torch.argmax."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        logits = torch.randint(0, 4, (3, 5000), generator=gen).float()
+        if trial % 5 == 0:
+            logits[1, int(torch.randint(0, 5000, (1,), generator=gen))] = float("nan")
+        assert torch.equal(greedy_ids(logits), torch.argmax(logits, dim=-1))
+        assert int(greedy_ids(logits[2])) == int(torch.argmax(logits[2]))
