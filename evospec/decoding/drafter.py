@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from evospec.models.draft_step import draft_graph_for, supports_draft_graph
+from evospec.models.draft_step import draft_graph_for, on_cpu, supports_draft_graph
 from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
@@ -137,8 +137,7 @@ class EagleDrafter(_TreeDrafterBase):
         super().__init__(head_fn)
         self.head = head
         self.graph = None
-        # an EAGLE-2 head, on the CPU (read off a norm: it stays dense in every weight format)
-        if record and supports_draft_graph(head) and head.layers[0].post_attention_layernorm.weight.is_cpu:
+        if record and supports_draft_graph(head) and on_cpu(head):
             self.graph = draft_graph_for(head)
 
     def _new_cache(self, max_len: int) -> KVCache:

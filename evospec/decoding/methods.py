@@ -356,7 +356,7 @@ def _eagle3_decoder(
     adapter = None
     if spec.adapt is not None:
         adapter = OnlineAdapter(draft, weight, replace(adapt or AdaptConfig(), mode=spec.adapt))
-    drafter = EagleDrafter(draft.attach(model), _NormedHead(draft, active.draft_head))
+    drafter = EagleDrafter(draft.attach(model), _NormedHead(draft, active.draft_head), record=adapter is None)
     threshold = verify_prefetch(model, verify_logits, prefetch)
     return SpeculativeDecoder(
         spec.name,

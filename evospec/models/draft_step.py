@@ -1,12 +1,15 @@
-"""Recorded draft steps (CPU): an EAGLE-2 head's forward without Python's per-op cost.
+"""Recorded draft steps (CPU): an EAGLE head's forward without Python's per-op cost.
 
-Owns: :class:`DraftStepGraph`, which records an :class:`~evospec.models.eagle.EagleHead`'s
-step (embedding, ``fc``, its decoder layer, the KV-cache write) with ``torch.jit.trace`` once
-per row count n <= ``MAX_CHAIN`` and runs later calls of that shape through the graph: one
-new pair (a chain's expansion, a round's catch-up after a rejection) or n pairs that attend
-causally behind the cache (a catch-up after accepted tokens; row j sees the cache and rows
-0..j, as ``models/step.py`` records chains). The cache length reaches the graph as the size of
-a slot tensor, so one graph serves every position.
+Owns: :class:`DraftStepGraph`, which records a draft head's step (EAGLE-2: embedding, ``fc``,
+its decoder layer; EAGLE-3: ``fc`` over the three target layers where the input is theirs,
+its layer on [embedding, feature]; both with the KV-cache write) with ``torch.jit.trace`` once
+per row count n <= ``MAX_CHAIN`` and input width, and runs later calls of that shape through
+the graph: one new pair (a chain's expansion, a round's catch-up after a rejection) or n pairs
+that attend causally behind the cache (a catch-up after accepted tokens; row j sees the cache
+and rows 0..j, as ``models/step.py`` records chains). The cache length reaches the graph as
+the size of a slot tensor, so one graph serves every position. Widths: an EAGLE-2 head reads
+[D] features everywhere; an EAGLE-3 head reads [3 D_t] target features when it commits and
+its own [D] ones when a chain expands (one row).
 
 Why: a draft step is ~100 aten calls for one small layer; from Python they cost about as much
 as the layer's int8 weights take to read. Draft numbers only decide what is proposed, never
@@ -47,8 +50,9 @@ class _DraftStep(nn.Module):
 
 
 def supports_draft_graph(head: nn.Module) -> bool:
-    """An EAGLE-2 head without oneDNN-packed linears (their weight is an opaque tensor)."""
-    if getattr(head, "arch", None) != "eagle2":
+    """An EAGLE-2 or EAGLE-3 head without oneDNN-packed linears (their weight is an opaque
+    tensor)."""
+    if getattr(head, "arch", None) not in ("eagle2", "eagle3"):
         return False
     return not any(isinstance(v, PackedMatmul) for mod in head.modules() for v in vars(mod).values())
 
@@ -64,45 +68,62 @@ def draft_graph_for(head: nn.Module) -> DraftStepGraph:
     return _SHARED[head]
 
 
+def on_cpu(head: nn.Module) -> bool:
+    """True when ``head`` computes on the CPU (read off its norms: they stay dense in every
+    weight format)."""
+    return next(p for name, p in head.named_parameters() if "norm" in name).is_cpu
+
+
 class DraftStepGraph:
     """Runs a head's n-pair causal steps through graphs recorded on first use."""
 
     def __init__(self, head: nn.Module) -> None:
         if not supports_draft_graph(head):
-            raise ValueError("a recorded draft step needs an EAGLE-2 head without packed fp32 linears")
+            raise ValueError("a recorded draft step needs an EAGLE head without packed fp32 linears")
         self.head = head
-        self._graphs: dict[int, torch.jit.ScriptModule] = {}
+        self._graphs: dict[tuple[int, int], torch.jit.ScriptModule] = {}  # (rows, input width)
         self._slots = torch.zeros(64)
         self.failed = False
+
+    def widths(self, n: int) -> tuple[int, ...]:
+        """The feature widths an n-pair step reads: the target's (3 D_t for EAGLE-3, whose
+        commits fuse three layers), and for one row also the head's own D (a chain's expansion)."""
+        own = self.head.cfg.hidden_size
+        target = self.head.fc.in_features if self.head.arch == "eagle3" else own
+        return (target,) if n > 1 or target == own else (target, own)
 
     def __call__(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache):
         """Append n pairs (features [n, D], tokens [n]) at slot ``cache.length``, each attending
         to the cache and the pairs before it; returns [n, D] and advances the cache, or None
         where no graph serves (the caller runs the eager step)."""
-        n = tokens.shape[0]
+        n, key = tokens.shape[0], (tokens.shape[0], features.shape[-1])
         end = cache.length + n
-        if self.failed or n > MAX_CHAIN or end > cache.max_len:
+        if self.failed or n > MAX_CHAIN or end > cache.max_len or key[1] not in self.widths(n):
             return None
-        if n not in self._graphs and not self.record(n):
+        if key not in self._graphs and not self.record(n):
             return None
         if self._slots.shape[0] < end:
             self._slots = torch.zeros(max(end, 2 * self._slots.shape[0]), device=cache.k.device)
-        out = self._graphs[n](features[None], tokens[None], positions, cache.k, cache.v, self._slots[:end])
+        out = self._graphs[key](features[None], tokens[None], positions, cache.k, cache.v, self._slots[:end])
         cache.advance(n)
         return out[0]
 
     def record(self, n: int) -> bool:
-        """Record (and warm, ``step.warm``) the n-pair graph now, so that no round waits for it;
-        False if recording failed (the eager step runs from then on)."""
-        if self.failed or n in self._graphs:
-            return not self.failed
+        """Record (and warm, ``step.warm``) the n-pair graphs of every width now, so that no
+        round waits for them; False if recording failed (the eager step runs from then on)."""
+        for width in self.widths(n):
+            if self.failed or (n, width) in self._graphs:
+                continue
+            self._record(n, width)
+        return not self.failed
+
+    def _record(self, n: int, width: int) -> None:
         # Record on scratch K/V after a 2-slot prefix, so that no length is taken for a constant.
         scratch = self.head.new_cache(n + 3)
         scratch_k, scratch_v = scratch.k, scratch.v
         device, dtype = scratch_k.device, scratch_k.dtype
-        dim = self.head.cfg.hidden_size
         example = (
-            torch.zeros(1, n, dim, dtype=dtype, device=device),
+            torch.zeros(1, n, width, dtype=dtype, device=device),
             torch.zeros(1, n, dtype=torch.long, device=device),
             torch.arange(2, 2 + n, device=device),
             scratch_k,
@@ -113,9 +134,9 @@ class DraftStepGraph:
             with warnings.catch_warnings(), torch.inference_mode():
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace
-                self._graphs[n] = torch.jit.trace(_DraftStep(self.head, n), example, check_trace=False)
-                warm(self._graphs[n], example)
+                graph = torch.jit.trace(_DraftStep(self.head, n), example, check_trace=False)
+                warm(graph, example)
+                self._graphs[n, width] = graph
         except Exception:  # any tracer failure means: stay eager
             log.warning("could not record the draft step; drafting eagerly", exc_info=True)
             self.failed = True
-        return not self.failed

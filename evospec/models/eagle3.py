@@ -68,9 +68,9 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(d, eps, 0.0)
         self.post_attention_layernorm = RMSNorm(d, eps, 0.0)
 
-    def forward(self, emb, h, cos_sin, cache: KVCache, mask) -> torch.Tensor:
+    def forward(self, emb, h, cos_sin, cache: KVCache, mask, rows=None) -> torch.Tensor:
         x = torch.cat((self.input_layernorm(emb), self.hidden_norm(h)), dim=-1)
-        h = h + self.self_attn(x, cos_sin, cache, mask)
+        h = h + self.self_attn(x, cos_sin, cache, mask, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -180,11 +180,17 @@ class Eagle3Head(nn.Module):
         cache: KVCache,
         mask: torch.Tensor | None,  # [n, cache.length + n] bool, or None for plain causal
     ) -> torch.Tensor:  # [B, n, D] pre-norm features: the next step's input
-        h = self.fuse(features)
-        emb = self.embedding()(tokens).to(h.dtype)
-        h = self.midlayer(emb, h, self.rope(positions, h.dtype), cache, mask)
+        h = self.step(features, tokens, positions, cache, mask)
         cache.advance(tokens.shape[1])
         return h
+
+    def step(self, features, tokens, positions, cache, mask, rows=None) -> torch.Tensor:
+        """:meth:`forward` without advancing the cache (what a recorded draft step runs; the
+        feature width, 3 D_t or D, decides whether ``fc`` runs, so a recording is per width);
+        ``rows``: chain rows attending row by row (``models/step.py``) instead of ``mask``."""
+        h = self.fuse(features)
+        emb = self.embedding()(tokens).to(h.dtype)
+        return self.midlayer(emb, h, self.rope(positions, h.dtype), cache, mask, rows)
 
     def logit_input(self, h: torch.Tensor) -> torch.Tensor:
         """What the LM head reads: the final norm of the head's features."""

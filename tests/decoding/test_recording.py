@@ -37,7 +37,7 @@ def test_every_verify_length_and_draft_size_is_recorded_ahead(target):
     draft_graph = decoders[0].drafter.graph
     assert draft_graph is not None and decoders[1].drafter.graph is draft_graph  # one per head
     record_steps(target, decoders)
-    assert sorted(draft_graph._graphs) == list(range(1, MAX_CHAIN + 1))
+    assert sorted(n for n, _ in draft_graph._graphs) == list(range(1, MAX_CHAIN + 1))
     recorded = set(target.step_graph._graphs)
     assert {(1, "last"), *((n, "all") for n in range(2, 6))} <= recorded  # 1-4 drafted, 1-3 looked up
     params = SamplingParams(max_new_tokens=30)
