@@ -49,7 +49,8 @@ class StackSettings:
     weights: str = "fp32"  # linear weight format: models/quant.py WEIGHT_FORMATS or "auto"
     pack_weights: bool = True  # CPU fp32: oneDNN-packed linears
     prefix_reuse: bool = True  # decoders keep the slots a prompt shares with the last request
-    prefix_cache_mb: int | None = None  # and snapshots of earlier sequences in this much (None: prefix.STORE_MB)
+    # and snapshots of earlier sequences in this much (None: prefix.STORE_MB)
+    prefix_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
         for spec in self.specs:  # unknown names: ValueError listing the methods

@@ -190,7 +190,9 @@ def _problems(c: ServeConfig) -> list[str]:
     if not c.body_read_timeout > 0:
         out.append(f"body_read_timeout must be > 0 seconds, got {c.body_read_timeout}")
     if c.prefix_cache_mb is not None and c.prefix_cache_mb < 0:
-        out.append(f"prefix_cache_mb must be >= 0 (0: keep the last request's slots only), got {c.prefix_cache_mb}")
+        out.append(
+            f"prefix_cache_mb must be >= 0 (0: keep the last request's slots only), got {c.prefix_cache_mb}"
+        )
     if not (0 <= c.snapshot_minutes < float("inf")):
         out.append(f"snapshot_minutes must be >= 0 (0: only at shutdown), got {c.snapshot_minutes}")
     for name in ("adapter_dir", "state_dir"):

@@ -100,7 +100,8 @@ def test_prefix_reuse_flag_reaches_the_stack_and_the_serve_config():
     cfg = serve_config(parser.parse_args(["serve", "--no-prefix-reuse"]))
     assert not cfg.prefix_reuse and not cfg.stack_settings().prefix_reuse
     assert stack_settings(parser.parse_args(["bench", "--prefix-cache-mb", "0"]), ["ar"]).prefix_cache_mb == 0
-    assert serve_config(parser.parse_args(["serve", "--prefix-cache-mb", "64"])).stack_settings().prefix_cache_mb == 64
+    cfg = serve_config(parser.parse_args(["serve", "--prefix-cache-mb", "64"]))
+    assert cfg.stack_settings().prefix_cache_mb == 64
     assert serve_config(parser.parse_args(["serve"])).prefix_cache_mb is None  # prefix.STORE_MB
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--prefix-cache-mb", "-1"])

@@ -47,7 +47,8 @@ class TreeConfig:
             least = 0 if name in ("lookup", "table_lookup") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"tree.{name} must be an integer >= {least}, got {v!r}")
-        if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, (int, float)) or not 0 <= self.min_prob < 1:
+        p = self.min_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise ValueError(f"tree.min_prob must be a number in [0, 1), got {self.min_prob!r}")
         if self.min_prob and self.top_k != 1:
             raise ValueError("tree.min_prob stops chains: it needs tree.top_k 1")

@@ -173,7 +173,8 @@ def calibrate(
     same greedy tokens, so it cannot reach PRUNE x the leader's speed any more).
     """
     decoders = {i: build(tree) for i, tree in enumerate(candidates)}
-    record_steps(getattr(ar, "model", None), decoders.values())  # no candidate's timing pays for recording a graph
+    # no candidate's timing pays for recording a graph
+    record_steps(getattr(ar, "model", None), decoders.values())
     with _live_cache_only([ar, *decoders.values()]):
         return _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress)
 

@@ -8,11 +8,12 @@ compiled ops must stay close to). Knows tensors only: no models.
 The ops (shapes in ``cpu_ops.cpp``): ``rms_norm_bf16``, ``add_rms_norm_bf16``, ``rope_qkv``,
 ``silu_mul_bf16``, Gemma-3's ``rope_qkv_normed``, ``norm_add_rms_norm_bf16`` and
 ``gelu_mul_bf16``, and ``decode_attention`` (``attention.cpp``: steps, chains and prefill rows over
-an f32 or f16 KV cache); the same library carries the int4 x
-int8 matmuls of ``int4_matmul.cpp`` and ``int8_matmul.cpp`` (``int4_matmul.py``, ``int8_matmul.py``). They replace ~45 small aten calls
-per layer of a quantised decode step (norm pieces, casts, RoPE slices) with four, and SDPA's
-one-row attention with a leaner loop. Each computes a row with the same code whatever
-the number of rows, so a chain verified in one call reproduces one-token steps bitwise.
+an f32 or f16 KV cache); the same library carries the int4 x int8 matmuls of
+``int4_matmul.cpp`` and ``int8_matmul.cpp`` (``int4_matmul.py``, ``int8_matmul.py``). They
+replace ~45 small aten calls per layer of a quantised decode step (norm pieces, casts, RoPE
+slices) with four, and SDPA's one-row attention with a leaner loop. Each computes a row with
+the same code whatever the number of rows, so a chain verified in one call reproduces
+one-token steps bitwise.
 
 :func:`load_cpu_ops` returns None where no op library can be had (no C++ compiler, a failed
 build, ``EVOSPEC_CPU_OPS=0``): callers then keep their plain torch path. A model decides once,
@@ -37,9 +38,11 @@ from evospec.common import evospec_home
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "attention.cpp", "int4_matmul.cpp", "int8_matmul.cpp")
+    Path(__file__).with_name(f)
+    for f in ("cpu_ops.cpp", "attention.cpp", "int4_matmul.cpp", "int8_matmul.cpp")
 )
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("attention.h", "bf16.h", "fastexp.h", "vnni.h"))  # included by the sources: part of the build key
+# included by the sources: part of the build key
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("attention.h", "bf16.h", "fastexp.h", "vnni.h"))
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;
 # it changes no result (no reassociation, no contraction)

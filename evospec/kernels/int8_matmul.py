@@ -62,7 +62,8 @@ def int8_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) 
     n, k = codes.shape
     g = k // GROUP
     c, a, _ = quantize_activations(x)
-    dots = torch.einsum("mgk,ngk->mng", c.view(-1, g, GROUP).double(), codes.view(n, g, GROUP)).float()  # exact
+    dots = torch.einsum("mgk,ngk->mng", c.view(-1, g, GROUP).double(), codes.view(n, g, GROUP))  # exact
+    dots = dots.float()
     acc = torch.zeros(x.shape[0], n)
     for i in range(g):
         acc = acc + a[:, i : i + 1] * dots[:, :, i]

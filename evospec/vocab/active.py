@@ -169,7 +169,8 @@ class ActiveVocab:
             policy is not None and not self.per_step and (lm_head.is_cuda if overlap is None else overlap)
         )
         self._next_mask = self._mask  # [V] the set staged for the next round (overlap only)
-        self._loaded: tuple[torch.Tensor | None, int | None] = (None, None)  # the policy mask loaded, its version
+        # the policy mask loaded, its version
+        self._loaded: tuple[torch.Tensor | None, int | None] = (None, None)
 
     @property
     def mask(self) -> torch.Tensor:

@@ -43,6 +43,7 @@ def test_every_verify_length_and_draft_size_is_recorded_ahead(target):
     params = SamplingParams(max_new_tokens=30)
     prompt = prompt_of(2, 12)
     for dec in decoders:
-        assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == ar_tokens(target, prompt, params)
+        got = [t for ev in dec.generate(prompt, params) for t in ev.tokens]
+        assert got == ar_tokens(target, prompt, params)
     assert set(target.step_graph._graphs) == recorded and len(draft_graph._graphs) == MAX_CHAIN
 

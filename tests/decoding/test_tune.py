@@ -231,6 +231,8 @@ def test_calibration_times_with_the_live_cache_only_and_gives_the_store_back():
             yield from super().generate(prompt, params)
 
     ar = _Stored(0.002)
-    tune.calibrate(lambda t: _Stored(0.001), ar, [[1, 2]], candidates=[SLOW], max_new_tokens=2, progress=False)
+    tune.calibrate(
+        lambda t: _Stored(0.001), ar, [[1, 2]], candidates=[SLOW], max_new_tokens=2, progress=False
+    )
     assert seen and set(seen) == {0}
     assert ar.prefix.store_bytes == 256 << 20

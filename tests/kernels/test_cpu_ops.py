@@ -185,5 +185,6 @@ def test_a_row_of_a_grouped_head_gives_the_bits_of_that_head_alone(dh):
     torch.testing.assert_close(got, decode_attention_ref(q, keys, values, None, 0.2), rtol=1e-5, atol=1e-6)
     for head in range(6):
         kv = head // 3
-        alone = OPS.decode_attention(q[:, head : head + 1], keys[:, kv : kv + 1], values[:, kv : kv + 1], None, 0.2)
+        one_kv = (keys[:, kv : kv + 1], values[:, kv : kv + 1])
+        alone = OPS.decode_attention(q[:, head : head + 1], *one_kv, None, 0.2)
         assert torch.equal(alone[:, 0], got[:, head])

@@ -32,7 +32,7 @@ def test_packing_keeps_every_code():
 def test_packing_refuses_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="N % 16"):
         pack_int8(torch.zeros(24, 64, dtype=torch.int8))
-    with pytest.raises(ValueError, match="-127..127"):
+    with pytest.raises(ValueError, match=r"-127\.\.127"):
         pack_int8(torch.full((16, 64), -128, dtype=torch.int8))
 
 

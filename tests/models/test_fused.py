@@ -72,7 +72,8 @@ def test_recorded_fused_steps_are_bitwise_the_eager_ones_and_call_the_ops():
     code = str(graph._graphs[1, "last"].inlined_graph)
     # int4 on our VNNI kernel: each layer is one llama_layer op (the calls below, in C++)
     vnni = model.layers[0].self_attn.qkv.kernel == "vnni"
-    for op in ("llama_layer",) if vnni else ("rope_qkv", "add_rms_norm_bf16", "silu_mul_bf16", "decode_attention"):
+    loop_ops = ("rope_qkv", "add_rms_norm_bf16", "silu_mul_bf16", "decode_attention")
+    for op in ("llama_layer",) if vnni else loop_ops:
         assert f"evospec::{op}" in code
     assert code.count("evospec::llama_layer") == (len(model.layers) if vnni else 0)
 
@@ -173,7 +174,8 @@ def assert_one_op_layers_match_the_loop(model, monkeypatch) -> None:
         logits = [model(torch.tensor([prompt_of(3, 9)]), torch.arange(9), cache, logits="all").logits]
         for pos in (9, 10):  # one-token steps
             logits.append(model(torch.tensor([[pos % 64]]), torch.tensor([pos]), cache, logits="all").logits)
-        logits.append(model(torch.tensor([[5, 7, 11]]), torch.arange(11, 14), cache, logits="all").logits)  # a chain
+        chain = model(torch.tensor([[5, 7, 11]]), torch.arange(11, 14), cache, logits="all")
+        logits.append(chain.logits)
         return logits, cache.k[:, :, :, :14].clone()
 
     assert fused._layer_op_applies(model, model.new_cache(4), None, None)  # the first run takes the op

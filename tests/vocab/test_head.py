@@ -143,6 +143,6 @@ def test_int8_slots_in_vnni_tiles_give_the_full_heads_logits_bit_for_bit():
         logits = head._project(hidden)  # [3, 40]
         assert logits.shape == (3, 40)
         assert torch.equal(logits[:, slots], full[:, active])
-        logp, ids = head(hidden, 3)
+        _, ids = head(hidden, 3)
         top = torch.topk(torch.log_softmax(full[:, active], dim=-1), 3, dim=-1)
         assert ids.tolist() == torch.tensor(active)[top.indices].tolist()

@@ -254,7 +254,11 @@ def test_a_static_table_is_loaded_into_the_head_once_and_a_changed_mask_again():
     active = ActiveVocab(policy, weight, always_ids=[99])
     loads = []
     original = active.head.set_active
-    active.head.set_active = lambda mask: loads.append(sorted(mask.nonzero().flatten().tolist())) or original(mask)
+    def recording(mask):
+        loads.append(sorted(mask.nonzero().flatten().tolist()))
+        return original(mask)
+
+    active.head.set_active = recording
     hidden = torch.randn(1, 16)
     for _ in range(3):
         active.begin_round()
