@@ -162,6 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "methods": list(decoders),
         "draft": args.draft,
+        "draft3": args.draft3,
         "tree": {n: asdict(d.tree) for n, d in decoders.items() if d.tree is not None},
         "vocab": asdict(stack.settings.vocab),
         "quick": args.quick,
