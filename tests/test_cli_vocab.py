@@ -49,6 +49,7 @@ def test_bench_quick_runs_every_method_side_by_side(setup, capsys: pytest.Captur
     assert result["config"]["tree"]["nanospec"] == tree
     assert result["config"]["vocab"]["w_max"] == 300
     assert result["config"]["verify_logits"] == "auto"
+    assert result["config"]["draft"] == str(setup["draft"]) and result["config"]["draft3"] is None
     for name, stats in result["methods"].items():
         assert stats["matches_ar"] == 1.0, name  # lossless under every policy
         assert len(stats["acceptance_by_depth"]) == 3  # d = 1 .. --depth
