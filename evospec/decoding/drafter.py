@@ -6,9 +6,10 @@ committed prefix plus its own ancestors), and rewind those slots after verificat
 KV is kept only for accepted tokens. Top-k over the draft's output vocabulary goes through a
 ``DraftHeadFn`` (full LM head here; a reduced active-vocabulary head plugs in the same way).
 
-- :class:`EagleDrafter`: EAGLE-2 head. Pair i = (target feature at position i, token i+1)
-  sits at draft position i; a depth-d tree node's pair is (its parent's draft feature, its
-  token) at position prefix_len - 1 + d.
+- :class:`EagleDrafter`: an EAGLE-2 or EAGLE-3 head. Pair i = (target feature at position i,
+  token i+1) sits at draft position i; a depth-d tree node's pair is (its parent's draft
+  feature, its token) at position prefix_len - 1 + d. (An EAGLE-3 head's target feature is
+  three target layers, fused by its ``fc``; its own features are one layer wide.)
 - :class:`TargetDrafter`: the target model drafting for itself (the "perfect draft" used by
   tests: every drafted top-1 token is the target's own greedy choice).
 """
