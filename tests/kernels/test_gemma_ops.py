@@ -5,21 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evospec.kernels import cpu_ops
 from evospec.kernels.cpu_ops import (
     decode_attention_ref,
     gelu_mul_bf16_ref,
     norm_add_rms_norm_bf16_ref,
     rope_qkv_normed_ref,
 )
-
-pytestmark = pytest.mark.skipif(not cpu_ops.load_cpu_ops(), reason="no C++ compiler for the fused CPU ops")
-OPS = torch.ops.evospec if cpu_ops.load_cpu_ops() else None
-
-
-def _close_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
-    torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+from tests.kernels.test_cpu_ops import OPS, _close_bf16, pytestmark  # noqa: F401 (pytestmark: the same skip)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])

@@ -41,6 +41,12 @@ def test_which_models_take_the_fused_ops():
 def test_fused_logits_stay_close_to_the_aten_path(fmt):
     aten, fused = tiny_target(2), _fused(2, fmt)
     quantize_linears(aten, fmt)
+    assert_prefill_logits_close(aten, fused)
+
+
+def assert_prefill_logits_close(aten, fused) -> None:
+    """A 20-token prefill's logits on the fused ops stay within 2% of the aten path's range,
+    with the same argmax at >= 90% of the positions (bf16 activations round differently)."""
     tokens = torch.tensor([prompt_of(3, 20)])
 
     def logits(m):
