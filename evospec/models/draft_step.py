@@ -84,13 +84,15 @@ class DraftStepGraph:
         self._graphs: dict[tuple[int, int], torch.jit.ScriptModule] = {}  # (rows, input width)
         self._slots = torch.zeros(64)
         self.failed = False
+        own = head.cfg.hidden_size
+        target = head.fc.in_features if head.arch == "eagle3" else own  # EAGLE-3: 3 D_t
+        # n-pair steps read the target's features; one row may also be the head's own (an expansion)
+        self._widths = ((target,) if target == own else (target, own), (target,))
 
     def widths(self, n: int) -> tuple[int, ...]:
         """The feature widths an n-pair step reads: the target's (3 D_t for EAGLE-3, whose
         commits fuse three layers), and for one row also the head's own D (a chain's expansion)."""
-        own = self.head.cfg.hidden_size
-        target = self.head.fc.in_features if self.head.arch == "eagle3" else own
-        return (target,) if n > 1 or target == own else (target, own)
+        return self._widths[n > 1]
 
     def __call__(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache):
         """Append n pairs (features [n, D], tokens [n]) at slot ``cache.length``, each attending
