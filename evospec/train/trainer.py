@@ -30,6 +30,7 @@ import json
 import math
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -121,11 +122,15 @@ def load_sequences(shards: list[Path], max_len: int, aux: list[Path] | None = No
 
 
 def split_holdout(seqs: list[Sequence], share: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
-    rng = random.Random(seed)
-    idx = list(range(len(seqs)))
-    rng.shuffle(idx)
-    n_hold = max(1, int(len(seqs) * share))
-    hold = set(idx[:n_hold])
+    """(train, held out): a sequence is held out when a hash of its tokens and ``seed`` falls
+    in the lowest ``share`` of the hash range, so the split depends on each sequence alone --
+    growing the data (a larger ``--tokens`` into the same work folder) keeps every sequence on
+    its side and adds new ones to both. At least one sequence is held out."""
+    salt = zlib.crc32(seed.to_bytes(8, "little", signed=True))
+    keys = [zlib.crc32(s.tokens.numpy().tobytes(), salt) for s in seqs]  # uniform in [0, 2^32)
+    hold = {i for i, key in enumerate(keys) if key < share * (1 << 32)}
+    if not hold and seqs:
+        hold = {min(range(len(seqs)), key=keys.__getitem__)}
     return [s for i, s in enumerate(seqs) if i not in hold], [s for i, s in enumerate(seqs) if i in hold]
 
 

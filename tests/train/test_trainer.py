@@ -16,6 +16,7 @@ from evospec.train.trainer import (
     collate,
     evaluate,
     load_sequences,
+    split_holdout,
     train_head,
 )
 from tests.decoding.spec_helpers import prompt_of, tiny_target
@@ -34,6 +35,22 @@ def make_sequences(target, n: int = 24) -> list[Sequence]:
             ).hidden[0]
             seqs.append(Sequence(ids[0].cpu(), hid.half().cpu(), len(p)))  # cached on the CPU, as on disk
     return seqs
+
+
+def test_holdout_split_keeps_each_sequence_on_its_side_as_data_grows():
+    def seq(i: int) -> Sequence:
+        tokens = torch.tensor([i, i * 7 + 3, 11, i % 5])
+        return Sequence(tokens, torch.zeros(4, 2, dtype=torch.float16), prompt_len=1)
+
+    first, grown = [seq(i) for i in range(400)], [seq(i) for i in range(1200)]
+    held = {int(s.tokens[0]) for s in split_holdout(first, 0.1, seed=0)[1]}
+    train_grown, held_grown = split_holdout(grown[::-1], 0.1, seed=0)  # more data, another order
+    held_grown_ids = {int(s.tokens[0]) for s in held_grown}
+    assert held == {i for i in held_grown_ids if i < 400}  # old sequences stay on their side
+    assert 60 <= len(held_grown) <= 180  # ~10% of 1,200
+    assert len(train_grown) + len(held_grown) == 1200
+    assert {int(s.tokens[0]) for s in split_holdout(first, 0.1, seed=1)[1]} != held  # the seed matters
+    assert len(split_holdout(first[:3], 0.001, seed=0)[1]) == 1  # never an empty held-out set
 
 
 def test_collate_scores_only_response_pairs():
