@@ -1,9 +1,10 @@
 """Interleaved A/B of decoder variants against plain decoding, prompt by prompt.
 
-Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD]`` (a 1-wide
-chain of DEPTH drafted tokens, or with MIN_PROB as many as stay that likely, ``--min-prob``;
-TABLE_LOOKUP 0 also means no n-gram table; ``@HEAD``: this EAGLE-2 head
-folder instead of the shipped one, to A/B two heads in one run). Every prompt runs AR and every
+Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD][%TABLE]`` (a
+1-wide chain of DEPTH drafted tokens, or with MIN_PROB as many as stay that likely, ``--min-prob``;
+TABLE_LOOKUP 0 also means no n-gram table; ``@HEAD``: this EAGLE-2 head folder instead of the
+shipped one, to A/B two heads in one run; ``%TABLE``: this n-gram table file instead of the
+model's, to A/B two tables). Every prompt runs AR and every
 variant back to back, the order flipping between prompts, so that this machine's bursts of
 noise hit all sides alike; the report is the median of per-prompt speed ratios (decode only,
 prefill excluded), MAL, and the share of rounds that verified model-free proposals. Every
@@ -12,7 +13,8 @@ output is checked equal to AR's. Used for docs/benchmarks.md, wave 8:
     .venv/bin/python scripts/tree_ab.py --data ../shared/data/spec_bench/question.jsonl \\
         ngram:3:2:0:1 ngram:3:2:1:1 frspec:3:2:0:1 frspec:3:2:1:1
 
-and for wave 10 (two heads): ``frspec:3:2:1:1@OLD_HEAD frspec:3:2:1:1@NEW_HEAD``.
+and for wave 10 (two heads): ``frspec:3:2:1:1@OLD_HEAD frspec:3:2:1:1@NEW_HEAD``; wave 17 (two
+tables): ``ngram:3:2:1:1%OLD.safetensors ngram:3:2:1:1%NEW.safetensors``.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from evospec.assembly import StackSettings, assemble
 from evospec.decoding.recording import record_steps
 from evospec.bench.prompts import load_prompts
 from evospec.decoding.methods import make_decoder
+from evospec.decoding.ngram_table import load_ngram_table
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree_config import TreeConfig
 from evospec.models.eagle import load_eagle
 
 
 def variant_tree(spec: str) -> tuple[str, TreeConfig]:
-    method, lookup, ngram, table, depth, *stop = spec.split("@")[0].split(":")
+    method, lookup, ngram, table, depth, *stop = spec.split("%")[0].split("@")[0].split(":")
     d = int(depth)
     tree = TreeConfig(
         1,
@@ -60,7 +63,7 @@ def variant_parser(doc: str, variants_help: str, per_category: int) -> argparse.
 
 
 def main() -> None:
-    ap = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD]", 2)
+    ap = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD][%TABLE]", 2)
     ap.add_argument("--model", default=None, help="target model (default: the default model)")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -68,11 +71,15 @@ def main() -> None:
     model = {"model": args.model} if args.model else {}
     stack = assemble(StackSettings(methods=("ar", *methods), weights=args.weights, **model), progress=False)
     decoders = {"ar": stack.decoder("ar")}
-    heads = {}  # folder -> head, each loaded once
+    heads, tables = {}, {}  # folder -> head, file -> table, each loaded once
+    vocab = stack.loaded.model.cfg.vocab_size
     for v in args.variants:
         method, tree = variant_tree(v)
-        table = stack.ngrams if tree.table_lookup else None
-        folder = v.partition("@")[2]
+        spec, _, table_file = v.partition("%")
+        if table_file and table_file not in tables:
+            tables[table_file] = load_ngram_table(table_file, vocab)
+        table = (tables[table_file] if table_file else stack.ngrams) if tree.table_lookup else None
+        folder = spec.partition("@")[2]
         if folder and folder not in heads:
             heads[folder] = load_eagle(folder, dtype=stack.draft.fc.weight.dtype)
         decoders[v] = make_decoder(
