@@ -41,7 +41,8 @@ def main() -> None:
         seqs += part
         if int(shard.stem.split("_")[-1]) >= args.first_new_shard:
             new += part
-    held = {"all": split_holdout(seqs, cfg.holdout, cfg.seed)[1], "new": split_holdout(new, cfg.holdout, cfg.seed)[1]}
+    parts = (("all", seqs), ("new", new))
+    held = {name: split_holdout(part, cfg.holdout, cfg.seed)[1] for name, part in parts}
     feat_std = torch.cat([s.features[:256].float() for s in seqs[:200]]).std()
     lm_head = loaded.model.lm_head.weight.detach()
     print(f"held out: {len(held['all'])} sequences, {len(held['new'])} of them in the newer shards")
@@ -50,7 +51,8 @@ def main() -> None:
         head = load_eagle(folder).attach(loaded.model)
         for name, hold in held.items():
             r = evaluate(head, lm_head, hold, feat_std, cfg)
-            print(f"| {folder} | {name} | {r['pairs']:.0f} | {r['top1@1']:.3f} | {r['top1@2']:.3f} | {r['top1@3']:.3f} |")
+            steps = " | ".join(f"{r[f'top1@{s}']:.3f}" for s in (1, 2, 3))
+            print(f"| {folder} | {name} | {r['pairs']:.0f} | {steps} |")
 
 
 if __name__ == "__main__":

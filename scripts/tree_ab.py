@@ -27,10 +27,10 @@ import time
 import torch
 
 from evospec.assembly import StackSettings, assemble
-from evospec.decoding.recording import record_steps
 from evospec.bench.prompts import load_prompts
 from evospec.decoding.methods import make_decoder
 from evospec.decoding.ngram_table import load_ngram_table
+from evospec.decoding.recording import record_steps
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree_config import TreeConfig
 from evospec.models.eagle import load_eagle
