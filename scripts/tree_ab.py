@@ -13,8 +13,8 @@ output is checked equal to AR's. Used for docs/benchmarks.md, wave 8:
     .venv/bin/python scripts/tree_ab.py --data ../shared/data/spec_bench/question.jsonl \\
         ngram:3:2:0:1 ngram:3:2:1:1 frspec:3:2:0:1 frspec:3:2:1:1
 
-and for wave 10 (two heads): ``frspec:3:2:1:1@OLD_HEAD frspec:3:2:1:1@NEW_HEAD``; wave 17 (two
-tables): ``ngram:3:2:1:1%OLD.safetensors ngram:3:2:1:1%NEW.safetensors``.
+and for wave 10 (two heads): ``frspec:3:2:1:1@OLD_HEAD frspec:3:2:1:1@NEW_HEAD``; two
+tables: ``ngram:3:2:1:1%OLD.safetensors ngram:3:2:1:1%NEW.safetensors``.
 """
 
 from __future__ import annotations
