@@ -9,6 +9,13 @@ No data set is read, so none of the evaluation sets can leak in. Resumable: an e
 ``--out`` is kept and extended. Used for draft head version 5 (docs/draft-head.md):
 
     .venv/bin/python scripts/self_prompts.py --count 3000 --out ~/.cache/evospec/self_prompts.jsonl
+
+With ``--steer``, each attempt starts the user's message with the next of a fixed list of
+openers (``OPENERS``: the kinds of request a chat benchmark holds -- writing, role-play,
+reasoning, math, code, extraction, science, humanities, short factual questions) and the target
+writes the rest, so the prompts cover those kinds evenly instead of the model's favourites:
+
+    .venv/bin/python scripts/self_prompts.py --steer --count 1500 --out ~/.cache/evospec/steered_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -24,6 +31,44 @@ from evospec.assembly import StackSettings, assemble
 from evospec.decoding.sampling import SamplingParams
 
 MARK = "\x00USER\x00"
+OPENERS = (
+    "Write a blog post about",
+    "Compose a short story",
+    "Draft an email to",
+    "Write a persuasive essay",
+    "Write a poem about",
+    "Write a product description for",
+    "Pretend you are",
+    "Act as a",
+    "Imagine you are",
+    "You are a",
+    "Suppose that",
+    "If a",
+    "Here is a riddle:",
+    "Solve",
+    "What is the value of",
+    "Find the",
+    "Calculate",
+    "Write a Python function that",
+    "Implement a",
+    "Write a SQL query",
+    "Write a program",
+    "Extract",
+    "From the following text,",
+    "Identify the",
+    "Explain how",
+    "What is the difference between",
+    "Describe the process of",
+    "In physics,",
+    "Discuss",
+    "What were the causes of",
+    "Analyze",
+    "Who",
+    "When did",
+    "Where is",
+    "What is",
+    "How many",
+)
 
 
 def _key(text: str) -> str:
@@ -40,12 +85,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96, help="longest prompt kept, in tokens")
     ap.add_argument("--min-words", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="first sampling seed (one per attempt)")
+    ap.add_argument("--steer", action="store_true", help="start each prompt with the next of OPENERS")
     args = ap.parse_args()
     stack = assemble(StackSettings(methods=("ar",), weights=args.weights), progress=False)
     codec, decoder = stack.codec, stack.decoder("ar")
     rendered = codec.render_chat([{"role": "user", "content": MARK}])
     prefix = codec.tok.encode(rendered[: rendered.index(MARK)], add_special_tokens=False).ids
-    kept = [json.loads(line)["prompt"] for line in args.out.read_text().splitlines()] if args.out.exists() else []
+    kept = (
+        [json.loads(line)["prompt"] for line in args.out.read_text().splitlines()]
+        if args.out.exists()
+        else []
+    )
     seen = {_key(p) for p in kept}
     # a resumed run starts past the seeds the first one most likely tried (~1.15 tries per kept
     # prompt here); a prompt drawn again is dropped by the deduplication anyway
@@ -53,12 +103,17 @@ def main() -> None:
     with args.out.open("a") as out:
         while len(kept) < args.count:
             params = SamplingParams(
-                max_new_tokens=args.max_tokens + 1, temperature=args.temperature, top_p=args.top_p, seed=attempt
+                max_new_tokens=args.max_tokens + 1,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=attempt,
             )
+            opener = OPENERS[attempt % len(OPENERS)] if args.steer else ""
             attempt += 1
-            ids = [t for ev in decoder.generate(prefix, params) for t in ev.tokens]
+            start_ids = prefix + codec.tok.encode(opener, add_special_tokens=False).ids
+            ids = [t for ev in decoder.generate(start_ids, params) for t in ev.tokens]
             finished = bool(ids) and ids[-1] in stack.eos_ids
-            text = codec.decode(ids).strip()
+            text = (opener + codec.decode(ids)).strip()
             if not finished or len(text.split()) < args.min_words or _key(text) in seen:
                 continue
             seen.add(_key(text))
@@ -67,7 +122,10 @@ def main() -> None:
             out.flush()
             if len(kept) % 50 == 0:
                 rate = len(kept) / (time.time() - start)
-                print(f"{len(kept)}/{args.count} prompts ({attempt - args.seed} tries, {rate:.1f}/s)", file=sys.stderr)
+                print(
+                    f"{len(kept)}/{args.count} prompts ({attempt - args.seed} tries, {rate:.1f}/s)",
+                    file=sys.stderr,
+                )
     print(f"{len(kept)} prompts in {args.out}")
 
 

@@ -62,6 +62,21 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         "--tokens", type=positive_int, default=200_000, help="response tokens to generate (default 200k)"
     )
     t.add_argument(
+        "--sources",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="keep only these prompt sources of --data (e.g. arena_hard oasst; a JSONL file's source "
+        "is its name without .jsonl), before --skip-prompts; default: all",
+    )
+    t.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=256,
+        help="longest chat-formatted prompt answered; longer ones are skipped (default 256; "
+        "raise it for long-document prompts: the generation cache grows to fit)",
+    )
+    t.add_argument(
         "--skip-prompts",
         type=non_negative_int,
         default=0,
@@ -199,7 +214,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.models.loading import load_model, resolve_device
     from evospec.train.conversations import training_conversations
     from evospec.train.datagen import feature_shards, generate_responses, teacher_force
-    from evospec.train.prompts import training_prompts
+    from evospec.train.prompts import select_sources, training_prompts
     from evospec.train.support import resolve_support
     from evospec.train.trainer import TrainConfig, load_sequences, train_head
 
@@ -227,7 +242,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     teacher = loaded.name if loaded.weights == "fp32" else f"{loaded.name}+{loaded.weights}"
     work = args.work or evospec_home() / "train" / teacher  # one teacher's data per folder
     vocab = loaded.model.cfg.vocab_size
-    prompts = training_prompts(args.data)[args.skip_prompts :]
+    prompts = select_sources(training_prompts(args.data), args.sources)[args.skip_prompts :]
     codec = loaded.codec
     support = resolve_support(args.loss_support, vocab)
     have = taught = 0
@@ -241,6 +256,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             target_tokens=args.tokens,
             batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            cache_len=args.max_prompt_tokens + 2 * args.max_new_tokens,
             # topk+neg training reads the target's top-k per answer row: keep it from the generation
             support_k=args.support_k if support == "topk+neg" else 0,
             progress=progress,
@@ -309,6 +326,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "teacher_weights": loaded.weights,
         "source": args.source,
         "init": str(init) if init else None,
+        "sources": args.sources,
         "skip_prompts": args.skip_prompts,
         "response_tokens": have,
         "teacher_forced_tokens": taught,

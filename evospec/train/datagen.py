@@ -138,12 +138,16 @@ def generate_responses(
     ``support_k`` > 0 also stores the target's top-k next-token support per answer row (what
     the ``topk+neg`` training loss reads), taken from the generation's own logits."""
     writer, have, todo, bar = _resume(work, shard_tokens, prompts, target_tokens, "generating", progress)
+    too_long = 0
     try:
         for lo in range(0, len(todo), 256):
             if have >= target_tokens:
                 break
             chunk = [(p, encode(p)) for p in todo[lo : lo + 256]]
-            chunk = [(p, ids) for p, ids in chunk if len(ids) <= max_prompt_tokens]
+            fits = [(p, ids) for p, ids in chunk if len(ids) <= max_prompt_tokens]
+            too_long += len(chunk) - len(fits)
+            bar.set_postfix(too_long=too_long, refresh=False)  # prompts over max_prompt_tokens
+            chunk = fits
             stream = greedy_stream(
                 model,
                 [ids for _, ids in chunk],

@@ -132,3 +132,16 @@ def interleave(per_source: dict[str, list], seed: int) -> list:
             if q:
                 mixed.append(q.pop())
     return mixed
+
+
+def select_sources(prompts: list[TrainPrompt], sources: Sequence[str] | None) -> list[TrainPrompt]:
+    """The prompts of ``sources`` only, in their mixed order (None: all). A name that no prompt
+    carries is an error, so a typo cannot silently select nothing."""
+    if not sources:
+        return prompts
+    known = {p.source for p in prompts}
+    unknown = sorted(set(sources) - known)
+    if unknown:
+        raise ValueError(f"unknown prompt source(s) {unknown}; the data has {sorted(known)}")
+    keep = set(sources)
+    return [p for p in prompts if p.source in keep]

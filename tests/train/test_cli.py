@@ -57,6 +57,27 @@ def test_skip_prompts_answers_only_the_rest_of_the_mix(model: Path, tmp_path: Pa
     assert bad.value.code == 2 and "--skip-prompts: must be >= 0" in capsys.readouterr().err
 
 
+def test_sources_and_prompt_length_pick_what_is_answered(model: Path, tmp_path: Path, capsys) -> None:
+    long = " ".join(["the cat sat on the mat"] * 12)
+    (tmp_path / "docs.jsonl").write_text(
+        json.dumps({"prompt": long}) + "\n" + json.dumps({"prompt": "a dog"})
+    )
+    argv = [
+        *_argv(model, tmp_path, "--generate-only"),
+        "--data",
+        str(tmp_path / "prompts.jsonl"),
+        str(tmp_path / "docs.jsonl"),
+    ]
+    assert main([*argv, "--sources", "docs", "--max-prompt-tokens", "8", "--tokens", "10000"]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "work" / "generations.jsonl").read_text().splitlines()]
+    assert [r["uid"] for r in lines] == ["docs:1"]  # only that source; the long prompt is skipped
+    assert main([*argv, "--sources", "docs", "--max-prompt-tokens", "200", "--tokens", "10000"]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "work" / "generations.jsonl").read_text().splitlines()]
+    assert sorted(r["uid"] for r in lines) == ["docs:0", "docs:1"] and len(lines[-1]["prompt_ids"]) > 8
+    assert main([*argv, "--sources", "doc"]) == 2
+    assert "unknown prompt source(s) ['doc']" in capsys.readouterr().err
+
+
 def test_training_needs_an_output_folder(model: Path, tmp_path: Path, capsys) -> None:
     assert main(_argv(model, tmp_path)) == 2
     assert "--out" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from evospec.train.prompts import training_prompts
+from evospec.train.prompts import select_sources, training_prompts
 
 
 def _write(path: Path, prompts: list[str]) -> Path:
@@ -39,3 +39,15 @@ def test_bad_files_name_the_problem(tmp_path: Path) -> None:
     bad.write_text('{"text": "no prompt key"}\n')
     with pytest.raises(ValueError, match="record 1 has no string 'prompt'"):
         training_prompts(bad)
+
+
+def test_select_sources_keeps_their_prompts_in_mixed_order(tmp_path: Path) -> None:
+    a = _write(tmp_path / "law.jsonl", ["a0", "a1"])
+    b = _write(tmp_path / "med.jsonl", ["b0", "b1"])
+    c = _write(tmp_path / "chat.jsonl", ["c0"])
+    mixed = training_prompts([a, b, c], seed=3)
+    got = select_sources(mixed, ["law", "chat"])
+    assert got == [p for p in mixed if p.source != "med"]
+    assert select_sources(mixed, None) == mixed
+    with pytest.raises(ValueError, match=r"unknown prompt source\(s\) \['lwa'\]"):
+        select_sources(mixed, ["lwa"])
