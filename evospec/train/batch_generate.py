@@ -1,4 +1,5 @@
-"""Batched greedy generation by the target, for building draft-training data.
+"""Batched generation by the target (greedy, or with a caller's sampler), for building
+draft-training data.
 
 Owns: continuous batching over one preallocated KV cache. Rows are right-aligned at a shared
 cache length L; each row masks its own leading slots (``left_pad``) and counts positions from
@@ -11,13 +12,19 @@ the wave drains and a new one starts. Knows token ids only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
+
+Pick = Callable[[torch.Tensor], torch.Tensor]  # next-token logits [R, V] -> token ids [R]
+
+
+def argmax_pick(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
 
 
 class Finished(NamedTuple):
@@ -33,7 +40,7 @@ class Finished(NamedTuple):
 
 
 def _prefill_rows(
-    model: Transformer, prompts: list[Sequence[int]], end: int, cache: KVCache, rows: list[int]
+    model: Transformer, prompts: list[Sequence[int]], end: int, cache: KVCache, rows: list[int], pick: Pick
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``, one prompt per forward: a
     prompt's rows cost what a decode row costs, so padding prompts to a shared width would
@@ -51,7 +58,7 @@ def _prefill_rows(
         cache.k[:, row, :, end - n : end] = side.k[:, 0]
         cache.v[:, row, :, end - n : end] = side.v[:, 0]
         feats.append(out.hidden[0])
-        nxt.append(out.logits[0, -1].argmax(-1))
+        nxt.append(pick(out.logits[:, -1])[0])
     pad = end - torch.tensor([len(p) for p in prompts], device=device)
     return torch.stack(nxt), pad, feats
 
@@ -68,6 +75,7 @@ def greedy_stream(
     refill_at: int | None = None,
     features: bool = False,
     support_k: int = 0,
+    pick: Pick = argmax_pick,
 ) -> Iterator[Finished]:
     """Yield answers as they complete (EOS kept last), in completion order.
 
@@ -77,6 +85,8 @@ def greedy_stream(
     the target's top-k next-token ids and log-probabilities at the fed answer positions, taken
     from the logits the step computes anyway (the draft trainer's ``topk+neg`` loss needs them;
     a separate pass over the features would cost one LM-head product per token again).
+    ``pick`` chooses each next token from the logits (default: greedy; a sampler makes the
+    answers samples, e.g. for prompts the target writes itself).
     """
     device = model.embed_tokens.weight.device
     longest = max((len(p) for p in prompts), default=0)
@@ -97,7 +107,7 @@ def greedy_stream(
         cache.reset()
         nxt = torch.zeros(batch_size, dtype=torch.long, device=device)
         pad = torch.full((batch_size,), width, dtype=torch.long, device=device)  # idle rows: all masked
-        toks, pads, pf = _prefill_rows(model, [prompts[i] for i in first], width, cache, rows)
+        toks, pads, pf = _prefill_rows(model, [prompts[i] for i in first], width, cache, rows, pick)
         nxt[: len(first)], pad[: len(first)] = toks, pads
         cache.length = width
         owner: list[int | None] = [*first, *([None] * (batch_size - len(first)))]
@@ -127,7 +137,7 @@ def greedy_stream(
                         queue.remove(i)
                     rows = free[: len(take)]
                     toks, pads, pf = _prefill_rows(
-                        model, [prompts[i] for i in take], cache.length, cache, rows
+                        model, [prompts[i] for i in take], cache.length, cache, rows, pick
                     )
                     idx = torch.tensor(rows, device=device)
                     nxt[idx], pad[idx] = toks, pads
@@ -143,7 +153,7 @@ def greedy_stream(
             pos = torch.tensor([cache.length], device=device)
             out = model(nxt[:, None], pos, cache, logits="last", left_pad=pad)
             logits = out.logits[:, -1]  # [B, V]
-            nxt = logits.argmax(-1)
+            nxt = pick(logits)
             if features:
                 step_feats = out.hidden[:, 0].half()  # [B, D] features of the tokens just fed
                 for r in active:

@@ -41,3 +41,24 @@ def test_cache_too_small_is_an_error(setup):
     target, prompts, _ = setup
     with pytest.raises(ValueError, match="cache_len"):
         greedy_batch(target, prompts, 50, EOS, cache_len=40)
+
+
+def test_pick_chooses_every_token(setup):
+    """A caller's ``pick`` replaces the argmax at the prefill's first token and every step."""
+    import torch
+
+    target, prompts, _ = setup
+    seen_rows: list[int] = []
+
+    def second_best(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
+        seen_rows.append(logits.shape[0])
+        return logits.topk(2, dim=-1).indices[:, 1]
+
+    out = greedy_batch(target, prompts[:6], 8, (), batch_size=4, cache_len=64, pick=second_best)
+    assert seen_rows and 1 in seen_rows and 4 in seen_rows  # prefill rows one by one, steps batched
+    for p, answer in zip(prompts[:6], out, strict=True):
+        ids = list(p)
+        for tok in answer:  # each token is the runner-up of plain decoding's logits there
+            logits = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(64), logits="last").logits
+            assert tok == int(logits[0, -1].topk(2).indices[1])
+            ids.append(tok)
