@@ -15,7 +15,8 @@ openers (``OPENERS``: the kinds of request a chat benchmark holds -- writing, ro
 reasoning, math, code, extraction, science, humanities, short factual questions) and the target
 writes the rest, so the prompts cover those kinds evenly instead of the model's favourites:
 
-    .venv/bin/python scripts/self_prompts.py --steer --batch-size 16 --count 1500 --out ~/.cache/evospec/steered_prompts.jsonl
+    .venv/bin/python scripts/self_prompts.py --steer --batch-size 16 --count 1000 \\
+        --out ~/.cache/evospec/steered_prompts.jsonl
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ def test_pick_chooses_every_token(setup):
     for p, answer in zip(prompts[:6], out, strict=True):
         ids = list(p)
         for tok in answer:  # each token is the runner-up of plain decoding's logits there
-            logits = target(torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(64), logits="last").logits
+            logits = target(
+                torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(64), logits="last"
+            ).logits
             assert tok == int(logits[0, -1].topk(2).indices[1])
             ids.append(tok)
