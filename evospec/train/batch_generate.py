@@ -17,14 +17,11 @@ from typing import NamedTuple
 
 import torch
 
+from evospec.decoding.sampling import greedy_ids
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
 
 Pick = Callable[[torch.Tensor], torch.Tensor]  # next-token logits [R, V] -> token ids [R]
-
-
-def argmax_pick(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(-1)
 
 
 class Finished(NamedTuple):
@@ -75,7 +72,7 @@ def greedy_stream(
     refill_at: int | None = None,
     features: bool = False,
     support_k: int = 0,
-    pick: Pick = argmax_pick,
+    pick: Pick = greedy_ids,
 ) -> Iterator[Finished]:
     """Yield answers as they complete (EOS kept last), in completion order.
 
