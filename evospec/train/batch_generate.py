@@ -37,15 +37,24 @@ class Finished(NamedTuple):
 
 
 def _prefill_rows(
-    model: Transformer, prompts: list[Sequence[int]], end: int, cache: KVCache, rows: list[int], pick: Pick
+    model: Transformer,
+    prompts: list[Sequence[int]],
+    end: int,
+    cache: KVCache,
+    rows: list[int],
+    pick: Pick,
+    grouped: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``, one prompt per forward: a
-    prompt's rows cost what a decode row costs, so padding prompts to a shared width would
-    spend most of a wave's prefill on pad rows.
+    """Prefill ``prompts`` right-aligned to slot ``end`` of ``rows``. On a CPU one prompt per
+    forward: a prompt's rows cost what a decode row costs, so padding prompts to a shared width
+    would spend most of a wave's prefill on pad rows. ``grouped`` (accelerators, where a forward
+    costs its kernel launches more than its rows): all prompts in one left-padded forward.
 
     Returns (next tokens [R], pads [R], per prompt its features [len, D]).
     """
     device = cache.k.device
+    if grouped:
+        return _prefill_grouped(model, prompts, end, cache, rows, pick)
     nxt, feats = [], []
     for p, row in zip(prompts, rows, strict=True):
         n = len(p)
@@ -58,6 +67,25 @@ def _prefill_rows(
         nxt.append(pick(out.logits[:, -1])[0])
     pad = end - torch.tensor([len(p) for p in prompts], device=device)
     return torch.stack(nxt), pad, feats
+
+
+def _prefill_grouped(
+    model: Transformer, prompts: list[Sequence[int]], end: int, cache: KVCache, rows: list[int], pick: Pick
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`_prefill_rows` in one forward: prompts left-padded to the longest (width w <= end)
+    in a side cache, whose slots land at [end - w, end) of each row; a row's pad slots there
+    lie before its own first slot, which its ``left_pad`` hides from then on."""
+    device = cache.k.device
+    width = max(len(p) for p in prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.tensor([[p[0]] * (width - len(p)) + list(p) for p in prompts], device=device)  # [R, w]
+    side = model.new_cache(width, batch=len(prompts))
+    out = model(ids, torch.arange(width, device=device), side, logits="last", left_pad=width - lens)
+    idx = torch.tensor(rows, device=device)
+    cache.k[:, idx, :, end - width : end] = side.k
+    cache.v[:, idx, :, end - width : end] = side.v
+    feats = [out.hidden[i, width - len(p) :] for i, p in enumerate(prompts)]
+    return pick(out.logits[:, -1]), end - lens, feats
 
 
 @torch.inference_mode()
@@ -73,6 +101,7 @@ def greedy_stream(
     features: bool = False,
     support_k: int = 0,
     pick: Pick = greedy_ids,
+    grouped_prefill: bool | None = None,
 ) -> Iterator[Finished]:
     """Yield answers as they complete (EOS kept last), in completion order.
 
@@ -83,9 +112,11 @@ def greedy_stream(
     from the logits the step computes anyway (the draft trainer's ``topk+neg`` loss needs them;
     a separate pass over the features would cost one LM-head product per token again).
     ``pick`` chooses each next token from the logits (default: greedy; a sampler makes the
-    answers samples, e.g. for prompts the target writes itself).
+    answers samples, e.g. for prompts the target writes itself). ``grouped_prefill`` (default:
+    on a GPU) prefills each refill's prompts in one left-padded forward (``_prefill_grouped``).
     """
     device = model.embed_tokens.weight.device
+    grouped = device.type == "cuda" if grouped_prefill is None else grouped_prefill
     longest = max((len(p) for p in prompts), default=0)
     if longest + max_new_tokens > cache_len:
         raise ValueError(
@@ -104,7 +135,7 @@ def greedy_stream(
         cache.reset()
         nxt = torch.zeros(batch_size, dtype=torch.long, device=device)
         pad = torch.full((batch_size,), width, dtype=torch.long, device=device)  # idle rows: all masked
-        toks, pads, pf = _prefill_rows(model, [prompts[i] for i in first], width, cache, rows, pick)
+        toks, pads, pf = _prefill_rows(model, [prompts[i] for i in first], width, cache, rows, pick, grouped)
         nxt[: len(first)], pad[: len(first)] = toks, pads
         cache.length = width
         owner: list[int | None] = [*first, *([None] * (batch_size - len(first)))]
@@ -134,7 +165,7 @@ def greedy_stream(
                         queue.remove(i)
                     rows = free[: len(take)]
                     toks, pads, pf = _prefill_rows(
-                        model, [prompts[i] for i in take], cache.length, cache, rows, pick
+                        model, [prompts[i] for i in take], cache.length, cache, rows, pick, grouped
                     )
                     idx = torch.tensor(rows, device=device)
                     nxt[idx], pad[idx] = toks, pads

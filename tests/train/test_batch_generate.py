@@ -31,6 +31,14 @@ def test_rows_equal_plain_greedy(setup, batch, cache_len, refill):
     assert out == ref
 
 
+@pytest.mark.parametrize("batch,cache_len,refill", [(4, 64, 1), (8, 40, 2), (30, 100, None)])
+def test_grouped_prefill_rows_equal_plain_greedy(setup, batch, cache_len, refill):
+    """Refills prefilled in one left-padded forward (the GPU default) answer as plain decoding."""
+    target, prompts, ref = setup
+    kw = dict(batch_size=batch, cache_len=cache_len, refill_at=refill, grouped_prefill=True)
+    assert greedy_batch(target, prompts, 15, EOS, **kw) == ref
+
+
 def test_stream_yields_every_prompt_once(setup):
     target, prompts, _ = setup
     seen = [done.index for done in greedy_stream(target, prompts, 6, EOS, batch_size=5, cache_len=64)]
