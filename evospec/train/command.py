@@ -155,6 +155,30 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         help="stop after the data stage (grow the cached answers and features, e.g. on a faster "
         "machine or over several sessions; a later run without it trains on all of them)",
     )
+    t.add_argument(
+        "--features",
+        choices=["cached", "on-the-fly"],
+        default="cached",
+        help="'cached': the data stage stores the target's features (and top-k) on disk, ~2.5 GB per "
+        "million answer tokens, and training reads them (fastest per epoch on a CPU); 'on-the-fly': "
+        "it stores token ids only and training runs the target over each batch for its features and "
+        "full next-token distribution (no cache; the better choice on a GPU, where that pass is cheap) "
+        "(default: cached)",
+    )
+    t.add_argument(
+        "--train-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="on-the-fly: stop training after S seconds (the learning rate decays over them); "
+        "default: --epochs only",
+    )
+    t.add_argument(
+        "--tokens-per-batch",
+        type=positive_int,
+        default=2048,
+        help="padded tokens per training batch (default 2048; larger on a GPU, e.g. 16384)",
+    )
     t.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
     t.add_argument(
         "--init",
@@ -204,8 +228,6 @@ def _stop_cleanly_on_sigterm() -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    import platform
-
     import torch
 
     from evospec.common import evospec_home
@@ -222,6 +244,14 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise ValueError("--draft-vocab K needs --arch eagle3 --lm-head own (a reduced LM head of its own)")
     if args.out is None and not args.generate_only:
         raise ValueError("train-draft: --out is required (the head's folder) unless --generate-only")
+    onthefly = args.features == "on-the-fly"
+    if onthefly and (args.arch != "eagle2" or args.loss_support not in ("auto", "full")):
+        raise ValueError(
+            "--features on-the-fly trains EAGLE-2 heads on the target's full distribution "
+            "(drop --arch eagle3 and --loss-support, or use --features cached)"
+        )
+    if args.train_seconds is not None and not onthefly:
+        raise ValueError("--train-seconds bounds on-the-fly training (--features on-the-fly)")
     _stop_cleanly_on_sigterm()  # `kill` / `docker stop`: finished answers are flushed, not lost
     progress = not args.no_progress
     t0 = time.perf_counter()
@@ -235,6 +265,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         steps=args.steps,
         step_decay=args.step_decay,
         w_reg=args.reg_weight,
+        tokens_per_batch=args.tokens_per_batch,
     )
     loaded = load_model(args.target, device=device, progress=progress, weights=args.weights)
     if loaded.codec is None:
@@ -260,8 +291,14 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             cache_len=args.max_prompt_tokens + 2 * args.max_new_tokens,
             # topk+neg training reads the target's top-k per answer row: keep it from the generation
             support_k=args.support_k if support == "topk+neg" else 0,
+            store_features=not onthefly,
             progress=progress,
         )
+    if onthefly:  # token ids only: dataset answers are read as they are, when training
+        if args.generate_only:
+            print(f"{have} generated answer tokens in {work}", file=sys.stderr)
+            return 0
+        return _train_onthefly(args, loaded, codec, work, cfg, progress, t0)
     if args.source in ("dataset", "mix"):
         eos = [*(codec.eos_ids or loaded.model.cfg.eos_token_ids)][:1]  # the answer ends as generated ones do
         taught = teacher_force(
@@ -315,9 +352,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         save_eagle3(head, args.out)
     else:
         save_eagle(head, args.out)
-    entry = REGISTRY.get(loaded.name)
-    if entry is not None and entry.notice:  # e.g. Gemma: derivatives carry the terms' notice
-        (args.out / "NOTICE").write_text(entry.notice)
     info = {
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
@@ -332,15 +366,102 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "teacher_forced_tokens": taught,
         "sequences": len(seqs),
         "wall_seconds": round(time.perf_counter() - t0, 1),
-        "hardware": (
-            torch.cuda.get_device_name(device)
-            if device.startswith("cuda")
-            else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-        ),
+        "hardware": _hardware(device),
         "torch": torch.__version__,
         "train_log": log,
     }
+    _save_record(args, info)
+    print(f"saved {args.out} (holdout top-1 {log['epochs'][-1]['holdout']['top1']:.3f})", file=sys.stderr)
+    return 0
+
+
+def _save_record(args: argparse.Namespace, info: dict) -> None:
+    """``training.json`` (and the model's NOTICE where its terms ask for one) beside the head."""
+    entry = REGISTRY.get(info["target"])
+    if entry is not None and entry.notice:  # e.g. Gemma: derivatives carry the terms' notice
+        (args.out / "NOTICE").write_text(entry.notice)
     (args.out / "training.json").write_text(json.dumps(info, indent=2))
+
+
+def _hardware(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: float) -> int:
+    """Train on the token ids of ``work``'s answers (and the datasets' answers with ``--source
+    dataset|mix``), the target's features computed per batch (``onthefly.py``)."""
+    import torch
+
+    from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
+    from evospec.models.registry import default_head
+    from evospec.train.conversations import training_conversations
+    from evospec.train.datagen import generated_records
+    from evospec.train.onthefly import Budget, token_seq, train_head_onthefly
+
+    seqs, have, taught = [], 0, 0
+    if args.source in ("generated", "mix"):
+        for r in generated_records(work):
+            if len(r["response_ids"]) >= 2:
+                seqs.append(token_seq(r["prompt_ids"], r["response_ids"], cfg.max_seq_len))
+                have += len(r["response_ids"])
+    if args.source in ("dataset", "mix"):
+        eos = [*(codec.eos_ids or loaded.model.cfg.eos_token_ids)][:1]
+        for c in training_conversations(args.data):
+            if taught >= args.dataset_tokens:
+                break
+            answer = [*codec.encode_text(c.answer), *eos]
+            if len(answer) >= 2:
+                seqs.append(
+                    token_seq(codec.encode_chat(list(c.history)), answer, cfg.max_seq_len, greedy=False)
+                )
+                taught += len(answer)
+    if not seqs:
+        raise ValueError(f"{work}: no answers to train on (run the data stage first, or --source dataset)")
+    init = default_head(loaded.name) if args.init == "shipped" else args.init
+    if args.init == "shipped" and init is None:
+        raise ValueError(f"--init shipped: no eagle2 head ships for {loaded.name}")
+    device = str(loaded.model.embed_tokens.weight.device)
+    head = (
+        new_eagle_for(loaded.model) if init is None else load_eagle(init, device=device).attach(loaded.model)
+    )
+    head = head.to(device)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    log = train_head_onthefly(
+        head,
+        loaded.model,
+        seqs,
+        cfg,
+        Budget(epochs=args.epochs, seconds=args.train_seconds),
+        progress=progress,
+    )
+    save_eagle(head, args.out)
+    info = {
+        "command": "evospec " + " ".join(sys.argv[1:]),
+        "target": loaded.name,
+        "arch": "eagle2",
+        "lm_head": "target",
+        "teacher_weights": loaded.weights,
+        "features": "on-the-fly",
+        "source": args.source,
+        "init": str(init) if init else None,
+        "sources": args.sources,
+        "skip_prompts": args.skip_prompts,
+        "response_tokens": have,
+        "teacher_forced_tokens": taught,
+        "sequences": len(seqs),
+        "wall_seconds": round(time.perf_counter() - t0, 1),
+        "hardware": _hardware(device),
+        "torch": torch.__version__,
+        "train_log": log,
+    }
+    _save_record(args, info)
     print(f"saved {args.out} (holdout top-1 {log['epochs'][-1]['holdout']['top1']:.3f})", file=sys.stderr)
     return 0
 

@@ -7,7 +7,8 @@ Owns one resumable stage under a work folder:
   top-k next-token ids / log-probabilities per row (``support_ids`` int32, ``support_logp``
   float32, [rows, K], zero outside the fed answer positions); written before
 - ``generations.jsonl``: one line per finished sequence {uid, source, prompt_ids,
-  response_ids, shard}. A rerun skips uids already listed and stops once the response-token
+  response_ids, shard} (shard null where only the token ids were kept, for on-the-fly
+  training). A rerun skips uids already listed and stops once the response-token
   budget is reached; at most one unflushed shard is lost to an interruption.
 Generation is continuously batched (``batch_generate.greedy_stream``), which also yields the
 features, so no second forward pass is needed.
@@ -62,7 +63,14 @@ class _ShardWriter:
         self.sup_logp: list[torch.Tensor] = []
         self.count = 0
 
-    def add(self, rec: dict, feats: torch.Tensor, support: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def add(
+        self, rec: dict, feats: torch.Tensor | None, support: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> None:
+        if feats is None:  # token ids only (on-the-fly training): the record is the data
+            self.recs.append(rec)
+            if len(self.recs) >= 64:
+                self.flush()
+            return
         ids = torch.tensor(rec["prompt_ids"] + rec["response_ids"])
         full = torch.zeros(len(ids), feats.shape[1], dtype=torch.float16)
         full[: feats.shape[0]] = feats.cpu()  # generation may run on a GPU; shards live on disk
@@ -84,6 +92,9 @@ class _ShardWriter:
 
         if not self.recs:
             return
+        if not self.tokens:  # token ids only: no shard
+            self._append(None)
+            return
         name = f"shard_{self.index:05d}.safetensors"
         lengths = [[len(r["prompt_ids"]), len(t)] for r, t in zip(self.recs, self.tokens, strict=True)]
         tmp = self.dir / f".{name}.tmp"
@@ -96,10 +107,13 @@ class _ShardWriter:
             tensors |= {"support_ids": torch.cat(self.sup_ids), "support_logp": torch.cat(self.sup_logp)}
         save_file(tensors, str(tmp))
         tmp.rename(self.dir / name)
+        self.index += 1
+        self._append(name)
+
+    def _append(self, shard: str | None) -> None:
         with open(self.jsonl, "a") as f:
             for r in self.recs:
-                f.write(json.dumps({**r, "shard": name}) + "\n")
-        self.index += 1
+                f.write(json.dumps({**r, "shard": shard}) + "\n")
         self.recs, self.tokens, self.feats, self.sup_ids, self.sup_logp = [], [], [], [], []
         self.count = 0
 
@@ -131,12 +145,15 @@ def generate_responses(
     cache_len: int = 640,
     shard_tokens: int = 20_000,
     support_k: int = 0,
+    store_features: bool = True,
     progress: bool = True,
 ) -> int:
     """Generate until ``target_tokens`` response tokens exist in ``work``; returns that count.
 
     ``support_k`` > 0 also stores the target's top-k next-token support per answer row (what
-    the ``topk+neg`` training loss reads), taken from the generation's own logits."""
+    the ``topk+neg`` training loss reads), taken from the generation's own logits.
+    ``store_features`` False keeps the token ids only (``generations.jsonl``, no shards): what
+    on-the-fly training (``onthefly.py``) reads."""
     writer, have, todo, bar = _resume(work, shard_tokens, prompts, target_tokens, "generating", progress)
     too_long = 0
     try:
@@ -155,8 +172,8 @@ def generate_responses(
                 eos_ids,
                 batch_size=batch_size,
                 cache_len=cache_len,
-                features=True,
-                support_k=support_k,
+                features=store_features,
+                support_k=support_k if store_features else 0,
             )
             for done in stream:
                 p, ids = chunk[done.index]
@@ -263,3 +280,18 @@ def feature_shards(work: Path, *, generated: bool = True, teacher: bool = True) 
     """The cached shards: the target's own answers, then teacher-forced dataset answers."""
     out = sorted((work / "features").glob("shard_*.safetensors")) if generated else []
     return out + (sorted((work / "teacher" / "features").glob("shard_*.safetensors")) if teacher else [])
+
+
+def generated_records(work: Path) -> list[dict]:
+    """Every finished answer listed in ``work/generations.jsonl`` (torn lines skipped)."""
+    path = work / "generations.jsonl"
+    if not path.is_file():
+        return []
+    recs = []
+    with open(path) as f:
+        for line in f:
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return recs

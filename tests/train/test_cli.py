@@ -198,3 +198,50 @@ def test_an_eagle3_head_with_a_draft_vocabulary_end_to_end(model: Path, tmp_path
     head = load_eagle3(out)
     assert head.draft_vocab == 30 and head.draft_ids() is not None
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 30
+
+
+def test_on_the_fly_keeps_token_ids_only_and_trains_from_them(model: Path, tmp_path: Path) -> None:
+    argv = _argv(model, tmp_path, "--features", "on-the-fly")
+    assert main([*argv, "--generate-only"]) == 0
+    work = tmp_path / "work"
+    recs = [json.loads(x) for x in (work / "generations.jsonl").read_text().splitlines()]
+    assert sum(len(r["response_ids"]) for r in recs) >= 60 and all(r["shard"] is None for r in recs)
+    assert not list(work.glob("features/shard_*.safetensors"))  # no feature cache on disk
+
+    out = tmp_path / "head"
+    assert main([*argv, "--out", str(out), "--epochs", "2", "--device", "cpu"]) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["features"] == "on-the-fly" and info["sequences"] == len(recs)
+    assert info["train_log"]["loss_support"] == "full" and len(info["train_log"]["epochs"]) == 2
+    assert {"top1@1", "top1@2", "top1@3"} <= set(info["train_log"]["epochs"][-1]["holdout"])
+    assert load_eagle(out).fc.weight.shape[0] > 0
+
+
+def test_on_the_fly_reads_dataset_answers_without_a_data_stage(model: Path, tmp_path: Path) -> None:
+    convs = tmp_path / "chats.jsonl"
+    convs.write_text(
+        "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+            for q, a in itertools.product(["the cat sat", "a dog ran"], ["on the mat today", "far away"])
+        )
+    )
+    out = tmp_path / "head"
+    argv = ["train-draft", "--target", str(model), "--work", str(tmp_path / "work"), "--data", str(convs)]
+    argv += ["--source", "dataset", "--features", "on-the-fly", "--out", str(out), "--epochs", "1"]
+    assert main([*argv, "--no-progress", "--device", "cpu"]) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["teacher_forced_tokens"] > 0 and info["response_tokens"] == 0 and info["sequences"] == 4
+    assert not (tmp_path / "work" / "teacher").exists()  # nothing cached
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--features", "on-the-fly", "--arch", "eagle3"], "--features on-the-fly trains EAGLE-2 heads"),
+        (["--features", "on-the-fly", "--loss-support", "topk+neg"], "full distribution"),
+        (["--train-seconds", "5"], "--train-seconds bounds on-the-fly training"),
+    ],
+)
+def test_on_the_fly_refuses_what_it_cannot_do(model: Path, tmp_path: Path, capsys, extra, message) -> None:
+    assert main([*_argv(model, tmp_path, "--out", str(tmp_path / "h")), *extra]) == 2
+    assert message in capsys.readouterr().err
