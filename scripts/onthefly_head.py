@@ -207,7 +207,7 @@ def load_answers(files: list[Path]) -> list[tuple[list[int], list[int]]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from evospec.models.eagle import load_eagle, save_eagle
+    from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
     from evospec.models.loading import load_model, resolve_device
     from evospec.models.registry import default_head
     from evospec.train.onthefly import Budget, token_seq, train_head_onthefly
@@ -282,8 +282,10 @@ def run(args: argparse.Namespace) -> None:
         have += len(a)
     seqs += taught
     log(f"training on {len(seqs)} sequences ({have} teacher-forced answer tokens)")
-    init = default_head(loaded.name) if args.init == "shipped" else args.init
-    head = load_eagle(init, device=device).attach(model)
+    init = {"shipped": default_head(loaded.name), "none": None}.get(args.init, args.init)
+    if args.init == "shipped" and init is None:
+        raise SystemExit(f"--init shipped: no head ships for {loaded.name} (give a folder, or none)")
+    head = (load_eagle(init, device=device).attach(model) if init else new_eagle_for(model)).to(device)
     for p in head.parameters():
         p.requires_grad_(True)
     cfg = TrainConfig(
@@ -336,7 +338,7 @@ def main() -> None:
     r.add_argument("--model", default="smollm2-135m-instruct", help="registered name or .gguf file")
     r.add_argument("--mix", type=Path, required=True, help="the prepare step's .npz")
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--init", default="shipped", help="head to continue ('shipped' or a folder)")
+    r.add_argument("--init", default="shipped", help="head to continue: 'shipped', a folder, or 'none' (a new head)")
     r.add_argument(
         "--answers",
         type=Path,
