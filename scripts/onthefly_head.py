@@ -338,7 +338,9 @@ def main() -> None:
     r.add_argument("--model", default="smollm2-135m-instruct", help="registered name or .gguf file")
     r.add_argument("--mix", type=Path, required=True, help="the prepare step's .npz")
     r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--init", default="shipped", help="head to continue: 'shipped', a folder, or 'none' (a new head)")
+    r.add_argument(
+        "--init", default="shipped", help="head to continue: 'shipped', a folder, or 'none' (a new head)"
+    )
     r.add_argument(
         "--answers",
         type=Path,
