@@ -117,6 +117,48 @@ class Budget:
     holdout_cap: int = 600  # held-out sequences scored (their features are kept on the CPU)
 
 
+@dataclass
+class _Run:
+    """The state one on-the-fly training run carries from batch to batch."""
+
+    head: EagleHead
+    target: Transformer
+    cfg: TrainConfig
+    budget: Budget
+    lm_head: torch.Tensor  # [V, D] the target's, frozen
+    feat_std: torch.Tensor  # [] scale of the features (noise, regression)
+    opt: torch.optim.Optimizer
+    total: int  # planned steps over all epochs
+    start: float = 0.0  # perf_counter when training began
+    step: int = 0
+    pairs: int = 0  # scored pairs trained on so far
+
+    def out_of_time(self) -> bool:
+        return self.budget.seconds is not None and time.perf_counter() - self.start >= self.budget.seconds
+
+    def train_step(self, batch: list[TokenSeq]) -> dict[str, torch.Tensor] | None:
+        """One optimiser step on ``batch`` (None when it has no scored pair); the learning rate
+        follows the steps or the seconds, whichever is further along."""
+        cfg, elapsed = self.cfg, time.perf_counter() - self.start
+        frac = max(self.step / self.total, elapsed / self.budget.seconds if self.budget.seconds else 0.0)
+        for g in self.opt.param_groups:
+            g["lr"] = cfg.lr * _lr_factor(self.step, cfg.warmup_steps, frac)
+        self.head.train()
+        tokens, feats, mask, labels = batch_features(self.target, batch)
+        if not mask.any():
+            return None
+        out = pair_losses(
+            self.head, self.lm_head, feats, tokens, mask, self.feat_std, cfg, train=True, labels=labels
+        )
+        self.opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]], cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        self.pairs += int(mask.sum())
+        return out
+
+
 def train_head_onthefly(
     head: EagleHead,
     target: Transformer,
@@ -128,22 +170,21 @@ def train_head_onthefly(
     on_epoch: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train ``head`` in place on ``seqs``; returns the log (initial and per-epoch held-out
-    agreement by step, train EMAs, throughput). ``head`` ends with its best held-out weights."""
+    agreement by step, train EMAs, throughput). ``head`` ends with its best held-out weights
+    (``on_epoch(log)`` runs after each epoch is scored, with the head as that epoch left it)."""
     target.requires_grad_(False)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     train, hold = split_holdout(seqs, cfg.holdout, cfg.seed)  # TokenSeq has .tokens: same split
-    hold = hold[: budget.holdout_cap]
-    lm_head = target.lm_head.weight.detach()
-    device = lm_head.device
     t0 = time.perf_counter()
-    held = cached_sequences(target, hold, cfg.tokens_per_batch)
+    held = cached_sequences(target, hold[: budget.holdout_cap], cfg.tokens_per_batch)
+    lm_head = target.lm_head.weight.detach()
     sample = torch.cat([s.features[:256].float() for s in held[:200]])
-    feat_std = sample.std().clamp(min=1e-3).to(device)  # from held-out rows: fixed before training
+    feat_std = sample.std().clamp(min=1e-3).to(lm_head.device)  # from held-out rows, fixed
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     epochs = [make_batches(train, cfg.tokens_per_batch, rng) for _ in range(budget.epochs)]
-    total = sum(len(e) for e in epochs)
+    run = _Run(head, target, cfg, budget, lm_head, feat_std, opt, total=sum(len(e) for e in epochs))
     log: dict = {
         "config": asdict(cfg),
         "budget": asdict(budget),
@@ -158,57 +199,45 @@ def train_head_onthefly(
     log["initial_holdout"] = evaluate(head, lm_head, held, feat_std, cfg)
     _report("initial", log["initial_holdout"])
     best_top1, best_state = log["initial_holdout"]["top1"], _snapshot(head)
-    start = time.perf_counter()
-    step, seen_tokens, stop = 0, 0, False
-    bar = tqdm(total=total, desc="train-draft (on the fly)", unit="step", disable=not progress)
+    bar = tqdm(total=run.total, desc="train-draft (on the fly)", unit="step", disable=not progress)
+    run.start = time.perf_counter()
     for epoch, batches in enumerate(epochs):
-        if epoch and budget.seconds is not None and time.perf_counter() - start >= budget.seconds:
-            break  # the time ran out with the last epoch: it was scored already
+        if epoch and run.out_of_time():
+            break  # the time ran out with the last epoch, which was scored already
         ema: dict[str, float] = {}
         for batch in batches:
-            elapsed = time.perf_counter() - start
-            if budget.seconds is not None and elapsed >= budget.seconds:
-                stop = True
+            if run.out_of_time():
                 break
-            frac = max(step / total, elapsed / budget.seconds if budget.seconds else 0.0)
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * _lr_factor(step, cfg.warmup_steps, frac)
-            head.train()
-            tokens, feats, mask, labels = batch_features(target, batch)
-            if not mask.any():
+            out = run.train_step(batch)
+            if out is None:
                 continue
-            out = pair_losses(head, lm_head, feats, tokens, mask, feat_std, cfg, train=True, labels=labels)
-            opt.zero_grad(set_to_none=True)
-            out["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            step += 1
-            seen_tokens += int(mask.sum())
             for k, v in out.items():
                 if not k.startswith("n@"):
-                    val = float(v.detach())
-                    ema[k] = 0.95 * ema.get(k, val) + 0.05 * val
-            bar.set_postfix(loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}", lr=f"{g['lr']:.1e}")
+                    ema[k] = 0.95 * ema.get(k, float(v.detach())) + 0.05 * float(v.detach())
+            bar.set_postfix(
+                loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}"
+            )
             bar.update(1)
         agreement = evaluate(head, lm_head, held, feat_std, cfg)
-        seconds = time.perf_counter() - start
-        entry = {
-            "epoch": epoch,
-            "step": step,
-            "scored_pairs": seen_tokens,
-            "train_ema": ema,
-            "holdout": agreement,
-            "seconds": round(seconds, 1),
-            "pairs_per_second": round(seen_tokens / max(seconds, 1e-9), 1),
-        }
-        log["epochs"].append(entry)
+        seconds = time.perf_counter() - run.start
+        log["epochs"].append(
+            {
+                "epoch": epoch,
+                "step": run.step,
+                "scored_pairs": run.pairs,
+                "train_ema": ema,
+                "holdout": agreement,
+                "seconds": round(seconds, 1),
+                "pairs_per_second": round(run.pairs / max(seconds, 1e-9), 1),
+            }
+        )
         _report(f"epoch {epoch}", agreement)
         if agreement["top1"] >= best_top1:
             best_top1, best_state = agreement["top1"], _snapshot(head)
             log["best_epoch"] = epoch
         if on_epoch is not None:
             on_epoch(log)
-        if stop:
+        if run.out_of_time():
             break
     bar.close()
     head.load_state_dict(best_state)
