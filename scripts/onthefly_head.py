@@ -206,6 +206,42 @@ def load_answers(files: list[Path]) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def answer_prompts(model, mix, rng: random.Random, args, info: dict) -> list[tuple[list[int], list[int]]]:
+    """Self-written prompts, then greedy answers to them and the mix for ``--gen-seconds``
+    (saved under ``--out``); the rates go into ``info["generation"]``."""
+    own = self_prompts(model, mix, args.self_seconds, args.batch_size, args.seed) if args.self_seconds else []
+    # the mix in its own order (its sources interleaved), self-written prompts drawn in with
+    # probability --self-share at each place until either runs out: any prefix holds both
+    mixed = [p for p in unpack(mix["prompts"], mix["prompts_off"]) if len(p) <= args.max_prompt_tokens]
+    prompts, i, j = [], 0, 0
+    while i < len(own) and j < len(mixed):
+        if rng.random() < args.self_share:
+            prompts.append(own[i])
+            i += 1
+        else:
+            prompts.append(mixed[j])
+            j += 1
+    prompts += own[i:] + mixed[j:]
+    log(f"{len(own)} self-written + {len(mixed)} mix prompts")
+    t = time.perf_counter()
+    answers = generate(model, prompts, mix["eos"].tolist(), args)
+    gen_s = time.perf_counter() - t
+    n_tok = sum(len(a) for _, a in answers)
+    info["generation"] = {
+        "self_prompts": len(own),
+        "answers": len(answers),
+        "answer_tokens": n_tok,
+        "seconds": round(gen_s, 1),
+        "tokens_per_second": round(n_tok / gen_s, 1),
+        "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    log(f"generation: {info['generation']}")
+    files = save_answers(answers, args.out, args.answers_per_file)
+    log(f"saved {[f.name for f in files]}")
+    return answers
+
+
 def run(args: argparse.Namespace) -> None:
     from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
     from evospec.models.loading import load_model, resolve_device
@@ -228,40 +264,7 @@ def run(args: argparse.Namespace) -> None:
         answers = load_answers(args.answers)
         log(f"{len(answers)} answers read")
     else:
-        own = (
-            self_prompts(model, mix, args.self_seconds, args.batch_size, args.seed)
-            if args.self_seconds
-            else []
-        )
-        # the mix in its own order (its sources interleaved), self-written prompts drawn in with
-        # probability --self-share at each place until either runs out: any prefix holds both
-        mixed = [p for p in unpack(mix["prompts"], mix["prompts_off"]) if len(p) <= args.max_prompt_tokens]
-        prompts, i, j = [], 0, 0
-        while i < len(own) and j < len(mixed):
-            if rng.random() < args.self_share:
-                prompts.append(own[i])
-                i += 1
-            else:
-                prompts.append(mixed[j])
-                j += 1
-        prompts += own[i:] + mixed[j:]
-        log(f"{len(own)} self-written + {len(mixed)} mix prompts")
-        t = time.perf_counter()
-        answers = generate(model, prompts, mix["eos"].tolist(), args)
-        gen_s = time.perf_counter() - t
-        n_tok = sum(len(a) for _, a in answers)
-        info["generation"] = {
-            "self_prompts": len(own),
-            "answers": len(answers),
-            "answer_tokens": n_tok,
-            "seconds": round(gen_s, 1),
-            "tokens_per_second": round(n_tok / gen_s, 1),
-            "batch_size": args.batch_size,
-            "max_new_tokens": args.max_new_tokens,
-        }
-        log(f"generation: {info['generation']}")
-        files = save_answers(answers, args.out, args.answers_per_file)
-        log(f"saved {[f.name for f in files]}")
+        answers = answer_prompts(model, mix, rng, args, info)
     seqs = [token_seq(p, a, args.max_len) for p, a in answers if len(a) >= 2]
     conv = list(
         zip(
