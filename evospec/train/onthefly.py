@@ -9,7 +9,8 @@ target's distribution comes for free from the features of the same pass.
 
 Why: a cached feature row costs 2 x D bytes plus its top-k (2.5 GB per million answer tokens
 for SmolLM2), while one target prefill over a batch costs less than the head's own training
-step on a GPU (and about as much as reading the cache on a CPU). Token ids are all a data stage
+step on a GPU (on a CPU, about one more cached step: ``scripts/onthefly_cost.py``, where the
+full-vocabulary loss is the larger cost). Token ids are all a data stage
 has to keep (``generations.jsonl`` already holds them), so the data can grow to tens of
 millions of tokens, and each batch's features are exact for the weights that train.
 
