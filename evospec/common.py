@@ -27,6 +27,14 @@ def positive_int(text: str) -> int:
     return v
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     v = int(text)

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from evospec.common import DEFAULT_DATA, non_negative_int, positive_int
+from evospec.common import DEFAULT_DATA, non_negative_int, positive_float, positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.options import add_weights_arg
 
@@ -167,7 +167,7 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument(
         "--train-seconds",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="S",
         help="on-the-fly: stop training after S seconds (the learning rate decays over them); "
@@ -228,7 +228,6 @@ def _stop_cleanly_on_sigterm() -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    import torch
 
     from evospec.common import evospec_home
     from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
@@ -352,35 +351,41 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         save_eagle3(head, args.out)
     else:
         save_eagle(head, args.out)
+    return _finish(args, loaded, device, init, t0, log, have, taught, len(seqs))
+
+
+def _finish(
+    args, loaded, device: str, init, t0: float, log: dict, have: int, taught: int, sequences: int
+) -> int:
+    """Write ``training.json`` (and the model's NOTICE where its terms ask for one) beside the
+    saved head and report its held-out agreement."""
+    import torch
+
     info = {
         "command": "evospec " + " ".join(sys.argv[1:]),
         "target": loaded.name,
         "arch": args.arch,
         "lm_head": args.lm_head if args.arch == "eagle3" else "target",
         "teacher_weights": loaded.weights,
+        "features": args.features,
         "source": args.source,
         "init": str(init) if init else None,
         "sources": args.sources,
         "skip_prompts": args.skip_prompts,
         "response_tokens": have,
         "teacher_forced_tokens": taught,
-        "sequences": len(seqs),
+        "sequences": sequences,
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "hardware": _hardware(device),
         "torch": torch.__version__,
         "train_log": log,
     }
-    _save_record(args, info)
-    print(f"saved {args.out} (holdout top-1 {log['epochs'][-1]['holdout']['top1']:.3f})", file=sys.stderr)
-    return 0
-
-
-def _save_record(args: argparse.Namespace, info: dict) -> None:
-    """``training.json`` (and the model's NOTICE where its terms ask for one) beside the head."""
-    entry = REGISTRY.get(info["target"])
+    entry = REGISTRY.get(loaded.name)
     if entry is not None and entry.notice:  # e.g. Gemma: derivatives carry the terms' notice
         (args.out / "NOTICE").write_text(entry.notice)
     (args.out / "training.json").write_text(json.dumps(info, indent=2))
+    print(f"saved {args.out} (holdout top-1 {log['epochs'][-1]['holdout']['top1']:.3f})", file=sys.stderr)
+    return 0
 
 
 def _hardware(device: str) -> str:
@@ -396,7 +401,6 @@ def _hardware(device: str) -> str:
 def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: float) -> int:
     """Train on the token ids of ``work``'s answers (and the datasets' answers with ``--source
     dataset|mix``), the target's features computed per batch (``onthefly.py``)."""
-    import torch
 
     from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
     from evospec.models.registry import default_head
@@ -442,28 +446,7 @@ def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: fl
         progress=progress,
     )
     save_eagle(head, args.out)
-    info = {
-        "command": "evospec " + " ".join(sys.argv[1:]),
-        "target": loaded.name,
-        "arch": "eagle2",
-        "lm_head": "target",
-        "teacher_weights": loaded.weights,
-        "features": "on-the-fly",
-        "source": args.source,
-        "init": str(init) if init else None,
-        "sources": args.sources,
-        "skip_prompts": args.skip_prompts,
-        "response_tokens": have,
-        "teacher_forced_tokens": taught,
-        "sequences": len(seqs),
-        "wall_seconds": round(time.perf_counter() - t0, 1),
-        "hardware": _hardware(device),
-        "torch": torch.__version__,
-        "train_log": log,
-    }
-    _save_record(args, info)
-    print(f"saved {args.out} (holdout top-1 {log['epochs'][-1]['holdout']['top1']:.3f})", file=sys.stderr)
-    return 0
+    return _finish(args, loaded, device, init, t0, log, have, taught, len(seqs))
 
 
 def _eagle3_head(target, init, device: str, tied: bool, draft_vocab: int | None = None):

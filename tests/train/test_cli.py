@@ -41,6 +41,7 @@ def test_generate_only_grows_the_cache_and_a_later_run_trains(model: Path, tmp_p
     assert main(_argv(model, tmp_path, "--out", str(out), "--epochs", "1", "--device", "cpu")) == 0
     info = json.loads((out / "training.json").read_text())
     assert info["response_tokens"] >= 60 and info["sequences"] == len(lines)  # nothing regenerated
+    assert info["features"] == "cached"
     assert len(info["train_log"]["epochs"]) == 1
     assert load_eagle(out).fc.weight.shape[0] > 0
 
@@ -245,3 +246,10 @@ def test_on_the_fly_reads_dataset_answers_without_a_data_stage(model: Path, tmp_
 def test_on_the_fly_refuses_what_it_cannot_do(model: Path, tmp_path: Path, capsys, extra, message) -> None:
     assert main([*_argv(model, tmp_path, "--out", str(tmp_path / "h")), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5", "nan"])
+def test_train_seconds_must_be_positive(model: Path, tmp_path: Path, capsys, seconds: str) -> None:
+    with pytest.raises(SystemExit) as bad:  # refused by the parser, before the model loads
+        main(_argv(model, tmp_path, "--features", "on-the-fly", "--train-seconds", seconds))
+    assert bad.value.code == 2 and "--train-seconds: must be > 0" in capsys.readouterr().err
