@@ -228,7 +228,6 @@ def _stop_cleanly_on_sigterm() -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-
     from evospec.common import evospec_home
     from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
     from evospec.models.eagle3 import default_aux_layers, new_eagle3_for
@@ -401,7 +400,6 @@ def _hardware(device: str) -> str:
 def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: float) -> int:
     """Train on the token ids of ``work``'s answers (and the datasets' answers with ``--source
     dataset|mix``), the target's features computed per batch (``onthefly.py``)."""
-
     from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
     from evospec.models.registry import default_head
     from evospec.train.conversations import training_conversations

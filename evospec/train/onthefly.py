@@ -214,7 +214,8 @@ def train_head_onthefly(
                 continue
             for k, v in out.items():
                 if not k.startswith("n@"):
-                    ema[k] = 0.95 * ema.get(k, float(v.detach())) + 0.05 * float(v.detach())
+                    val = float(v.detach())
+                    ema[k] = 0.95 * ema.get(k, val) + 0.05 * val
             bar.set_postfix(
                 loss=f"{ema['loss']:.3f}", top1=f"{ema['top1']:.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}"
             )
