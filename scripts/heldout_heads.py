@@ -3,8 +3,9 @@
 Loads the generated feature shards of ``--work``, splits the sequences as ``train-draft`` does
 (``train/trainer.py: split_holdout``: a hash of each sequence, stable as the data grows) and
 prints each head's teacher-forced top-1 agreement at draft steps 1..3 (own features from step 2)
-over all held-out sequences and over those in shards numbered ``--first-new-shard`` and up (the
-answers a data command added since an older head was trained: held out from both heads). Used
+over all held-out sequences, over those in shards below ``--first-new-shard`` ("old") and over
+those in shards numbered ``--first-new-shard`` and up ("new": the answers a data command added
+since an older head was trained: held out from both heads). Used
 for docs/draft-head.md, version 6:
 
     .venv/bin/python scripts/heldout_heads.py --work ~/.cache/evospec/train/v5-self \\
@@ -35,17 +36,17 @@ def main() -> None:
     torch.set_num_threads(2)
     cfg = TrainConfig(steps=3)
     loaded = load_model(args.target, weights=args.weights, progress=False)
-    seqs, new = [], []
+    seqs, old, new = [], [], []
     for shard in feature_shards(args.work.expanduser(), generated=True, teacher=False):
         part = load_sequences([shard], cfg.max_seq_len)
         seqs += part
-        if int(shard.stem.split("_")[-1]) >= args.first_new_shard:
-            new += part
-    parts = (("all", seqs), ("new", new))
+        (new if int(shard.stem.split("_")[-1]) >= args.first_new_shard else old).extend(part)
+    parts = (("all", seqs), ("old", old), ("new", new)) if old and new else (("all", seqs),)
     held = {name: split_holdout(part, cfg.holdout, cfg.seed)[1] for name, part in parts}
     feat_std = torch.cat([s.features[:256].float() for s in seqs[:200]]).std()
     lm_head = loaded.model.lm_head.weight.detach()
-    print(f"held out: {len(held['all'])} sequences, {len(held['new'])} of them in the newer shards")
+    newer = len(held.get("new", ()))
+    print(f"held out: {len(held['all'])} sequences, {newer} of them in shards {args.first_new_shard} and up")
     print("| head | held-out set | pairs | step 1 | step 2 | step 3 |\n|---|---|---|---|---|---|")
     for folder in args.heads:
         head = load_eagle(folder).attach(loaded.model)
