@@ -1,13 +1,19 @@
-"""Teacher-forced agreement of EAGLE-2 heads on the target's own answers to benchmark prompts.
+"""Teacher-forced agreement of EAGLE-2 heads on the target's own answers to benchmark prompts,
+and the chain rounds it implies.
 
 Held-out agreement (``scripts/heldout_heads.py``) is measured on training-side answers; live
-first-token acceptance on Spec-Bench runs ~0.17 below it. This script splits that gap: it
-generates the target's greedy answers to the benchmark's prompts (the same selection as
-``evospec bench --per-category N``), caches their features exactly as ``train-draft`` does, and
-prints each head's teacher-forced agreement at draft steps 1..3 on them, overall and per
-category. If the step-1 figure here matches live first-token acceptance, the gap is the text;
-if it is well above it, serving feeds the head something training did not. Used for
-docs/draft-head.md (wave 21):
+first-token acceptance on Spec-Bench runs well below it. This script splits that gap: it
+generates the target's greedy answers to the benchmark's prompts (the same selection and
+chat rendering as ``evospec bench --per-category N``), keeps their features as ``train-draft``
+does, and prints per head and per category
+
+- the agreement at every answer position, draft steps 1..3 (step s: a chain rooted s - 1
+  tokens back, on the head's own features from step 2), as ``heldout_heads.py`` counts it;
+- what 1-token and 3-token chains would accept round by round if every round drafted exactly
+  what teacher forcing predicts: a round starts after the previous one's accepted tokens and
+  bonus token, so rounds sample the positions unevenly (a rejection is often followed by
+  another hard position). These are the live bench's "acceptance by depth" and MAL with no
+  timing in them: wave 21 found them equal to the live runs' within 0.005 MAL (head version 8).
 
     .venv/bin/python scripts/live_gap.py --data ../shared/data/spec_bench/question.jsonl \\
         --per-category 4 --max-new-tokens 64 HEAD [HEAD ...]
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +31,85 @@ from evospec.bench.prompts import load_prompts
 from evospec.models.eagle import load_eagle
 from evospec.models.loading import load_model
 from evospec.train.batch_generate import greedy_stream
-from evospec.train.trainer import Sequence, TrainConfig, evaluate
+from evospec.train.trainer import head_unroll
+
+STEPS = 3
+
+
+@dataclass
+class Answer:
+    category: str
+    tokens: torch.Tensor  # [T] int64: prompt then answer
+    features: torch.Tensor  # [T - 1, D] fp16: every fed position
+    prompt_len: int
+
+
+@dataclass
+class Tally:
+    positions: int = 0
+    hits: list[int] = field(default_factory=lambda: [0] * STEPS)  # per-position, step s
+    rounds: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # chain depth -> rounds
+    accepted: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))  # (depth, d)
+
+    def row(self) -> str:
+        agree = " / ".join(f"{h / max(self.positions, 1):.3f}" for h in self.hits)
+        cells = [agree]
+        for depth in (1, STEPS):
+            n = max(self.rounds[depth], 1)
+            by_d = [self.accepted[depth, d] / n for d in range(1, depth + 1)]
+            cells.append(f"{1 + sum(by_d):.3f} ({' / '.join(f'{a:.3f}' for a in by_d)})")
+        return " | ".join(cells)
+
+
+def target_answers(args: argparse.Namespace, loaded) -> list[Answer]:
+    codec = loaded.codec
+    prompts = load_prompts(args.data, per_category=args.per_category)
+    prompts = [p for p in prompts if not args.categories or p.category in args.categories]
+    ids = [
+        codec.encode_chat([{"role": "user", "content": p.text}]) if p.chat else codec.encode_text(p.text)
+        for p in prompts
+    ]
+    stream = greedy_stream(
+        loaded.model,
+        ids,
+        args.max_new_tokens,
+        codec.eos_ids,
+        batch_size=8,
+        cache_len=max(len(i) for i in ids) + args.max_new_tokens + 8,
+        features=True,
+    )
+    out = []
+    for d in stream:  # in completion order
+        prompt, category = ids[d.index], prompts[d.index].category
+        out.append(Answer(category, torch.tensor([*prompt, *d.answer]), d.features, len(prompt)))
+    return out
+
+
+@torch.inference_mode()
+def score(head, lm_head: torch.Tensor, a: Answer, tally: Tally) -> None:
+    """Adds one answer's per-position hits and simulated chain rounds to ``tally``."""
+    outs = head_unroll(head, a.features[None, :-1].float(), a.tokens[None, 1 : len(a.features)], STEPS)
+    # preds[s - 1][i]: step s's token for position i + 2, from the chain rooted at position i - s + 2
+    preds = [(head.logit_input(o[0]) @ lm_head.T).argmax(-1) for o in outs]
+    p, n = a.prompt_len, len(a.tokens) - a.prompt_len
+
+    def hit(root: int, s: int) -> bool:  # root: the round's last known token's position
+        i = root + s - 2
+        return 0 <= i < len(preds[s - 1]) and int(preds[s - 1][i]) == int(a.tokens[root + s])
+
+    for j in range(1, n):  # answer token j is predicted from root p + j - s at step s
+        tally.positions += 1
+        for s in range(1, STEPS + 1):
+            tally.hits[s - 1] += j - s >= 0 and hit(p + j - s, s)
+    for depth in (1, STEPS):
+        r = 0  # the answer's first token comes from the prefill; rounds root at answer token r
+        while r + 1 < n:
+            tally.rounds[depth] += 1
+            k = 0
+            while k < depth and r + k + 1 < n and hit(p + r, k + 1):
+                k += 1
+                tally.accepted[depth, k] += 1
+            r += k + 1  # the accepted tokens and the verify's own token
 
 
 def main() -> None:
@@ -34,55 +119,27 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--categories", nargs="+", help="only these prompt categories (default: all)")
-    ap.add_argument(
-        "--max-len",
-        type=int,
-        help="keep only each sequence's last N positions, as train-draft does with its max_seq_len "
-        "(576): is a long context itself what the head reads worse? (default: the whole sequence)",
-    )
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--weights", default="int4", help="the target's weight format")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    cfg = TrainConfig(steps=3)
     loaded = load_model(args.target, weights=args.weights, progress=False)
-    codec = loaded.codec
-    prompts = load_prompts(args.data, per_category=args.per_category)
-    prompts = [p for p in prompts if not args.categories or p.category in args.categories]
-    ids = [
-        codec.encode_chat([{"role": "user", "content": p.text}]) if p.chat else codec.encode_text(p.text)
-        for p in prompts
-    ]
-    longest = max(len(i) for i in ids)
-    stream = greedy_stream(
-        loaded.model,
-        ids,
-        args.max_new_tokens,
-        codec.eos_ids,
-        batch_size=8,
-        cache_len=longest + args.max_new_tokens + 8,
-        features=True,
-    )
-    by_cat: dict[str, list[Sequence]] = defaultdict(list)
-    for done in stream:  # features: every fed position (prompt + answer but its last token)
-        prompt = ids[done.index]
-        tokens = torch.tensor([*prompt, *done.answer])
-        feats = torch.zeros(len(tokens), done.features.shape[1], dtype=torch.float16)
-        feats[: len(done.features)] = done.features  # the last row unfed, as train-draft stores it
-        lo = max(0, len(tokens) - args.max_len) if args.max_len else 0  # the tail, as load_sequences
-        seq = Sequence(tokens[lo:], feats[lo:], max(len(prompt) - lo, 1))
-        by_cat[prompts[done.index].category].append(seq)
-    seqs = [s for part in by_cat.values() for s in part]
-    feat_std = torch.cat([s.features.float() for s in seqs]).std()
+    answers = target_answers(args, loaded)
     lm_head = loaded.model.lm_head.weight.detach()
-    print(f"{len(seqs)} prompts x <= {args.max_new_tokens} answer tokens ({args.data})")
-    print("| head | prompts | pairs | step 1 | step 2 | step 3 |\n|---|---|---|---|---|---|")
+    print(f"{len(answers)} prompts x <= {args.max_new_tokens} answer tokens ({args.data})")
+    print(
+        "| head | prompts | positions | agreement, steps 1 / 2 / 3 | 1-token chains: MAL (d=1) "
+        "| 3-token chains: MAL (d=1 / 2 / 3) |\n|---|---|---|---|---|---|"
+    )
     for folder in args.heads:
         head = load_eagle(folder).attach(loaded.model)
-        for name, part in [("all", seqs), *sorted(by_cat.items())]:
-            r = evaluate(head, lm_head, part, feat_std, cfg)
-            steps = " | ".join(f"{r[f'top1@{s}']:.3f}" for s in (1, 2, 3))
-            print(f"| {folder} | {name} | {r['pairs']:.0f} | {steps} |")
+        tallies: dict[str, Tally] = defaultdict(Tally)
+        for a in answers:
+            score(head, lm_head, a, tallies["all"])
+            score(head, lm_head, a, tallies[a.category])
+        for name in ["all", *sorted(k for k in tallies if k != "all")]:
+            t = tallies[name]
+            print(f"| {folder} | {name} | {t.positions} | {t.row()} |")
 
 
 if __name__ == "__main__":
