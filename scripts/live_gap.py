@@ -81,7 +81,9 @@ def target_answers(args: argparse.Namespace, loaded) -> list[Answer]:
     out = []
     for d in stream:  # in completion order
         prompt, category = ids[d.index], prompts[d.index].category
-        out.append(Answer(category, torch.tensor([*prompt, *d.answer]), d.features, len(prompt)))
+        tokens = torch.tensor([*prompt, *d.answer])
+        lo = max(0, len(tokens) - args.max_len) if args.max_len else 0  # the tail, as load_sequences
+        out.append(Answer(category, tokens[lo:], d.features[lo:], max(len(prompt) - lo, 1)))
     return out
 
 
@@ -119,6 +121,12 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--categories", nargs="+", help="only these prompt categories (default: all)")
+    ap.add_argument(
+        "--max-len",
+        type=int,
+        help="keep each sequence's last N positions, as train-draft keeps max_seq_len (576) of them: "
+        "is a long context itself what the head reads worse? (default: whole sequences)",
+    )
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--weights", default="int4", help="the target's weight format")
     args = ap.parse_args()
