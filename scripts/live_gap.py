@@ -46,13 +46,14 @@ class Answer:
 
 @dataclass
 class Tally:
-    positions: int = 0
-    hits: list[int] = field(default_factory=lambda: [0] * STEPS)  # per-position, step s
+    positions: int = 0  # answer tokens after the first (what step 1 can predict)
+    hits: list[int] = field(default_factory=lambda: [0] * STEPS)  # per position, step s
+    scored: list[int] = field(default_factory=lambda: [0] * STEPS)  # positions step s can reach
     rounds: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # chain depth -> rounds
     accepted: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))  # (depth, d)
 
     def row(self) -> str:
-        agree = " / ".join(f"{h / max(self.positions, 1):.3f}" for h in self.hits)
+        agree = " / ".join(f"{h / max(n, 1):.3f}" for h, n in zip(self.hits, self.scored, strict=True))
         cells = [agree]
         for depth in (1, STEPS):
             n = max(self.rounds[depth], 1)
@@ -101,8 +102,9 @@ def score(head, lm_head: torch.Tensor, a: Answer, tally: Tally) -> None:
 
     for j in range(1, n):  # answer token j is predicted from root p + j - s at step s
         tally.positions += 1
-        for s in range(1, STEPS + 1):
-            tally.hits[s - 1] += j - s >= 0 and hit(p + j - s, s)
+        for s in range(1, min(j, STEPS) + 1):  # a chain rooted at an answer token
+            tally.scored[s - 1] += 1
+            tally.hits[s - 1] += hit(p + j - s, s)
     for depth in (1, STEPS):
         r = 0  # the answer's first token comes from the prefill; rounds root at answer token r
         while r + 1 < n:
