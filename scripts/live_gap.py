@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -106,14 +107,26 @@ def score(head, lm_head: torch.Tensor, a: Answer, tally: Tally) -> None:
             tally.scored[s - 1] += 1
             tally.hits[s - 1] += hit(p + j - s, s)
     for depth in (1, STEPS):
-        r = 0  # the answer's first token comes from the prefill; rounds root at answer token r
-        while r + 1 < n:
+        for k in replay(lambda r, s: hit(p + r, s), n, depth):
             tally.rounds[depth] += 1
-            k = 0
-            while k < depth and r + k + 1 < n and hit(p + r, k + 1):
-                k += 1
-                tally.accepted[depth, k] += 1
-            r += k + 1  # the accepted tokens and the verify's own token
+            for d in range(1, k + 1):
+                tally.accepted[depth, d] += 1
+
+
+def replay(hit: Callable[[int, int], bool], n: int, depth: int) -> list[int]:
+    """Accepted drafts per round of ``depth``-token chains over an ``n``-token answer.
+
+    ``hit(r, s)``: the chain rooted at answer token r has its s-th token right. The first answer
+    token comes from the prefill; each round roots at the last known token, accepts the chain's
+    longest right prefix, and the verify adds one token of its own."""
+    out, r = [], 0
+    while r + 1 < n:
+        k = 0
+        while k < depth and r + k + 1 < n and hit(r, k + 1):
+            k += 1
+        out.append(k)
+        r += k + 1
+    return out
 
 
 def main() -> None:

@@ -1,0 +1,46 @@
+"""``scripts/live_gap.py``: the chain-round replay that turns teacher-forced predictions into
+what live rounds accept (checked against live runs in docs/draft-head.md, wave 21)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "live_gap.py"
+
+
+def _replay():
+    spec = importlib.util.spec_from_file_location("live_gap_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being made
+    spec.loader.exec_module(module)
+    return module.replay
+
+
+def test_every_draft_right_accepts_whole_chains_and_the_verify_adds_one() -> None:
+    replay = _replay()
+    # 8 answer tokens: token 0 from the prefill; rounds root at 0 (accept 1-3, verify 4), then at
+    # 4 (accept 5-7; the answer ends, so no verify token is counted past it)
+    assert replay(lambda r, s: True, 8, 3) == [3, 3]
+    assert replay(lambda r, s: True, 8, 1) == [1, 1, 1, 1]  # roots 0, 2, 4, 6
+
+
+def test_a_wrong_first_draft_makes_a_plain_round() -> None:
+    replay = _replay()
+    assert replay(lambda r, s: False, 5, 3) == [0, 0, 0, 0]  # one verified token per round
+
+
+def test_rounds_root_after_the_accepted_tokens_so_positions_are_skipped() -> None:
+    replay = _replay()
+    wrong_at = {2}  # a chain rooted at token 2 is wrong at once; every other chain is right
+    got = replay(lambda r, s: r not in wrong_at, 6, 1)
+    # root 0 accepts token 1 (the verify adds 2); root 2 misses (verify adds 3); root 3 accepts
+    # 4 (verify adds 5): the chain rooted at 1 is never drafted
+    assert got == [1, 0, 1]
+
+
+def test_a_chain_stops_at_its_first_wrong_token() -> None:
+    replay = _replay()
+    got = replay(lambda r, s: s < 3, 9, 3)  # the third token of every chain is wrong
+    assert got == [2, 2, 2]  # roots 0, 3, 6; the last round accepts 7 and 8
