@@ -8,7 +8,7 @@ chat rendering as ``evospec bench --per-category N``), keeps their features as `
 does, and prints per head and per category
 
 - the agreement at every answer position, draft steps 1..3 (step s: a chain rooted s - 1
-  tokens back, on the head's own features from step 2), as ``heldout_heads.py`` counts it;
+  tokens back in the answer, on the head's own features from step 2; "positions" are step 1's);
 - what 1-token and 3-token chains would accept round by round if every round drafted exactly
   what teacher forcing predicts: a round starts after the previous one's accepted tokens and
   bonus token, so rounds sample the positions unevenly (a rejection is often followed by
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from evospec.bench.prompts import load_prompts
+from evospec.common import positive_int
 from evospec.models.eagle import load_eagle
 from evospec.models.loading import load_model
 from evospec.train.batch_generate import greedy_stream
@@ -47,7 +48,6 @@ class Answer:
 
 @dataclass
 class Tally:
-    positions: int = 0  # answer tokens after the first (what step 1 can predict)
     hits: list[int] = field(default_factory=lambda: [0] * STEPS)  # per position, step s
     scored: list[int] = field(default_factory=lambda: [0] * STEPS)  # positions step s can reach
     rounds: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # chain depth -> rounds
@@ -67,10 +67,7 @@ def target_answers(args: argparse.Namespace, loaded) -> list[Answer]:
     codec = loaded.codec
     prompts = load_prompts(args.data, per_category=args.per_category)
     prompts = [p for p in prompts if not args.categories or p.category in args.categories]
-    ids = [
-        codec.encode_chat([{"role": "user", "content": p.text}]) if p.chat else codec.encode_text(p.text)
-        for p in prompts
-    ]
+    ids = [p.token_ids(codec) for p in prompts]
     stream = greedy_stream(
         loaded.model,
         ids,
@@ -102,7 +99,6 @@ def score(head, lm_head: torch.Tensor, a: Answer, tally: Tally) -> None:
         return 0 <= i < len(preds[s - 1]) and int(preds[s - 1][i]) == int(a.tokens[root + s])
 
     for j in range(1, n):  # answer token j is predicted from root p + j - s at step s
-        tally.positions += 1
         for s in range(1, min(j, STEPS) + 1):  # a chain rooted at an answer token
             tally.scored[s - 1] += 1
             tally.hits[s - 1] += hit(p + j - s, s)
@@ -133,12 +129,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("heads", nargs="+", help="EAGLE-2 head folders")
     ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or a prompts JSONL)")
-    ap.add_argument("--per-category", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--per-category", type=positive_int, default=4)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
     ap.add_argument("--categories", nargs="+", help="only these prompt categories (default: all)")
     ap.add_argument(
         "--max-len",
-        type=int,
+        type=positive_int,
         help="keep each sequence's last N positions, as train-draft keeps max_seq_len (576) of them: "
         "is a long context itself what the head reads worse? (default: whole sequences)",
     )
@@ -162,7 +158,7 @@ def main() -> None:
             score(head, lm_head, a, tallies[a.category])
         for name in ["all", *sorted(k for k in tallies if k != "all")]:
             t = tallies[name]
-            print(f"| {folder} | {name} | {t.positions} | {t.row()} |")
+            print(f"| {folder} | {name} | {t.scored[0]} | {t.row()} |")
 
 
 if __name__ == "__main__":

@@ -146,10 +146,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:  # "auto" is listed under the method it resolved to
             decoders[stack.resolved.get(name, name)] = stack.decoder(name)
 
-    def encode(p):
-        return codec.encode_chat([{"role": "user", "content": p.text}]) if p.chat else codec.encode(p.text)
-
-    records = run_side_by_side(decoders, prompts, encode, params, progress=not args.no_progress)
+    records = run_side_by_side(
+        decoders, prompts, lambda p: p.token_ids(codec), params, progress=not args.no_progress
+    )
     import torch
 
     config = {

@@ -2,7 +2,7 @@
 
 Owns: reading one or several files, the one wording of a HumanEval / PubMedQA / contract-law
 request (shared with the topic-shift stream), per-category sub-sampling and limits. Returns
-text (or the first chat turn); rendering with a chat template happens at the caller's edge.
+text (or the first chat turn); ``BenchPrompt.token_ids`` renders it as ``evospec bench`` does.
 
 Record kinds, recognised per line: Spec-Bench (``turns``, ``category``); HumanEval
 (``task_id`` + ``prompt``, category ``humaneval``); PubMedQA (``question`` + ``contexts``,
@@ -23,6 +23,12 @@ class BenchPrompt:
     category: str
     text: str  # the user message (Spec-Bench: first turn)
     chat: bool  # render with the chat template
+
+    def token_ids(self, codec) -> list[int]:
+        """The request's prompt ids: the chat template around the text, or the text as it is."""
+        if self.chat:
+            return codec.encode_chat([{"role": "user", "content": self.text}])
+        return codec.encode(self.text)
 
 
 CLIP_CHARS = 1400  # characters of a contract clause / medical abstract put in one request

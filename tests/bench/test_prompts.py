@@ -101,3 +101,18 @@ def test_several_files_humaneval_and_pubmedqa(spec_bench: Path, tmp_path: Path) 
     )
     assert prompts[7].text == "First part. Second part.\n\nQuestion: Does it work?\nAnswer briefly."
     assert load_prompts([humaneval], limit=1) == load_prompts(humaneval, limit=1)
+
+
+class _Codec:  # records which rendering a prompt asked for
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        assert messages == [{"role": "user", "content": "hi"}]
+        return [1, 2]
+
+    def encode(self, text: str) -> list[int]:
+        assert text == "hi"
+        return [3]
+
+
+def test_token_ids_renders_chat_prompts_with_the_template_and_plain_ones_as_text() -> None:
+    assert BenchPrompt("qa", "hi", True).token_ids(_Codec()) == [1, 2]
+    assert BenchPrompt("qa", "hi", False).token_ids(_Codec()) == [3]
