@@ -23,7 +23,7 @@ reads (its source is the file name). Deterministic for a given ``--seed`` and wo
     .venv/bin/python scripts/context_prompts.py --work ~/.cache/evospec/train/v5-self \\
         --prompts ~/.cache/evospec/self_prompts.jsonl ../shared/data --out ~/.cache/evospec/context
     evospec train-draft ... --data ~/.cache/evospec/context/ctx_summarize.jsonl \\
-        ~/.cache/evospec/context/ctx_rag.jsonl ~/.cache/evospec/context/ctx_news.jsonl \
+        ~/.cache/evospec/context/ctx_rag.jsonl ~/.cache/evospec/context/ctx_news.jsonl \\
         --max-prompt-tokens 1024 ...
 """
 
@@ -181,7 +181,7 @@ def main() -> None:
     docs = _documents(data, args.doc_chars) if data else []
     answers = _answers(args.work, codec.decode, prompts, args.min_answer_tokens)
     summ, rag = build(answers, docs, args.count, args.seed)
-    news = news_prompts(articles(data, args.doc_chars), args.seed) if data else []
+    news = news_prompts(articles(data, args.doc_chars), args.seed)[: args.count] if data else []
     args.out.mkdir(parents=True, exist_ok=True)
     for name, items in (("ctx_summarize", summ), ("ctx_rag", rag), ("ctx_news", news)):
         with (args.out / f"{name}.jsonl").open("w") as f:
