@@ -21,6 +21,7 @@ import torch
 from live_gap import target_answers
 from scipy.stats import mannwhitneyu
 
+from evospec.common import positive_int
 from evospec.models.eagle import load_eagle
 from evospec.models.loading import load_model
 from evospec.train.trainer import head_unroll
@@ -48,12 +49,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("head", help="an EAGLE-2 head folder")
     ap.add_argument("--data", required=True, help="Spec-Bench question.jsonl (or a prompts JSONL)")
-    ap.add_argument("--per-category", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--per-category", type=positive_int, default=4)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--weights", default="int4", help="the target's weight format")
+    ap.set_defaults(categories=None, max_len=None)  # live_gap's target_answers: every prompt, whole
     args = ap.parse_args()
-    args.categories, args.max_len = None, None  # what target_answers reads besides the above
     torch.set_num_threads(2)
-    loaded = load_model("smollm2-135m-instruct", weights="int4", progress=False)
+    loaded = load_model(args.target, weights=args.weights, progress=False)
     answers = target_answers(args, loaded)
     head = load_eagle(args.head).attach(loaded.model)
     x, hit = signals(head, loaded.model.lm_head.weight.detach().float(), answers)
