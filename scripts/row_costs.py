@@ -21,27 +21,16 @@ Run it on a quiet machine (no CI, training or benchmark on the same cores).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from step_lengths import median_ms  # this folder's (a script's own folder leads sys.path)
 
 from evospec.assembly import StackSettings, assemble
+from evospec.kernels.int4_matmul import GROUP
 from evospec.models.step import StepGraph
 
 PARTS = ("forward", "int4", "attention", "lm_head", "rest")
-
-
-def median_ms(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+WARM = 3  # untimed calls before each cell
 
 
 def part_costs(model, graph: StepGraph, cache, length: int, n: int, calls: int) -> dict[str, float]:
@@ -52,15 +41,15 @@ def part_costs(model, graph: StepGraph, cache, length: int, n: int, calls: int) 
     positions = torch.arange(length, length + n)
     cache.length = length
     mode = "last" if n == 1 else "all"
-    out = {"forward": median_ms(lambda: graph(tokens, positions, cache, mode), calls)}
+    out = {"forward": median_ms(lambda: graph(tokens, positions, cache, mode), calls, WARM)}
 
     mats = []  # (packed weight, its input width)
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         for m in (attn.qkv, attn.o_proj.matmul, mlp.gate_up, mlp.down_proj.matmul):
-            mats.append((m.packed, m.packed.shape[1] * 32))
+            mats.append((m.packed, m.packed.shape[1] * GROUP))  # packed [N/16, K/32, 320]
     inputs = {k: torch.randn(n, k).to(torch.bfloat16) for k in {k for _, k in mats}}
-    out["int4"] = median_ms(lambda: [ops.int4_matmul(inputs[k], w) for w, k in mats], calls)
+    out["int4"] = median_ms(lambda: [ops.int4_matmul(inputs[k], w) for w, k in mats], calls, WARM)
 
     attn = model.layers[0].self_attn
     heads, kv, dh = attn.num_heads, attn.num_kv_heads, model.cfg.head_dim
@@ -68,19 +57,27 @@ def part_costs(model, graph: StepGraph, cache, length: int, n: int, calls: int) 
     values = torch.randn_like(keys)
     q = torch.randn(1, heads, n, dh)
     out["attention"] = median_ms(
-        lambda: [ops.decode_attention(q, keys[i], values[i], None, attn.scale, 0) for i in range(len(keys))], calls
+        lambda: [ops.decode_attention(q, keys[i], values[i], None, attn.scale, 0) for i in range(len(keys))],
+        calls,
+        WARM,
     )
     hidden = torch.randn(1, n, dim)
-    out["lm_head"] = median_ms(lambda: model.project_logits(hidden), calls)
+    out["lm_head"] = median_ms(lambda: model.project_logits(hidden), calls, WARM)
     out["rest"] = out["forward"] - out["int4"] - out["attention"] - out["lm_head"]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", default="int4", help="weight format (default int4: the fused ops' int4 kernel)")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[300, 1000], help="cached slots before the rows")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4], help="rows per forward; the first is the base")
+    ap.add_argument(
+        "--weights", default="int4", help="weight format (default int4: the fused ops' int4 kernel)"
+    )
+    ap.add_argument(
+        "--lengths", type=int, nargs="+", default=[300, 1000], help="cached slots before the rows"
+    )
+    ap.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 2, 3, 4], help="rows per forward; the first is the base"
+    )
     ap.add_argument("--calls", type=int, default=30, help="calls per cell (median)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -89,7 +86,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = assemble(StackSettings(methods=("ar",), weights=args.weights), progress=False).loaded.model
     if not getattr(model, "fused_ops", False):
-        raise SystemExit("row_costs.py times the fused CPU ops (int4 kernel, decode_attention); this build has none")
+        raise SystemExit(
+            "row_costs.py times the fused CPU ops (int4 kernel, decode_attention); this build has none"
+        )
     graph = StepGraph(model)
     cache = model.new_cache(max(args.lengths) + max(args.rows) + 1)
     base = args.rows[0]

@@ -21,7 +21,10 @@ from evospec.assembly import StackSettings, assemble
 from evospec.models.step import StepGraph
 
 
-def _median_ms(fn, calls: int) -> float:
+def median_ms(fn, calls: int, warm: int = 0) -> float:
+    """The median milliseconds of ``calls`` calls of ``fn``, after ``warm`` untimed ones."""
+    for _ in range(warm):
+        fn()
     times = []
     for _ in range(calls):
         t = time.perf_counter()
@@ -53,7 +56,8 @@ def main() -> None:
             for n in args.rows:
                 tokens, positions = torch.randint(0, 40000, (1, n)), torch.arange(length, length + n)
                 mode = "last" if n == 1 else "all"
-                cells.append(f"{n} row(s) {_median_ms(lambda: graph(tokens, positions, cache, mode), args.calls):6.2f} ms")
+                ms = median_ms(lambda: graph(tokens, positions, cache, mode), args.calls)  # noqa: B023 (called here)
+                cells.append(f"{n} row(s) {ms:6.2f} ms")
             print(f"{length:5d} slots: " + "   ".join(cells))
         for p in args.prefill:
             prompt = torch.randint(0, 40000, (1, p))
@@ -64,7 +68,7 @@ def main() -> None:
                 model(prompt, torch.arange(p), fresh, logits="last")
 
             prefill()  # first call: allocation
-            print(f"prefill {p:5d} tokens: {_median_ms(prefill, max(3, args.calls // 8)):8.1f} ms")
+            print(f"prefill {p:5d} tokens: {median_ms(prefill, max(3, args.calls // 8)):8.1f} ms")
 
 
 if __name__ == "__main__":

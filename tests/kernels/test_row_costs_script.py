@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _script():
+def _script(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # it imports step_lengths.py from its folder, as when run
     spec = importlib.util.spec_from_file_location("row_costs_script", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -32,8 +33,8 @@ def _script():
     return module
 
 
-def test_part_costs_split_a_forward_into_its_ops():
-    script = _script()
+def test_part_costs_split_a_forward_into_its_ops(monkeypatch):
+    script = _script(monkeypatch)
     model = tiny_target(0, head_dim=16)
     quantize_linears(model, "int4")
     model.exact_rows = True
@@ -45,5 +46,7 @@ def test_part_costs_split_a_forward_into_its_ops():
             cost = script.part_costs(model, graph, cache, 20, n, calls=2)
             assert set(cost) == set(script.PARTS)
             assert all(cost[p] > 0 for p in ("forward", "int4", "attention", "lm_head"))
-            assert math.isclose(cost["rest"], cost["forward"] - cost["int4"] - cost["attention"] - cost["lm_head"])
+            assert math.isclose(
+                cost["rest"], cost["forward"] - cost["int4"] - cost["attention"] - cost["lm_head"]
+            )
             assert cache.length == 20  # timing writes K/V slots past the length, never moves it
