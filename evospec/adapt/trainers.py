@@ -20,6 +20,7 @@ finite, exceeds ``max_loss`` (a KL blow-up), or the gradient norm is not finite.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -84,6 +85,10 @@ class OnlineTrainer:
     def __init__(self, lm_head: torch.Tensor, cfg: AdaptConfig) -> None:
         self.lm_head = lm_head.detach()  # [V, D] the target's, frozen
         self.cfg = cfg
+        # Held by a step (the adapter's worker thread) and by aux_bytes (any thread): reading a
+        # parameter's .grad while backward replaces it on another thread is a data race in torch
+        # (it crashed the process once in CI), so the admin state waits for the step to end.
+        self._busy = threading.Lock()
 
     def _lm_weight(self) -> torch.Tensor:
         """[V, D] the rows draft logits are read from: an EAGLE-3 head's own LM head (trained
@@ -103,6 +108,10 @@ class OnlineTrainer:
 
     def step(self, batch: TrajectoryBatch, admitted: torch.Tensor) -> UpdateResult:
         """``steps_per_update`` AdamW steps on the admitted steps; all-or-nothing."""
+        with self._busy:
+            return self._step(batch, admitted)
+
+    def _step(self, batch: TrajectoryBatch, admitted: torch.Tensor) -> UpdateResult:
         cfg = self.cfg
         t0 = time.perf_counter()
         n = int(admitted.sum())
@@ -142,7 +151,12 @@ class OnlineTrainer:
         self.opt.load_state_dict(opt_state)
 
     def aux_bytes(self) -> dict[str, int]:
-        """Bytes held for adaptation: trainable weights, their grads, optimizer state, copies."""
+        """Bytes held for adaptation: trainable weights, their grads, optimizer state, copies
+        (after the step in progress, if any)."""
+        with self._busy:
+            return self._aux_bytes()
+
+    def _aux_bytes(self) -> dict[str, int]:
         opt = [t for st in self.opt.state.values() for t in st.values() if torch.is_tensor(t)]
         return {
             "trainable": tensor_bytes(self.params),
