@@ -166,3 +166,31 @@ def test_adapter_tensors_round_trip(target):
         torch.testing.assert_close(w, tr.serving_weights()[n])
     with pytest.raises(ValueError):
         fresh.load_adapter_tensors({"nope": torch.zeros(1)})
+
+
+def test_aux_bytes_waits_for_a_step_in_progress(target):
+    """The admin state's byte counts never read grads a worker's backward is replacing."""
+    import threading
+
+    _head, tr = setup(target, "clora")
+    batch = collate(synthetic(2))
+    inside, release, read = threading.Event(), threading.Event(), []
+    step = tr._step
+
+    def slow_step(*args):
+        inside.set()
+        release.wait(30)
+        return step(*args)
+
+    tr._step = slow_step
+    worker = threading.Thread(target=tr.step, args=(batch, batch.step_valid))
+    worker.start()
+    assert inside.wait(30)
+    reader = threading.Thread(target=lambda: read.append(tr.aux_bytes()))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not read  # blocked while the step runs
+    release.set()
+    worker.join(30)
+    reader.join(30)
+    assert read and read[0]["grads"] == read[0]["trainable"]  # counted after the step: its grads exist
