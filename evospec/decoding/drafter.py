@@ -39,6 +39,7 @@ class DraftHeadFn(Protocol):
 
 class Drafter(Protocol):
     def start(self, prompt: Sequence[int], max_len: int) -> None: ...
+    def catch_up(self, features: torch.Tensor, tokens: torch.Tensor) -> None: ...
     def commit(
         self, features: torch.Tensor, tokens: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -57,6 +58,7 @@ class _TreeDrafterBase:
     def __init__(self, head_fn: DraftHeadFn) -> None:
         self.head_fn = head_fn
         self.committed = 0  # committed draft slots
+        self._last: torch.Tensor | None = None  # [1, D] the last committed pair's draft feature
         self._frontier_hidden: torch.Tensor | None = None  # [k', D] inputs for the children
         self._anc: torch.Tensor | None = None  # [k', tree slots so far] frontier ancestors
         self._depth = 0
@@ -86,10 +88,10 @@ class _TreeDrafterBase:
         """Position of the first pair committed next (EAGLE: pair index)."""
         return self.committed
 
-    def commit(
-        self, features: torch.Tensor, tokens: torch.Tensor, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append verified pairs (features [m, D], tokens [m]); return the root's top-k [k]."""
+    def catch_up(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append verified pairs (features [m, D], tokens [m], m >= 1) to the draft cache, each
+        seeing the cache and the pairs before it; the last one's draft feature is kept for the
+        next :meth:`commit` (the prompt's pairs at prefill, a round's at its start)."""
         m = tokens.shape[0]
         start = self._base_position()
         positions = torch.arange(start, start + m, device=tokens.device)
@@ -99,10 +101,19 @@ class _TreeDrafterBase:
             mask = torch.ones(m, prefix + m, dtype=torch.bool, device=tokens.device).tril(prefix)
         hidden = self._run(features, tokens, positions, mask, causal=True)  # [m, D]
         self.committed = self.cache.length
-        self._frontier_hidden = hidden[-1:]
+        self._last = hidden[-1:]
+
+    def commit(
+        self, features: torch.Tensor, tokens: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append verified pairs (features [m, D], tokens [m]; m may be 0 after a
+        :meth:`catch_up`) and return the root's top-k [k]: the tree grows from the last pair."""
+        if tokens.shape[0]:
+            self.catch_up(features, tokens)
+        self._frontier_hidden = self._last
         self._anc = torch.zeros(1, 0, dtype=torch.bool, device=tokens.device)
         self._depth = 0
-        logp, ids = self.head_fn(hidden[-1:], k)
+        logp, ids = self.head_fn(self._last, k)
         return logp[0], ids[0]
 
     def expand(

@@ -104,6 +104,10 @@ def generate_speculative(
         hidden = prefix_cache.final_features(len(prompt))  # [P, D]
     new, reason = rule.clip([root], 0)
     produced = len(new)
+    # pairs the drafter has yet to commit (ngram: no drafter, nothing to keep)
+    pending = _Pending(features, [*prompt[1:], root]) if drafter else None
+    if pending is not None and adapt is None and reason is None:  # the draft's prefill
+        drafter.catch_up(*pending.take())  # (an adapting draft commits it at its first round, recorded)
     yield StepEvent(
         tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True, cached_tokens=reuse
     )
@@ -117,8 +121,6 @@ def generate_speculative(
         vocab.start(ids[0], hidden)
     if adapt is not None:
         adapt.start()
-    # pairs the drafter has yet to commit (ngram: no drafter, nothing to keep)
-    pending = _Pending(features, [*prompt[1:], root]) if drafter else None
 
     while True:
         t0 = time.perf_counter()
@@ -220,14 +222,18 @@ class _Pending:
     def __init__(self, features: torch.Tensor, tokens: list[int]) -> None:
         self.features = [features]  # pieces of [m_i, D']
         self.tokens = list(tokens)  # [sum m_i]
+        self._none = features[:0]  # [0, D']: what take() gives when nothing is pending
 
     def add(self, features: torch.Tensor, tokens: list[int]) -> None:
         self.features.append(features)
         self.tokens += tokens
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All pending pairs ([m, D'] features, [m] tokens), and none left."""
-        feats = self.features[0] if len(self.features) == 1 else torch.cat(self.features)
+        """All pending pairs ([m, D'] features, [m] tokens; m may be 0), and none left."""
+        if len(self.features) == 1:
+            feats = self.features[0]
+        else:
+            feats = torch.cat(self.features) if self.features else self._none
         toks = torch.tensor(self.tokens, dtype=torch.long, device=feats.device)
         self.features, self.tokens = [], []
         return feats, toks

@@ -170,6 +170,15 @@ class _CheckingTargetDrafter:
         self.inner.start(prompt, max_len)
 
     def commit(self, features, tokens, k):
+        if tokens.numel():
+            self._check(features, tokens)
+        return self.inner.commit(features, tokens, k)
+
+    def catch_up(self, features, tokens):
+        self._check(features, tokens)
+        self.inner.catch_up(features, tokens)
+
+    def _check(self, features, tokens):
         m = tokens.numel()
         self.seq += tokens.tolist()
         n = len(self.seq) - 1  # pairs committed so far: features of positions 0..n-1
@@ -181,7 +190,6 @@ class _CheckingTargetDrafter:
         assert features.shape == want.shape
         torch.testing.assert_close(features, want, atol=1e-4, rtol=1e-4)
         self.checked += m
-        return self.inner.commit(features, tokens, k)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

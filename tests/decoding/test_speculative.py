@@ -275,3 +275,60 @@ def test_a_stopping_chain_needs_a_chain_and_a_probability():
     for bad in (1.0, -0.1, True, "0.2"):
         with pytest.raises(ValueError, match="min_prob"):
             TreeConfig(top_k=1, depth=3, total_tokens=3, min_prob=bad)
+
+
+class _SpyDrafter:
+    """Records each catch-up and commit (kind, pairs) and how many events the caller held then."""
+
+    def __init__(self, inner, seen: list) -> None:
+        self.inner, self.seen, self.calls = inner, seen, []
+
+    def catch_up(self, features, tokens):
+        self.calls.append(("catch_up", tokens.numel(), len(self.seen)))
+        self.inner.catch_up(features, tokens)
+
+    def commit(self, features, tokens, k):
+        self.calls.append(("commit", tokens.numel(), len(self.seen)))
+        return self.inner.commit(features, tokens, k)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_draft_catches_up_on_the_prompt_in_the_prefill(target):
+    """The draft's prefill belongs to the request's prefill: the prompt's pairs are committed
+    before the first token is handed out, and every drafted round then commits only the pairs
+    the round before verified (at most a chain's accepted tokens and its bonus)."""
+    from evospec.decoding.speculative import generate_speculative
+
+    prompt, seen, params = prompt_of(4, 9), [], SamplingParams(max_new_tokens=20)
+    spy = _SpyDrafter(eagle_drafter(target), seen)
+    for ev in generate_speculative(target, spy, prompt, params, CHAIN):
+        seen.append(ev)
+    assert spy.calls[0] == ("catch_up", len(prompt), 0)  # before the prefill event
+    commits = [call for call in spy.calls if call[0] == "commit"]
+    assert commits[0][1] == 0  # the first round: nothing verified since the prefill
+    assert all(0 < m <= CHAIN.depth + 1 for _, m, _ in commits[1:])
+    assert len(commits) == len(seen) - 1  # lookup off: every round drafted
+    assert [t for ev in seen for t in ev.tokens] == ar_tokens(target, prompt, params)
+
+    spy.calls.clear()
+    one = list(generate_speculative(target, spy, prompt, SamplingParams(max_new_tokens=1), CHAIN))
+    assert len(one) == 1 and spy.calls == []  # the first token ends it: no draft prefill
+
+
+@torch.inference_mode()
+def test_commit_after_a_catch_up_equals_one_commit_of_every_pair(target):
+    """``catch_up`` then an empty ``commit`` proposes what one commit of the same pairs does."""
+    feats = torch.randn(7, target.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    toks = torch.tensor(prompt_of(5, 7))
+    one, two = eagle_drafter(target, seed=2), eagle_drafter(target, seed=2)
+    for d in (one, two):
+        d.start(prompt_of(5, 8), 64)
+    logp1, ids1 = one.commit(feats, toks, 4)
+    two.catch_up(feats[:5], toks[:5])
+    two.catch_up(feats[5:], toks[5:])
+    logp2, ids2 = two.commit(feats[:0], toks[:0], 4)
+    assert torch.equal(ids1, ids2)
+    torch.testing.assert_close(logp1, logp2)
+    assert one.cache.length == two.cache.length == 7
