@@ -5,7 +5,8 @@ builds an EAGLE-2 tree (``tree.py``); the target runs every tree node in one for
 the tree mask; acceptance (``verify.py``) picks the accepted path and the bonus token; the
 target cache keeps only the root and the accepted path (``KVCache.compact``); the drafter
 rewinds its tree slots. Yields one :class:`StepEvent` per round (the prefill's first token
-is its own event). Host synchronisation happens only at the accept boundary.
+is its own event; the drafter catches up on the prompt before it, the draft's prefill). Host
+synchronisation happens only at the accept boundary.
 
 With context lookup on (``TreeConfig.lookup``), a round whose context repeats an earlier
 n-gram verifies that n-gram's continuation instead of a drafted tree (``lookup.py``); with the
@@ -222,7 +223,7 @@ class _Pending:
     def __init__(self, features: torch.Tensor, tokens: list[int]) -> None:
         self.features = [features]  # pieces of [m_i, D']
         self.tokens = list(tokens)  # [sum m_i]
-        self._none = features[:0]  # [0, D']: what take() gives when nothing is pending
+        self._none = features.new_empty(0, features.shape[-1])  # [0, D']: take() with nothing pending
 
     def add(self, features: torch.Tensor, tokens: list[int]) -> None:
         self.features.append(features)
