@@ -55,8 +55,10 @@ namespace {
 
 using evospec_fastexp::exp_f32;
 
-constexpr int kW = 16;       // lanes of a V (a zmm register where the CPU has AVX-512)
-constexpr int kMaxRows = 4;  // query rows sharing each key and value load
+constexpr int kW = 16;         // lanes of a V (a zmm register where the CPU has AVX-512)
+constexpr int kMaxRows = 16;   // query rows sharing each key and value load
+constexpr int kGroup = 4;      // rows whose accumulators one value load feeds (registers)
+constexpr int64_t kChunk = 64;  // keys per pass of the row groups: their values stay in L1
 
 typedef float V __attribute__((vector_size(kW * sizeof(float))));
 typedef int32_t VI __attribute__((vector_size(kW * sizeof(int32_t))));
@@ -223,35 +225,54 @@ float softmax_row(float* s, int64_t count, int64_t t0, int64_t lo, const bool* m
   return 1.0f / sum16(total);
 }
 
-// out_r = (sum_t e_r[t] v_t) * inv_r, CW vectors of each value row at a time.
+// out_r += sum over keys [ta, te) of e_r[t] v_t for the rows [r0, r0 + NR), CW vectors of each
+// value row at a time. out holds the running sums between calls: a float32 store and load are
+// exact, so a row's sum is the one fused chain over its keys in order whatever the chunking.
 template <typename T, int NR, int CW>
-void weigh(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh, const float* score,
-           int64_t stride, const float* inv) {
+void weigh(const Rows& rows, int r0, const T* vb, int64_t vs, int64_t t0, int64_t ta, int64_t te, int64_t dh,
+           const float* score, int64_t stride) {
   for (int64_t i = 0; i < dh; i += CW * kW) {
-    V acc[NR][CW] = {};
-    for (int64_t t = t0; t < end; ++t) {
+    V acc[NR][CW];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < CW; ++c) acc[r][c] = load(rows.out[r0 + r] + i + c * kW);
+    for (int64_t t = ta; t < te; ++t) {
       V v[CW];
       for (int c = 0; c < CW; ++c) v[c] = load(vb + t * vs + i + c * kW);
       for (int r = 0; r < NR; ++r) {
-        if (t >= rows.keys[r]) continue;
-        const V w = splat(score[r * stride + (t - t0)]);
+        if (t >= rows.keys[r0 + r]) continue;
+        const V w = splat(score[(r0 + r) * stride + (t - t0)]);
         for (int c = 0; c < CW; ++c) acc[r][c] = fma(w, v[c], acc[r][c]);
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < CW; ++c) store(rows.out[r] + i + c * kW, acc[r][c] * splat(inv[r]));
+      for (int c = 0; c < CW; ++c) store(rows.out[r0 + r] + i + c * kW, acc[r][c]);
   }
 }
 
 template <typename T, int CW>
+void weigh_group(const Rows& rows, int r0, int nr, const T* vb, int64_t vs, int64_t t0, int64_t ta, int64_t te,
+                 int64_t dh, const float* score, int64_t stride) {
+  switch (nr) {
+    case 1: return weigh<T, 1, CW>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+    case 2: return weigh<T, 2, CW>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+    case 3: return weigh<T, 3, CW>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+    default: return weigh<T, 4, CW>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+  }
+}
+
+// out_r = (sum_t e_r[t] v_t) * inv_r: keys in chunks of kChunk, each chunk's values read by every
+// group of kGroup rows while they sit in L1 (a block of up to kMaxRows rows reads the values once).
+template <typename T, int CW>
 void weigh_rows(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh,
                 const float* score, int64_t stride, const float* inv) {
-  switch (rows.nr) {
-    case 1: return weigh<T, 1, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
-    case 2: return weigh<T, 2, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
-    case 3: return weigh<T, 3, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
-    default: return weigh<T, 4, CW>(rows, vb, vs, t0, end, dh, score, stride, inv);
+  for (int r = 0; r < rows.nr; ++r) std::memset(rows.out[r], 0, dh * sizeof(float));
+  for (int64_t ta = t0; ta < end; ta += kChunk) {
+    const int64_t te = std::min(end, ta + kChunk);
+    for (int r0 = 0; r0 < rows.nr; r0 += kGroup)
+      weigh_group<T, CW>(rows, r0, std::min(kGroup, rows.nr - r0), vb, vs, t0, ta, te, dh, score, stride);
   }
+  for (int r = 0; r < rows.nr; ++r)
+    for (int64_t i = 0; i < dh; i += kW) store(rows.out[r] + i, load(rows.out[r] + i) * splat(inv[r]));
 }
 
 // Attention of `rows` over one KV head's keys kb / values vb (rows `ks` / `vs` apart) from t0.
@@ -272,67 +293,74 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
   weigh_rows<T, 1>(rows, vb, vs, t0, end, dh, score, stride, inv);
 }
 
+// One job: the rows of block `job` (batch row, KV head, row block) over that head's keys.
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const bool* mp, bool per_batch,
-         float scale, int64_t window, at::Tensor& out) {
-  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), dh = q.size(3);
-  const int64_t hk = keys.size(1), s = keys.size(2), group = h / hk;
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const T* kp = reinterpret_cast<const T*>(keys.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(values.data_ptr());
-  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1), ks2 = keys.stride(2);
-  const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
-  // A KV head's rows (query head g of its group, chain row j) in blocks of up to kMaxRows,
-  // r = j * group + g; smaller blocks where there would be too few to keep the threads busy.
-  // Blocks of even sizes: 9 rows as 3 + 3 + 3, not 4 + 4 + 1.
-  const int64_t per_kv = group * n;
-  int64_t blocks = (per_kv + kMaxRows - 1) / kMaxRows;
-  while (blocks < per_kv && b * hk * blocks < 2 * at::get_num_threads()) ++blocks;
-  const int64_t rb = (per_kv + blocks - 1) / blocks;
-  blocks = (per_kv + rb - 1) / rb;
-  const int64_t stride = (s + kW - 1) / kW * kW;
-  // Threads only where a block's work outweighs waking them (long contexts).
-  const int64_t grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, rb * s * dh));
-  at::parallel_for(0, b * hk * blocks, grain, [&](int64_t first, int64_t last) {
-    // Per-thread scratch kept across calls (a step calls this once per layer): scores and
-    // converted keys are written before they are read; the zero rows only ever grow, with zeros.
-    thread_local std::vector<float> score, kbuf, zeros;
-    thread_local std::vector<T> zeros_t;  // +0 in either format
-    if (score.size() < static_cast<size_t>(rb * stride)) score.resize(rb * stride);
-    if (kbuf.size() < static_cast<size_t>(kW * dh)) kbuf.resize(kW * dh);
-    if (zeros.size() < static_cast<size_t>(dh)) {
-      zeros.resize(dh, 0.0f);
-      zeros_t.resize(dh, T{0});
-    }
-    for (int64_t job = first; job < last; ++job) {
-      const int64_t bi = job / (hk * blocks), kv = job / blocks % hk, r0 = job % blocks * rb;
-      Rows rows;
-      rows.nr = static_cast<int>(std::min(rb, per_kv - r0));
-      for (int i = 0; i < rows.nr; ++i) {
-        const int64_t j = (r0 + i) / group, head = kv * group + (r0 + i) % group;
-        const int64_t row = (bi * h + head) * n + j;
-        rows.q[i] = qp + row * dh;
-        rows.out[i] = op + row * dh;
-        rows.keys[i] = s - n + 1 + j;
-        rows.lo[i] = window > 0 ? std::max<int64_t>(0, rows.keys[i] - window) : 0;
-      }
-      const bool* mr = mp ? mp + (per_batch ? bi * s : 0) : nullptr;
-      int64_t t0 = 0;  // a masked leading run (left padding) is skipped, if the row sees any key
-      while (mr && t0 < s && !mr[t0]) ++t0;
-      if (t0 == s) t0 = 0;
-      if (window > 0) {  // from the block of 16 holding the earliest window start: a lone row's lanes
-        int64_t lo = rows.lo[0];
-        for (int i = 1; i < rows.nr; ++i) lo = std::min(lo, rows.lo[i]);
-        t0 = std::max(t0, lo / kW * kW);
-      }
-      attend<T>(rows, kp + bi * ks0 + kv * ks1, ks2, vp + bi * vs0 + kv * vs1, vs2, t0, mr, scale, dh,
-                score.data(), stride, kbuf.data(), zeros.data(), zeros_t.data());
-    }
-  });
+void run_job(const AttentionJobs& a, int64_t job, float* score, float* kbuf, const float* zeros, const T* zeros_t) {
+  const T* kp = static_cast<const T*>(a.keys);
+  const T* vp = static_cast<const T*>(a.values);
+  const int64_t group = a.h / a.hk, per_kv = group * a.n;
+  const int64_t bi = job / (a.hk * a.blocks), kv = job / a.blocks % a.hk, r0 = job % a.blocks * a.rb;
+  Rows rows;
+  rows.nr = static_cast<int>(std::min(a.rb, per_kv - r0));
+  for (int i = 0; i < rows.nr; ++i) {
+    const int64_t j = (r0 + i) / group, head = kv * group + (r0 + i) % group;
+    const int64_t row = (bi * a.h + head) * a.n + j;
+    rows.q[i] = a.q + row * a.dh;
+    rows.out[i] = a.out + row * a.dh;
+    rows.keys[i] = a.s - a.n + 1 + j;
+    rows.lo[i] = a.window > 0 ? std::max<int64_t>(0, rows.keys[i] - a.window) : 0;
+  }
+  const bool* mr = a.mask ? a.mask + (a.per_batch ? bi * a.s : 0) : nullptr;
+  int64_t t0 = 0;  // a masked leading run (left padding) is skipped, if the row sees any key
+  while (mr && t0 < a.s && !mr[t0]) ++t0;
+  if (t0 == a.s) t0 = 0;
+  if (a.window > 0) {  // from the block of 16 holding the earliest window start: a lone row's lanes
+    int64_t lo = rows.lo[0];
+    for (int i = 1; i < rows.nr; ++i) lo = std::min(lo, rows.lo[i]);
+    t0 = std::max(t0, lo / kW * kW);
+  }
+  attend<T>(rows, kp + bi * a.ks[0] + kv * a.ks[1], a.ks[2], vp + bi * a.vs[0] + kv * a.vs[1], a.vs[2], t0, mr,
+            a.scale, a.dh, score, a.stride, kbuf, zeros, zeros_t);
+}
+
+template <typename T>
+void run_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
+  // Per-thread scratch kept across calls (a step calls this once per layer): scores and
+  // converted keys are written before they are read; the zero rows only ever grow, with zeros.
+  thread_local std::vector<float> score, kbuf, zeros;
+  thread_local std::vector<T> zeros_t;  // +0 in either format
+  if (score.size() < static_cast<size_t>(a.rb * a.stride)) score.resize(a.rb * a.stride);
+  if (kbuf.size() < static_cast<size_t>(kW * a.dh)) kbuf.resize(kW * a.dh);
+  if (zeros.size() < static_cast<size_t>(a.dh)) {
+    zeros.resize(a.dh, 0.0f);
+    zeros_t.resize(a.dh, T{0});
+  }
+  for (int64_t job = first; job < last; ++job)
+    run_job<T>(a, job, score.data(), kbuf.data(), zeros.data(), zeros_t.data());
 }
 
 }  // namespace
+
+void plan_attention(AttentionJobs& a, int threads) {
+  // A KV head's rows (query head g of its group, chain row j) in blocks of up to kMaxRows,
+  // r = j * group + g; smaller blocks where there would be too few to keep the threads busy.
+  // Blocks of even sizes: 9 rows as 5 + 4, not 8 + 1.
+  const int64_t per_kv = a.h / a.hk * a.n;
+  int64_t blocks = (per_kv + kMaxRows - 1) / kMaxRows;
+  while (blocks < per_kv && a.b * a.hk * blocks < 2 * threads) ++blocks;
+  a.rb = (per_kv + blocks - 1) / blocks;
+  a.blocks = (per_kv + a.rb - 1) / a.rb;
+  a.stride = (a.s + kW - 1) / kW * kW;
+  // Threads only where a block's work outweighs waking them (long contexts).
+  a.grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, a.rb * a.s * a.dh));
+}
+
+void run_attention_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
+  if (a.half)
+    run_jobs<uint16_t>(a, first, last);
+  else
+    run_jobs<float>(a, first, last);
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const std::optional<at::Tensor>& mask, double scale, int64_t window) {
@@ -366,10 +394,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   }
   auto qc = q.contiguous();
   auto out = at::empty({b, h, n, dh}, q.options());
-  if (kt == at::kHalf)
-    run<uint16_t>(qc, keys, values, mp, per_batch, static_cast<float>(scale), window, out);
-  else
-    run<float>(qc, keys, values, mp, per_batch, static_cast<float>(scale), window, out);
+  AttentionJobs jobs;
+  jobs.q = qc.data_ptr<float>();
+  jobs.out = out.data_ptr<float>();
+  jobs.keys = keys.data_ptr();
+  jobs.values = values.data_ptr();
+  jobs.half = kt == at::kHalf;
+  jobs.mask = mp;
+  jobs.per_batch = per_batch;
+  jobs.b = b, jobs.h = h, jobs.n = n, jobs.dh = dh, jobs.hk = hk, jobs.s = s;
+  for (int d = 0; d < 3; ++d) jobs.ks[d] = keys.stride(d), jobs.vs[d] = values.stride(d);
+  jobs.scale = static_cast<float>(scale);
+  jobs.window = window;
+  plan_attention(jobs, at::get_num_threads());
+  at::parallel_for(0, jobs.jobs(), jobs.grain,
+                   [&](int64_t first, int64_t last) { run_attention_jobs(jobs, first, last); });
   return out;
 }
 

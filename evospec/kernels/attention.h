@@ -1,4 +1,4 @@
-// Decode attention on the CPU (attention.cpp): declared here for cpu_ops.cpp's llama_layer.
+// Decode attention on the CPU (attention.cpp): declared here for llama_layer.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,5 +12,29 @@ namespace evospec_attention {
 // row j sees the first S - n + 1 + j keys. See attention.cpp for the arithmetic.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const std::optional<at::Tensor>& mask, double scale, int64_t window = 0);
+
+// One decode_attention call as jobs a caller runs on its own threads (llama_layer.cpp's team):
+// any split of [0, jobs()) gives the op's bits. Pointers into q, out, keys and values (float32,
+// or float16 keys and values; contiguous q and out, keys and values with a contiguous last dim,
+// head size a multiple of 16); the mask as decode_attention takes it.
+struct AttentionJobs {
+  const float* q;
+  float* out;
+  const void* keys;
+  const void* values;
+  bool half;
+  const bool* mask;
+  bool per_batch;
+  int64_t b, h, n, dh, hk, s;
+  int64_t ks[3], vs[3];  // strides of the batch, head and slot dims
+  float scale;
+  int64_t window;
+  int64_t rb, blocks, stride, grain;  // rows per block, blocks per KV head, score row stride, threading grain
+  int64_t jobs() const { return b * hk * blocks; }
+};
+
+// Fills the plan (rb, blocks, stride, grain) from the other fields, for `threads` threads.
+void plan_attention(AttentionJobs& jobs, int threads);
+void run_attention_jobs(const AttentionJobs& jobs, int64_t first, int64_t last);
 
 }  // namespace evospec_attention

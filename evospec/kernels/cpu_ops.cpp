@@ -33,8 +33,11 @@
 #include "attention.h"
 #include "bf16.h"
 #include "fastexp.h"
+#include "llama_layer.h"
+#include "rows.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <bit>
@@ -49,24 +52,9 @@ using evospec_bf16::bf16_to_f32;
 using evospec_bf16::f32_to_bf16;
 using evospec_fastexp::exp_f32;
 
-constexpr int kLanes = 8;
-
-// 1 / sqrt(mean(x^2) + eps) over one row, summed in kLanes fixed partial sums.
-inline float inv_rms(const float* x, int64_t d, float eps) {
-  float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * x[i + l];
-  for (int l = 0; i < d; ++i, ++l) acc[l] += x[i] * x[i];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  return 1.0f / std::sqrt(s / static_cast<float>(d) + eps);
-}
-
-inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ out,
-                     int64_t d, float eps) {
-  float inv = inv_rms(x, d, eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = f32_to_bf16(w[i] * (x[i] * inv));
-}
+using evospec_rows::inv_rms;
+using evospec_rows::norm_row;
+using evospec_rows::silu_mul_row;
 
 // x + w * (y * inv_rms(y)) over one row (y converted to float32 in `buf`): a Gemma sublayer's
 // output normed and added to the residual stream.
@@ -156,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_impl(const at::Tensor& q
                                                              const float* qw, const float* kw, float eps) {
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 3, "rope_qkv: qkv must be bfloat16 [B, n, F]");
   const int64_t b = qkv.size(0), n = qkv.size(1);
-  const int64_t dh = cos.size(-1), half = dh / 2;
+  const int64_t dh = cos.size(-1);
   TORCH_CHECK(dh <= 512, "rope_qkv: head_dim over 512");
   TORCH_CHECK(dh % 2 == 0 && qkv.size(2) == (hq + 2 * hk) * dh, "rope_qkv: qkv width is not (Hq + 2 Hk) Dh");
   auto c = cos.contiguous(), s = sin.contiguous();
@@ -182,17 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_impl(const at::Tensor& q
         if (h < hq) dst = qp + ((bi * hq + h) * n + t) * dh;
         else if (h < hq + hk) dst = kp + ((bi * hk + (h - hq)) * n + t) * dh;
         else dst = vp + ((bi * hk + (h - hq - hk)) * n + t) * dh;
-        for (int64_t i = 0; i < dh; ++i) row[i] = bf16_to_f32(src[i]);
-        if (h >= hq + hk) {
-          for (int64_t i = 0; i < dh; ++i) dst[i] = row[i];
-          continue;
-        }
-        if (const float* w = h < hq ? qw : kw) {
-          const float inv = inv_rms(row, dh, eps);
-          for (int64_t i = 0; i < dh; ++i) row[i] = w[i] * (row[i] * inv);
-        }
-        for (int64_t i = 0; i < half; ++i) dst[i] = row[i] * cr[i] - row[i + half] * sr[i];
-        for (int64_t i = half; i < dh; ++i) dst[i] = row[i] * cr[i] + row[i - half] * sr[i];
+        evospec_rows::rope_head(src, dst, cr, sr, dh, h >= hq + hk, h < hq ? qw : kw, eps, row);
       }
     }
   });
@@ -213,16 +191,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_normed(const at::Tensor&
     TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->dim() == 1 && w->size(0) == dh,
                 "rope_qkv_normed: qw, kw must be contiguous float32 [Dh]");
   return rope_qkv_impl(qkv, cos, sin, hq, hk, qw.data_ptr<float>(), kw.data_ptr<float>(), static_cast<float>(eps));
-}
-
-// Kept out of line: inlined into silu_mul_bf16's loop, whose g and u point into one buffer, GCC 12
-// dropped the restrict promise and left this loop scalar (6 ns an element instead of ~1).
-__attribute__((noinline)) void silu_mul_row(const uint16_t* __restrict__ g, const uint16_t* __restrict__ u,
-                                            uint16_t* __restrict__ o, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    float gv = bf16_to_f32(g[i]);
-    o[i] = f32_to_bf16(gv / (1.0f + exp_f32(-gv)) * bf16_to_f32(u[i]));
-  }
 }
 
 // gelu_tanh(g) = 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), written as
@@ -262,6 +230,13 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed) {  // int4_m
   return op.call(x, packed);
 }
 
+// llama_layer_team (llama_layer.cpp) serves the layer unless EVOSPEC_LAYER_TEAM=0 (read at each
+// call, so that a benchmark can time both in one process): the op-by-op calls below, same bits.
+bool layer_team_enabled() {
+  const char* v = std::getenv("EVOSPEC_LAYER_TEAM");
+  return !(v && v[0] == '0' && v[1] == 0);
+}
+
 // One Llama-style decoder layer of a step, row-exact chain or causal prefill, with int4 (VNNI) linears: the
 // calls fused.py's layer loop makes, in its order and on the same data, so its bits are that
 // loop's; as one op, a recorded step replays one node per layer instead of ~38. x f32 / h bf16
@@ -280,6 +255,9 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   TORCH_CHECK(x.dim() == 2 && x.size(0) == b * n && h.sizes() == x.sizes(), "llama_layer: x, h must be [B n, D]");
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
               "llama_layer: the cache cannot hold these slots");
+  if (layer_team_enabled() && evospec_layer::team_applies(x, h, cos, sin, k_cache, v_cache, n))
+    return evospec_layer::llama_layer_team(x, h, qkv_w, o_w, gate_up_w, down_w, post_w, next_w, cos, sin, k_cache,
+                                           v_cache, layer, end, b, n, hq, hk, scale, eps);
   auto [q, k, v] = rope_qkv(int4_rows(h, qkv_w).view({b, n, -1}), cos, sin, hq, hk);
   auto keys = k_cache.select(0, layer), values = v_cache.select(0, layer);  // [B, Hk, S, Dh]
   keys.narrow(2, end - n, n).copy_(k);

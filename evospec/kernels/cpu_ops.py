@@ -39,10 +39,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(f)
-    for f in ("cpu_ops.cpp", "attention.cpp", "int4_matmul.cpp", "int8_matmul.cpp")
+    for f in ("cpu_ops.cpp", "attention.cpp", "int4_matmul.cpp", "int8_matmul.cpp", "llama_layer.cpp")
 )
 # included by the sources: part of the build key
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("attention.h", "bf16.h", "fastexp.h", "vnni.h"))
+HEADERS = tuple(
+    Path(__file__).with_name(f)
+    for f in ("attention.h", "bf16.h", "fastexp.h", "int4_tiles.h", "llama_layer.h", "rows.h", "vnni.h")
+)
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;
 # it changes no result (no reassociation, no contraction)

@@ -193,6 +193,37 @@ def assert_one_op_layers_match_the_loop(model, monkeypatch) -> None:
     assert torch.equal(ops[1], loop[1])
 
 
-def test_one_op_layers_give_the_op_by_op_loops_bits(monkeypatch):
-    """llama_layer makes the layer loop's calls in C++."""
-    assert_one_op_layers_match_the_loop(_fused(6), monkeypatch)
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_one_op_layers_give_the_op_by_op_loops_bits(monkeypatch, head_dim):
+    """llama_layer makes the layer loop's calls in C++: one team of threads per layer where the
+    head size is a multiple of 16 (llama_layer.cpp), the ops one by one otherwise."""
+    assert_one_op_layers_match_the_loop(_fused(6, head_dim=head_dim), monkeypatch)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_layer_team_gives_the_op_by_op_layers_bits(monkeypatch, threads):
+    """llama_layer's team (one parallel region a layer) and its op-by-op calls
+    (EVOSPEC_LAYER_TEAM=0) write the same K/V and logits: prefill, steps, a chain, 1-3 threads."""
+    model = _fused(8, head_dim=64)
+    if model.layers[0].self_attn.qkv.kernel != "vnni":
+        pytest.skip("the one-op layers need our int4 kernel (AVX-512 VNNI)")
+
+    def run() -> tuple[list[torch.Tensor], torch.Tensor]:
+        cache = model.new_cache(48)
+        logits = [model(torch.tensor([prompt_of(7, 30)]), torch.arange(30), cache, logits="all").logits]
+        for pos in (30, 31):
+            logits.append(model(torch.tensor([[pos % 64]]), torch.tensor([pos]), cache, logits="all").logits)
+        logits.append(model(torch.tensor([[5, 7, 11, 13]]), torch.arange(32, 36), cache, logits="all").logits)
+        return logits, torch.cat([cache.k[:, :, :, :36], cache.v[:, :, :, :36]])
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            team = run()
+            monkeypatch.setenv("EVOSPEC_LAYER_TEAM", "0")
+            ops = run()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(team[0], ops[0], strict=True))
+    assert torch.equal(team[1], ops[1])
