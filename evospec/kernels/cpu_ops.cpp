@@ -8,7 +8,8 @@
 //   silu_mul_bf16(gu bf16 [..., 2 I])                       -> silu(gu[:I]) * gu[I:] bf16 [..., I]
 //   llama_layer(...): one decoder layer (a step, a row-exact chain, causal prefill rows): the
 //                     calls above plus attention.cpp's decode_attention and int4_matmul's, as
-//                     fused.py's loop makes them
+//                     fused.py's loop makes them (one team of threads: llama_layer.cpp)
+//   llama_stack(...): a model's layers as one op, llama_layer's contract for each
 // Gemma-3's blocks (norms after each sublayer too, q/k norms, GELU, sliding windows) add:
 //   rope_qkv_normed(qkv, cos, sin, Hq, Hk, qw f32 [Dh], kw, eps)
 //                                                          -> rope_qkv with each q and k head
@@ -230,7 +231,7 @@ at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed) {  // int4_m
   return op.call(x, packed);
 }
 
-// llama_layer_team (llama_layer.cpp) serves the layer unless EVOSPEC_LAYER_TEAM=0 (read at each
+// stack_team (llama_layer.cpp) serves the layers unless EVOSPEC_LAYER_TEAM=0 (read at each
 // call, so that a benchmark can time both in one process): the op-by-op calls below, same bits.
 bool layer_team_enabled() {
   const char* v = std::getenv("EVOSPEC_LAYER_TEAM");
@@ -256,8 +257,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
               "llama_layer: the cache cannot hold these slots");
   if (layer_team_enabled() && evospec_layer::team_applies(x, h, cos, sin, k_cache, v_cache, n))
-    return evospec_layer::llama_layer_team(x, h, qkv_w, o_w, gate_up_w, down_w, post_w, next_w, cos, sin, k_cache,
-                                           v_cache, layer, end, b, n, hq, hk, scale, eps);
+    return evospec_layer::stack_team(x, h, {{layer, qkv_w, o_w, gate_up_w, down_w, post_w, next_w}}, cos, sin,
+                                     k_cache, v_cache, end, b, n, hq, hk, scale, eps);
   auto [q, k, v] = rope_qkv(int4_rows(h, qkv_w).view({b, n, -1}), cos, sin, hq, hk);
   auto keys = k_cache.select(0, layer), values = v_cache.select(0, layer);  // [B, Hk, S, Dh]
   keys.narrow(2, end - n, n).copy_(k);
@@ -271,6 +272,40 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   return {x1 + mlp, h1};
 }
 
+
+// Layers 0..L-1 of a model as one op (llama_stack): llama_layer's contract for each, the input norm
+// of layer i + 1 (next_ws[i], L - 1 of them) normed into h after layer i, and the last layer's
+// post-attention h returned with its x. One team of threads runs them all (llama_layer.cpp); where
+// it does not apply, llama_layer one after another. A recorded step replays one node for them.
+std::tuple<at::Tensor, at::Tensor> llama_stack(
+    const at::Tensor& x, const at::Tensor& h, at::TensorList qkv_ws, at::TensorList o_ws, at::TensorList gate_up_ws,
+    at::TensorList down_ws, at::TensorList post_ws, at::TensorList next_ws, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+    int64_t b, int64_t n, int64_t hq, int64_t hk, double scale, double eps) {
+  const size_t count = qkv_ws.size();
+  TORCH_CHECK(count >= 1 && o_ws.size() == count && gate_up_ws.size() == count && down_ws.size() == count &&
+                  post_ws.size() == count && next_ws.size() + 1 == count,
+              "llama_stack: L weights of each kind and L - 1 next norms");
+  const int64_t end = slots.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == b * n && h.sizes() == x.sizes(), "llama_stack: x, h must be [B n, D]");
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3) &&
+                  static_cast<int64_t>(count) <= k_cache.size(0),
+              "llama_stack: the cache cannot hold these slots");
+  if (layer_team_enabled() && evospec_layer::team_applies(x, h, cos, sin, k_cache, v_cache, n)) {
+    std::vector<evospec_layer::StackLayer> layers;
+    for (size_t i = 0; i < count; ++i)
+      layers.push_back({static_cast<int64_t>(i), qkv_ws[i], o_ws[i], gate_up_ws[i], down_ws[i], post_ws[i],
+                        i + 1 < count ? std::optional<at::Tensor>(next_ws[i]) : std::nullopt});
+    return evospec_layer::stack_team(x, h, layers, cos, sin, k_cache, v_cache, end, b, n, hq, hk, scale, eps);
+  }
+  at::Tensor xi = x, hi = h;
+  for (size_t i = 0; i < count; ++i) {
+    const auto next = i + 1 < count ? std::optional<at::Tensor>(next_ws[i]) : std::nullopt;
+    std::tie(xi, hi) = llama_layer(xi, hi, qkv_ws[i], o_ws[i], gate_up_ws[i], down_ws[i], post_ws[i], next, cos, sin,
+                                   k_cache, v_cache, static_cast<int64_t>(i), slots, b, n, hq, hk, scale, eps);
+  }
+  return {xi, hi};
+}
 
 // One Gemma-3 decoder layer, as fused.py's Gemma loop makes its calls (llama_layer's contract
 // otherwise): h is x normed by this layer's input norm; the q/k heads are normed before RoPE;
@@ -309,6 +344,9 @@ TORCH_LIBRARY(evospec, m) {
   m.def("add_rms_norm_bf16(Tensor x, Tensor y, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int hq, int hk) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
+  m.def("llama_stack(Tensor x, Tensor h, Tensor[] qkv_ws, Tensor[] o_ws, Tensor[] gate_up_ws, Tensor[] down_ws, "
+        "Tensor[] post_ws, Tensor[] next_ws, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, "
+        "int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
   m.def("llama_layer(Tensor x, Tensor h, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
         "Tensor post_w, Tensor? next_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int layer, Tensor slots, int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
@@ -328,6 +366,7 @@ TORCH_LIBRARY_IMPL(evospec, CPU, m) {
   m.impl("rope_qkv", &rope_qkv);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("llama_layer", &llama_layer);
+  m.impl("llama_stack", &llama_stack);
   m.impl("rope_qkv_normed", &rope_qkv_normed);
   m.impl("norm_add_rms_norm_bf16", &norm_add_rms_norm_bf16);
   m.impl("gelu_mul_bf16", &gelu_mul_bf16);

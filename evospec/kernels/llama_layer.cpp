@@ -73,14 +73,6 @@ bool norm_weight(const at::Tensor& w, int64_t d) {
   return w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == d && w.is_contiguous();
 }
 
-// The calling thread's buffers, grown as needed and kept between calls (one layer after another).
-struct Scratch {
-  std::vector<int8_t> codes;  // activation codes of the matmul's input rows [M, K]
-  std::vector<float> scale, sum;  // [M, K / 32]
-  std::vector<uint16_t> qkv, o, gu, act, mlp, h1;  // bf16 products and activations
-  std::vector<float> q, attn, x1;  // rotated queries, attention output [B, Hq, n, Dh]; residual [M, D]
-};
-
 // The activation codes of rows [first, last) of a matmul input, as evospec_vnni::quantize_rows
 // makes them: each row read as float32 (`load(r, buf)`), then quantize_row.
 struct Codes {
@@ -130,69 +122,187 @@ bool team_applies(const at::Tensor& x, const at::Tensor& h, const at::Tensor& co
 #endif
 }
 
-std::tuple<at::Tensor, at::Tensor> llama_layer_team(
-    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& o_w,
-    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& post_w,
-    const std::optional<at::Tensor>& next_w, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer, int64_t end, int64_t b, int64_t n,
-    int64_t hq, int64_t hk, double scale, double eps) {
-#ifndef EVOSPEC_VNNI
-  TORCH_CHECK(false, "llama_layer_team: this build has no AVX-512 VNNI kernel");
-  return {x, h};
-#else
+#ifdef EVOSPEC_VNNI
+namespace {
+
+// One layer's weights: its four int4 products, the post-attention norm and the next layer's input
+// norm (null: the stack's last layer, whose h is its post-attention one).
+struct LayerWeights {
+  Weight qkv, o, gate_up, down;
+  const float* post;
+  const float* next;
+};
+
+// The forward's sizes and the caller's buffers (pointers: inside the parallel region a
+// thread_local would name each thread's own).
+struct Plan {
+  int64_t m, n, d, dh, hq, hk, inter, kmax, end;
+  float eps;
+  bool half;
+  const float *cos, *sin;
+  char *kbase, *vbase;  // layer 0 of the caches
+  int64_t klayer, vlayer;  // bytes from one layer to the next
+  evospec_attention::AttentionJobs att;  // the plan, for layer 0's keys and values
+  Codes codes;
+  uint16_t *qkv, *o, *gu, *act, *mlp, *h1;
+  float *q, *attn, *x1;
+};
+
+struct Scratch {
+  std::vector<int8_t> codes;
+  std::vector<float> scale, sum, q, attn, x1, xs;
+  std::vector<uint16_t> qkv, o, gu, act, mlp, h1, hs;
+};
+
+// Layer `li`'s phases on thread tid, from (x, h) to (xo, ho); the codes of h are ready (the
+// first phase of the stack, or the previous layer's last). With `codes_next`, the last phase
+// also quantises ho for the layer after.
+void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float* x, float* xo, uint16_t* ho,
+                  bool codes_next, int tid, int team, float* buf) {
+  const int64_t m = p.m, n = p.n, d = p.d, dh = p.dh, hq = p.hq, hk = p.hk, inter = p.inter;
+  const Span rows = share(m, tid, team);
+  char* kb = p.kbase + li * p.klayer;
+  char* vb = p.vbase + li * p.vlayer;
+  matmul(w.qkv, p.codes, m, p.qkv, tid, team);
+#pragma omp barrier
+  for (int64_t r = rows.first; r < rows.last; ++r) {  // RoPE; K/V rows into the cache
+    const int64_t bi = r / n, t = r % n, slot = p.end - n + t;
+    const float *cr = p.cos + t * dh, *sr = p.sin + t * dh;
+    float* kv = buf + dh;
+    for (int64_t head = 0; head < hq + 2 * hk; ++head) {
+      const uint16_t* src = p.qkv + r * w.qkv.out() + head * dh;
+      if (head < hq) {
+        evospec_rows::rope_head(src, p.q + ((bi * hq + head) * n + t) * dh, cr, sr, dh, false, nullptr, 0.0f, buf);
+        continue;
+      }
+      const bool value = head >= hq + hk;
+      const int64_t g = value ? head - hq - hk : head - hq;
+      evospec_rows::rope_head(src, kv, cr, sr, dh, value, nullptr, 0.0f, buf);
+      const int64_t* st = value ? p.att.vs : p.att.ks;
+      put(value ? vb : kb, p.half, bi * st[0] + g * st[1] + slot * st[2], kv, dh);
+    }
+  }
+#pragma omp barrier
+  evospec_attention::AttentionJobs att = p.att;
+  att.keys = kb;
+  att.values = vb;
+  const Span jobs = share(att.jobs(), tid, team);
+  evospec_attention::run_attention_jobs(att, jobs.first, jobs.last);
+#pragma omp barrier
+  for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(bf16(attention)), heads side by side
+    const int64_t bi = r / n, t = r % n;
+    for (int64_t head = 0; head < hq; ++head) {
+      const float* src = p.attn + ((bi * hq + head) * n + t) * dh;
+      for (int64_t i = 0; i < dh; ++i) buf[head * dh + i] = bf16_to_f32(f32_to_bf16(src[i]));
+    }
+    p.codes.row(buf, r, hq * dh);
+  }
+#pragma omp barrier
+  matmul(w.o, p.codes, m, p.o, tid, team);
+#pragma omp barrier
+  for (int64_t r = rows.first; r < rows.last; ++r) {  // x1 = x + o, h1 = norm(x1), codes(h1)
+    float* x1 = p.x1 + r * d;
+    for (int64_t i = 0; i < d; ++i) x1[i] = x[r * d + i] + bf16_to_f32(p.o[r * d + i]);
+    evospec_rows::norm_row(x1, w.post, p.h1 + r * d, d, p.eps);
+    to_f32(p.h1 + r * d, d, buf);
+    p.codes.row(buf, r, d);
+  }
+#pragma omp barrier
+  matmul(w.gate_up, p.codes, m, p.gu, tid, team);
+#pragma omp barrier
+  for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(silu(g) u)
+    const uint16_t* gu = p.gu + r * 2 * inter;
+    evospec_rows::silu_mul_row(gu, gu + inter, p.act + r * inter, inter);
+    to_f32(p.act + r * inter, inter, buf);
+    p.codes.row(buf, r, inter);
+  }
+#pragma omp barrier
+  matmul(w.down, p.codes, m, p.mlp, tid, team);
+#pragma omp barrier
+  for (int64_t r = rows.first; r < rows.last; ++r) {  // x2 = x1 + mlp, h2 = norm(x2) (the last layer: h1)
+    const float* x1 = p.x1 + r * d;
+    for (int64_t i = 0; i < d; ++i) xo[r * d + i] = x1[i] + bf16_to_f32(p.mlp[r * d + i]);
+    if (!w.next) {
+      std::copy(p.h1 + r * d, p.h1 + (r + 1) * d, ho + r * d);
+      continue;
+    }
+    evospec_rows::norm_row(xo + r * d, w.next, ho + r * d, d, p.eps);
+    if (codes_next) {
+      to_f32(ho + r * d, d, buf);
+      p.codes.row(buf, r, d);
+    }
+  }
+#pragma omp barrier
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Tensor& h,
+                                              const std::vector<StackLayer>& layers, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& k_cache,
+                                              const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
+                                              int64_t hq, int64_t hk, double scale, double eps) {
   const int64_t m = b * n, d = x.size(1), dh = cos.size(-1);
-  for (const auto* w : {&qkv_w, &o_w, &gate_up_w, &down_w})
-    TORCH_CHECK(packed_int4(*w), "llama_layer: weights must be contiguous uint8 [N/16, K/32, 320]");
-  const Weight wqkv(qkv_w), wo(o_w), wgu(gate_up_w), wdown(down_w);
-  const int64_t inter = wgu.out() / 2;
-  TORCH_CHECK(wqkv.in() == d && wqkv.out() == (hq + 2 * hk) * dh && wo.in() == hq * dh && wo.out() == d &&
-                  wgu.in() == d && wdown.in() == inter && wdown.out() == d,
-              "llama_layer: weight shapes do not match the layer's sizes");
-  const bool has_next = next_w.has_value() && next_w->defined();
-  TORCH_CHECK(norm_weight(post_w, d) && (!has_next || norm_weight(*next_w, d)),
-              "llama_layer: norm weights must be contiguous float32 [D]");
+  TORCH_CHECK(!layers.empty(), "llama_layer: no layers");
+  std::vector<LayerWeights> ws;
+  for (const auto& l : layers) {
+    for (const auto* w : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      TORCH_CHECK(packed_int4(*w), "llama_layer: weights must be contiguous uint8 [N/16, K/32, 320]");
+    TORCH_CHECK(norm_weight(l.post, d) && (!l.next || norm_weight(*l.next, d)),
+                "llama_layer: norm weights must be contiguous float32 [D]");
+    ws.push_back({Weight(l.qkv), Weight(l.o), Weight(l.gate_up), Weight(l.down), l.post.data_ptr<float>(),
+                  l.next ? l.next->data_ptr<float>() : nullptr});
+    const auto& w = ws.back();
+    TORCH_CHECK(w.qkv.in() == d && w.qkv.out() == (hq + 2 * hk) * dh && w.o.in() == hq * dh && w.o.out() == d &&
+                    w.gate_up.in() == d && w.down.in() == w.gate_up.out() / 2 && w.down.out() == d &&
+                    w.gate_up.out() == ws.front().gate_up.out(),
+                "llama_layer: weight shapes do not match the layer's sizes");
+  }
+  Plan p;
+  p.m = m, p.n = n, p.d = d, p.dh = dh, p.hq = hq, p.hk = hk, p.end = end;
+  p.inter = ws.front().gate_up.out() / 2;
+  p.kmax = std::max({d, hq * dh, p.inter});
+  p.eps = static_cast<float>(eps);
+  p.half = k_cache.scalar_type() == at::kHalf;
+  p.cos = cos.data_ptr<float>();
+  p.sin = sin.data_ptr<float>();
+  const int64_t esize = p.half ? 2 : 4;
+  p.kbase = static_cast<char*>(k_cache.data_ptr()) + layers.front().layer * k_cache.stride(0) * esize;
+  p.vbase = static_cast<char*>(v_cache.data_ptr()) + layers.front().layer * v_cache.stride(0) * esize;
+  p.klayer = k_cache.stride(0) * esize;
+  p.vlayer = v_cache.stride(0) * esize;
+  for (size_t i = 1; i < layers.size(); ++i)
+    TORCH_CHECK(layers[i].layer == layers.front().layer + static_cast<int64_t>(i), "llama_layer: layers in order");
 
   thread_local Scratch sc;
-  const int64_t kmax = std::max({d, hq * dh, inter});
-  sc.codes.resize(m * kmax);
-  sc.scale.resize(m * kmax / kGroup);
-  sc.sum.resize(m * kmax / kGroup);
-  sc.qkv.resize(m * wqkv.out());
+  sc.codes.resize(m * p.kmax);
+  sc.scale.resize(m * p.kmax / kGroup);
+  sc.sum.resize(m * p.kmax / kGroup);
+  sc.qkv.resize(m * (hq + 2 * hk) * dh);
   sc.o.resize(m * d);
-  sc.gu.resize(m * 2 * inter);
-  sc.act.resize(m * inter);
+  sc.gu.resize(m * 2 * p.inter);
+  sc.act.resize(m * p.inter);
   sc.mlp.resize(m * d);
   sc.h1.resize(m * d);
   sc.q.resize(m * hq * dh);
   sc.attn.resize(m * hq * dh);
   sc.x1.resize(m * d);
-  auto x_out = at::empty_like(x), h_out = at::empty_like(h);
+  sc.xs.resize(2 * m * d);
+  sc.hs.resize(2 * m * d);
+  p.codes = {sc.codes.data(), sc.scale.data(), sc.sum.data()};
+  p.qkv = sc.qkv.data(), p.o = sc.o.data(), p.gu = sc.gu.data(), p.act = sc.act.data();
+  p.mlp = sc.mlp.data(), p.h1 = sc.h1.data();
+  p.q = sc.q.data(), p.attn = sc.attn.data(), p.x1 = sc.x1.data();
+  float* xs = sc.xs.data();
+  uint16_t* hs = sc.hs.data();
 
-  // the caller's buffers, by pointer: inside the region `sc` would name each thread's own
-  const Codes codes{sc.codes.data(), sc.scale.data(), sc.sum.data()};
-  uint16_t *qkv = sc.qkv.data(), *o = sc.o.data(), *gu_all = sc.gu.data(), *act = sc.act.data();
-  uint16_t *mlp = sc.mlp.data(), *h1_all = sc.h1.data();
-  float *qbuf = sc.q.data(), *attn = sc.attn.data(), *x1_all = sc.x1.data();
-  const float* xp = x.data_ptr<float>();
-  const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>());
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const float* post = post_w.data_ptr<float>();
-  const float* next = has_next ? next_w->data_ptr<float>() : nullptr;
-  float* xo = x_out.data_ptr<float>();
-  auto* ho = reinterpret_cast<uint16_t*>(h_out.data_ptr<at::BFloat16>());
-  const bool half = k_cache.scalar_type() == at::kHalf;
-  const int64_t esize = half ? 2 : 4;
-  auto* kbase = static_cast<char*>(k_cache.data_ptr()) + layer * k_cache.stride(0) * esize;
-  auto* vbase = static_cast<char*>(v_cache.data_ptr()) + layer * v_cache.stride(0) * esize;
-  const float f_eps = static_cast<float>(eps);
   const int team_size = at::get_num_threads();
-
-  evospec_attention::AttentionJobs att;
-  att.q = qbuf;
-  att.out = attn;
-  att.keys = kbase;
-  att.values = vbase;
-  att.half = half;
+  auto& att = p.att;
+  att.q = p.q;
+  att.out = p.attn;
+  att.keys = p.kbase;
+  att.values = p.vbase;
+  att.half = p.half;
   att.mask = nullptr;
   att.per_batch = false;
   att.b = b, att.h = hq, att.n = n, att.dh = dh, att.hk = hk, att.s = end;
@@ -201,83 +311,35 @@ std::tuple<at::Tensor, at::Tensor> llama_layer_team(
   att.window = 0;
   evospec_attention::plan_attention(att, team_size);
 
+  auto x_out = at::empty_like(x), h_out = at::empty_like(h);
+  const float* xp = x.data_ptr<float>();
+  const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>());
+  float* xo_last = x_out.data_ptr<float>();
+  auto* ho_last = reinterpret_cast<uint16_t*>(h_out.data_ptr<at::BFloat16>());
+  const int64_t count = static_cast<int64_t>(ws.size());
+
 #pragma omp parallel num_threads(team_size)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-    thread_local std::vector<float> buf;  // one row as float32
-    if (buf.size() < static_cast<size_t>(kmax + dh)) buf.resize(kmax + dh);
+    thread_local std::vector<float> buf;  // one row as float32, and a K/V head
+    if (buf.size() < static_cast<size_t>(p.kmax + dh)) buf.resize(p.kmax + dh);
     const Span rows = share(m, tid, team);
-
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(h)
+    for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(h) of the first layer
       to_f32(hp + r * d, d, buf.data());
-      codes.row(buf.data(), r, d);
+      p.codes.row(buf.data(), r, d);
     }
 #pragma omp barrier
-    matmul(wqkv, codes, m, qkv, tid, team);
-#pragma omp barrier
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // RoPE; K/V rows into the cache
-      const int64_t bi = r / n, t = r % n, slot = end - n + t;
-      const float *cr = cp + t * dh, *sr = sp + t * dh;
-      float* kv = buf.data() + dh;
-      for (int64_t head = 0; head < hq + 2 * hk; ++head) {
-        const uint16_t* src = qkv + r * wqkv.out() + head * dh;
-        if (head < hq) {
-          evospec_rows::rope_head(src, qbuf + ((bi * hq + head) * n + t) * dh, cr, sr, dh, false, nullptr,
-                                  0.0f, buf.data());
-          continue;
-        }
-        const bool value = head >= hq + hk;
-        const int64_t g = value ? head - hq - hk : head - hq;
-        evospec_rows::rope_head(src, kv, cr, sr, dh, value, nullptr, 0.0f, buf.data());
-        const int64_t* st = value ? att.vs : att.ks;
-        put(value ? vbase : kbase, half, bi * st[0] + g * st[1] + slot * st[2], kv, dh);
-      }
-    }
-#pragma omp barrier
-    const Span jobs = share(att.jobs(), tid, team);
-    evospec_attention::run_attention_jobs(att, jobs.first, jobs.last);
-#pragma omp barrier
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(bf16(attention)), heads side by side
-      const int64_t bi = r / n, t = r % n;
-      for (int64_t head = 0; head < hq; ++head) {
-        const float* src = attn + ((bi * hq + head) * n + t) * dh;
-        for (int64_t i = 0; i < dh; ++i) buf[head * dh + i] = bf16_to_f32(f32_to_bf16(src[i]));
-      }
-      codes.row(buf.data(), r, hq * dh);
-    }
-#pragma omp barrier
-    matmul(wo, codes, m, o, tid, team);
-#pragma omp barrier
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // x1 = x + o, h1 = norm(x1), codes(h1)
-      float* x1 = x1_all + r * d;
-      for (int64_t i = 0; i < d; ++i) x1[i] = xp[r * d + i] + bf16_to_f32(o[r * d + i]);
-      evospec_rows::norm_row(x1, post, h1_all + r * d, d, f_eps);
-      to_f32(h1_all + r * d, d, buf.data());
-      codes.row(buf.data(), r, d);
-    }
-#pragma omp barrier
-    matmul(wgu, codes, m, gu_all, tid, team);
-#pragma omp barrier
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(silu(g) u)
-      const uint16_t* gu = gu_all + r * 2 * inter;
-      evospec_rows::silu_mul_row(gu, gu + inter, act + r * inter, inter);
-      to_f32(act + r * inter, inter, buf.data());
-      codes.row(buf.data(), r, inter);
-    }
-#pragma omp barrier
-    matmul(wdown, codes, m, mlp, tid, team);
-#pragma omp barrier
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // x2 = x1 + mlp, h2 = norm(x2) (the last layer: h1)
-      const float* x1 = x1_all + r * d;
-      for (int64_t i = 0; i < d; ++i) xo[r * d + i] = x1[i] + bf16_to_f32(mlp[r * d + i]);
-      if (next)
-        evospec_rows::norm_row(xo + r * d, next, ho + r * d, d, f_eps);
-      else
-        std::copy(h1_all + r * d, h1_all + (r + 1) * d, ho + r * d);
+    for (int64_t li = 0; li < count; ++li) {  // layer li: (x, h) -> (xo, ho), ping-pong buffers
+      const bool last = li + 1 == count;
+      const float* xin = li == 0 ? xp : xs + ((li - 1) % 2) * m * d;
+      float* xo = last ? xo_last : xs + (li % 2) * m * d;
+      uint16_t* ho = last ? ho_last : hs + (li % 2) * m * d;
+      layer_phases(p, ws[li], li, xin, xo, ho, !last, tid, team, buf.data());
     }
   }
   return {x_out, h_out};
-#endif
 }
+
+#endif
 
 }  // namespace evospec_layer

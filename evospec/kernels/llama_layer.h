@@ -1,11 +1,13 @@
-// One Llama decoder layer run by one team of threads (llama_layer.cpp): cpu_ops.cpp's llama_layer
-// op takes this path where it applies and its op-by-op calls elsewhere; both give the same bits.
+// Llama decoder layers run by one team of threads (llama_layer.cpp): cpu_ops.cpp's llama_layer and
+// llama_stack ops take this path where it applies and their op-by-op calls elsewhere; both give
+// the same bits.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace evospec_layer {
 
@@ -14,12 +16,20 @@ namespace evospec_layer {
 bool team_applies(const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t n);
 
-// llama_layer's contract (cpu_ops.cpp), `end` the cache length after the layer.
-std::tuple<at::Tensor, at::Tensor> llama_layer_team(
-    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& o_w,
-    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& post_w,
-    const std::optional<at::Tensor>& next_w, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer, int64_t end, int64_t b, int64_t n,
-    int64_t hq, int64_t hk, double scale, double eps);
+// One layer of a stack: its cache layer, four packed int4 products, the post-attention norm and
+// the next layer's input norm (none: the stack's last layer, which keeps its post-attention h).
+struct StackLayer {
+  int64_t layer;
+  at::Tensor qkv, o, gate_up, down, post;
+  std::optional<at::Tensor> next;
+};
+
+// Consecutive layers run by one team of threads, each with llama_layer's contract (cpu_ops.cpp);
+// `end` is the cache length after them. Returns (x, h) after the last.
+std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Tensor& h,
+                                              const std::vector<StackLayer>& layers, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& k_cache,
+                                              const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
+                                              int64_t hq, int64_t hk, double scale, double eps);
 
 }  // namespace evospec_layer

@@ -26,7 +26,10 @@ step needs no position-dependent mask and can be recorded like a Llama one. Its 
 
 Where every linear runs our int4 kernel and the forward has no mask (recorded steps and chains,
 a prefill's causal rows), each layer is one ``llama_layer`` / ``gemma_layer`` op: the same calls
-in C++, so a recorded step replays one node per layer.
+in C++, so a recorded step replays one node per layer; a Llama model's layers (unless a caller
+asks for intermediate layers' outputs) are one ``llama_stack`` op, which one team of threads runs
+from the first layer to the last (``kernels/llama_layer.cpp``: no thread-pool start or dispatch
+between the products).
 
 The numbers differ from the unfused path only by rounding (one bf16 rounding where there were
 two, our exp in SiLU): a model decides at load and then every forward -- prefill, steps,
@@ -137,6 +140,9 @@ def run_fused_layers(
     h = ops.rms_norm_bf16(x, _input_norm(layers[0]), eps)  # [B n, D] bf16
     one_op = _layer_op_applies(model, cache, masks[False], rows)
     slots = _slot_tensor(cache, n) if one_op else None  # [length + n]: where this forward writes
+    if one_op and not gemma and not aux_layers:  # every layer in one op: one node, one team of threads
+        x, _ = _stack_op(model, x, h, (b, n), *ropes[False], cache, slots, eps)
+        return x.view(b, n, dim), []
     for i, block in enumerate(layers):
         nxt = _input_norm(layers[i + 1]) if i + 1 < len(layers) else None  # None: the last
         sliding = cfg.is_sliding(i)
@@ -172,6 +178,24 @@ def _layer_op(block, x, h, next_w, shape, cos, sin, cache, layer, slots, eps):
     return ops.gemma_layer(
         x, h, *mats, w.q, w.k, w.post_attn, w.pre_ff, w.post_ff, next_w, cos, sin, cache.k, cache.v,
         layer, slots, b, n, *heads, attn.window,
+    )  # fmt: skip
+
+
+def _stack_op(model, x, h, shape, cos, sin, cache, slots, eps):
+    """Every Llama layer as one ``llama_stack`` op: layer i's output normed by layer i + 1's input
+    norm, the last layer's x and post-attention h returned (what the layer ops chain gives)."""
+    b, n = shape
+    layers = model.layers
+    attn = layers[0].self_attn
+    return torch.ops.evospec.llama_stack(
+        x, h,
+        [blk.self_attn.qkv.packed for blk in layers],
+        [blk.self_attn.o_proj.matmul.packed for blk in layers],
+        [blk.mlp.gate_up.packed for blk in layers],
+        [blk.mlp.down_proj.matmul.packed for blk in layers],
+        [blk.post_attention_layernorm.weight for blk in layers],
+        [_input_norm(blk) for blk in layers[1:]],
+        cos, sin, cache.k, cache.v, slots, b, n, attn.num_heads, attn.num_kv_heads, attn.scale, eps,
     )  # fmt: skip
 
 

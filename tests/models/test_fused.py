@@ -76,12 +76,13 @@ def test_recorded_fused_steps_are_bitwise_the_eager_ones_and_call_the_ops():
     recorded = _steps(model, prompt, 20)
     assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(eager, recorded, strict=True))
     code = str(graph._graphs[1, "last"].inlined_graph)
-    # int4 on our VNNI kernel: each layer is one llama_layer op (the calls below, in C++)
+    # int4 on our VNNI kernel: all layers are one llama_stack op (the calls below, in C++)
     vnni = model.layers[0].self_attn.qkv.kernel == "vnni"
     loop_ops = ("rope_qkv", "add_rms_norm_bf16", "silu_mul_bf16", "decode_attention")
-    for op in ("llama_layer",) if vnni else loop_ops:
+    for op in ("llama_stack",) if vnni else loop_ops:
         assert f"evospec::{op}" in code
-    assert code.count("evospec::llama_layer") == (len(model.layers) if vnni else 0)
+    assert code.count("evospec::llama_stack") == (1 if vnni else 0)
+    assert "evospec::llama_layer" not in code
 
 
 def assert_verification_reproduces_steps(model, prompt: list[int], tree: str) -> None:
