@@ -203,8 +203,9 @@ def test_one_op_layers_give_the_op_by_op_loops_bits(monkeypatch, head_dim):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_layer_team_gives_the_op_by_op_layers_bits(monkeypatch, threads):
-    """llama_layer's team (one parallel region a layer) and its op-by-op calls
-    (EVOSPEC_LAYER_TEAM=0) write the same K/V and logits: prefill, steps, a chain, 1-3 threads."""
+    """The layers' team of threads (llama_stack; llama_layer where intermediate outputs are asked
+    for) and the op-by-op calls (EVOSPEC_LAYER_TEAM=0) write the same K/V, features and logits:
+    prefill, steps, chains, on 1-3 threads."""
     model = _fused(8, head_dim=64)
     if model.layers[0].self_attn.qkv.kernel != "vnni":
         pytest.skip("the one-op layers need our int4 kernel (AVX-512 VNNI)")
@@ -215,7 +216,10 @@ def test_the_layer_team_gives_the_op_by_op_layers_bits(monkeypatch, threads):
         for pos in (30, 31):
             logits.append(model(torch.tensor([[pos % 64]]), torch.tensor([pos]), cache, logits="all").logits)
         logits.append(model(torch.tensor([[5, 7, 11, 13]]), torch.arange(32, 36), cache, logits="all").logits)
-        return logits, torch.cat([cache.k[:, :, :, :36], cache.v[:, :, :, :36]])
+        # with intermediate outputs asked for (EAGLE-3), the layers run as one op each
+        aux = model(torch.tensor([[17, 19]]), torch.arange(36, 38), cache, logits="all", aux_layers=(0, 1))
+        logits += [aux.logits, *aux.aux_hidden]
+        return logits, torch.cat([cache.k[:, :, :, :38], cache.v[:, :, :, :38]])
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
