@@ -143,7 +143,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     auto_tree = None
     from evospec.decoding.tune import AUTO_CANDIDATES, Tuner
 
-    drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights)}"
+    drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights, draft)}"
     if draft3_path is not None:  # the *-e3 methods' shapes depend on the EAGLE-3 head
         drafts += f"|e3-{head_id(draft3_path)}"
     if ngrams_path is not None:  # the table's shapes join the candidates

@@ -135,11 +135,13 @@ def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> No
     )
     p.add_argument(
         "--draft-weights",
-        choices=["auto", "fp32", "int8"],
+        choices=["auto", "fp32", "int8", "int4"],
         default=None if overrides else "auto",
-        help="format of the draft head's linears for methods that do not adapt it: 'auto' = int8 "
-        "where the target's weights are quantised (a CPU with --weights int4/int8/bf16), else the "
-        "head's own; adapting methods keep fp32. Changes acceptance, never output",
+        help="format of the draft head's linears for methods that do not adapt it: 'int4' = our "
+        "int4 kernel with the draft step as one op (fused CPU ops, EAGLE-2 heads), 'int8' = torch's "
+        "int8 kernels; 'auto' = int4 where the target runs the fused ops and the head qualifies, "
+        "int8 where the target's weights are otherwise quantised, else the head's own; adapting "
+        "methods keep fp32. Changes acceptance, never output",
     )
     v = p.add_argument_group("active vocabulary (frspec, nanospec, evospec, nanospec+evospec)")
     add_section_flags(v, VocabConfig, "vocab")

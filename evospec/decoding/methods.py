@@ -31,6 +31,7 @@ from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.speculative import generate_speculative
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import EagleHead, clone_head, quantised_head
+from evospec.models.fused import enable_fused_draft, fused_draft_applies
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
 from evospec.models.quant import QuantLinear, kernels_available
@@ -391,32 +392,43 @@ class _NormedHead:
         return self.head_fn(self.draft.logit_input(hidden), k)
 
 
-_DRAFT_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> its int8 copy
-DRAFT_WEIGHTS = ("auto", "fp32", "int8")
+_DRAFT_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> {format: its copy}
+DRAFT_WEIGHTS = ("auto", "fp32", "int8", "int4")
 
 
 def drafting_head(draft: EagleHead, model: Transformer, draft_weights: str = "auto") -> EagleHead:
-    """The head a non-adapting method drafts with. ``auto``: an int8 copy (one per head, shared
-    by every decoder) when ``model``'s linears are quantised -- a CPU serving int4/int8/bf16
-    weights, where a step's cost is the bytes it reads: the draft layer reads 4.2M weights per
-    draft step, 17 MB in fp32 -- else ``draft`` itself."""
-    if draft_format(model, draft_weights) == "fp32":
+    """The head a non-adapting method drafts with: ``draft`` itself (fp32) or a quantised copy
+    (one per head and format, shared by every decoder). ``int4``: its linears on our int4 kernel
+    and its step as one op run by one team of threads (``models/fused.py: enable_fused_draft``);
+    ``int8``: torch's int8 kernels. ``auto`` (:func:`draft_format`) picks by the target."""
+    fmt = draft_format(model, draft_weights, draft)
+    if fmt == "fp32":
         return draft
-    if draft not in _DRAFT_COPIES:
-        _DRAFT_COPIES[draft] = quantised_head(draft, "int8")
-    return _DRAFT_COPIES[draft]
+    copies = _DRAFT_COPIES.setdefault(draft, {})
+    if fmt not in copies:
+        copies[fmt] = quantised_head(draft, fmt)
+        if fmt == "int4" and not enable_fused_draft(copies[fmt]):
+            raise ValueError("--draft-weights int4 needs the fused CPU ops and an EAGLE-2 head they take")
+    return copies[fmt]
 
 
-def draft_format(model: Transformer, draft_weights: str = "auto") -> str:
-    """What ``draft_weights`` resolves to for drafting against ``model``: ``fp32`` or ``int8``."""
+def draft_format(model: Transformer, draft_weights: str = "auto", draft=None) -> str:
+    """What ``draft_weights`` resolves to for drafting against ``model``: ``fp32``, ``int8`` or
+    ``int4``. ``auto``: where the target's linears are quantised (a CPU serving int4/int8/bf16
+    weights, where a step's cost is the bytes it reads and the ops it starts: the draft layer
+    reads 4.2M weights), int4 on the fused draft step when the target runs the fused ops and
+    the head qualifies (``draft`` given and an EAGLE-2 head), else int8; fp32 elsewhere."""
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {draft_weights!r}")
-    if draft_weights == "int8" and not kernels_available("int8"):
-        raise ValueError("this torch build has no CPU kernel for int8 weights")
-    if draft_weights == "auto":
-        quantised = any(isinstance(m, QuantLinear) for m in model.modules())
-        return "int8" if quantised and kernels_available("int8") else "fp32"
-    return draft_weights
+    if draft_weights in ("int8", "int4") and not kernels_available(draft_weights):
+        raise ValueError(f"this torch build has no CPU kernel for {draft_weights} weights")
+    if draft_weights != "auto":
+        return draft_weights
+    if not any(isinstance(m, QuantLinear) for m in model.modules()):
+        return "fp32"
+    if getattr(model, "fused_ops", False) and draft is not None and fused_draft_applies(draft):
+        return "int4"
+    return "int8" if kernels_available("int8") else "fp32"
 
 
 def verify_prefetch(

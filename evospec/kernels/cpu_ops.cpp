@@ -10,6 +10,7 @@
 //                     calls above plus attention.cpp's decode_attention and int4_matmul's, as
 //                     fused.py's loop makes them (one team of threads: llama_layer.cpp)
 //   llama_stack(...): a model's layers as one op, llama_layer's contract for each
+//   draft_step(...):  an EAGLE-2 draft head's step (fc, then its layer) as one op
 // Gemma-3's blocks (norms after each sublayer too, q/k norms, GELU, sliding windows) add:
 //   rope_qkv_normed(qkv, cos, sin, Hq, Hk, qw f32 [Dh], kw, eps)
 //                                                          -> rope_qkv with each q and k head
@@ -307,6 +308,24 @@ std::tuple<at::Tensor, at::Tensor> llama_stack(
   return {xi, hi};
 }
 
+// An EAGLE-2 draft step (fused.py's draft heads): x = fc([embedding, feature] rows) (+ bias), then
+// the head's one layer without an input norm, as one team of threads (llama_layer.cpp: int4
+// products, the cache written and attended as llama_layer does) -> x [B n, D] float32.
+at::Tensor draft_step(const at::Tensor& pairs, const at::Tensor& fc_w, const std::optional<at::Tensor>& fc_b,
+                      const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& gate_up_w,
+                      const at::Tensor& down_w, const at::Tensor& post_w, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, int64_t b,
+                      int64_t n, int64_t hq, int64_t hk, double scale, double eps) {
+  const int64_t end = slots.size(0);
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
+              "draft_step: the cache cannot hold these slots");
+  auto h = at::empty({b * n, 0}, pairs.options().dtype(at::kBFloat16));  // team_applies reads only its dtype
+  TORCH_CHECK(evospec_layer::team_applies(pairs, h, cos, sin, k_cache, v_cache, n),
+              "draft_step: needs the VNNI build, a head size that is a multiple of 16 and an f16 or f32 cache");
+  return evospec_layer::draft_team(pairs, fc_w, fc_b, {0, qkv_w, o_w, gate_up_w, down_w, post_w, std::nullopt}, cos,
+                                   sin, k_cache, v_cache, end, b, n, hq, hk, scale, eps);
+}
+
 // One Gemma-3 decoder layer, as fused.py's Gemma loop makes its calls (llama_layer's contract
 // otherwise): h is x normed by this layer's input norm; the q/k heads are normed before RoPE;
 // attention hides keys `window` or more behind (a sliding layer; 0: a global one); each
@@ -347,6 +366,9 @@ TORCH_LIBRARY(evospec, m) {
   m.def("llama_stack(Tensor x, Tensor h, Tensor[] qkv_ws, Tensor[] o_ws, Tensor[] gate_up_ws, Tensor[] down_ws, "
         "Tensor[] post_ws, Tensor[] next_ws, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
+  m.def("draft_step(Tensor pairs, Tensor fc_w, Tensor? fc_b, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, "
+        "Tensor down_w, Tensor post_w, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, int b, "
+        "int n, int hq, int hk, float scale, float eps) -> Tensor");
   m.def("llama_layer(Tensor x, Tensor h, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
         "Tensor post_w, Tensor? next_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int layer, Tensor slots, int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
@@ -367,6 +389,7 @@ TORCH_LIBRARY_IMPL(evospec, CPU, m) {
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("llama_layer", &llama_layer);
   m.impl("llama_stack", &llama_stack);
+  m.impl("draft_step", &draft_step);
   m.impl("rope_qkv_normed", &rope_qkv_normed);
   m.impl("norm_add_rms_norm_bf16", &norm_add_rms_norm_bf16);
   m.impl("gelu_mul_bf16", &gelu_mul_bf16);

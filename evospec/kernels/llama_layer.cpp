@@ -237,12 +237,12 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Tensor& h,
-                                              const std::vector<StackLayer>& layers, const at::Tensor& cos,
-                                              const at::Tensor& sin, const at::Tensor& k_cache,
-                                              const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
-                                              int64_t hq, int64_t hk, double scale, double eps) {
-  const int64_t m = b * n, d = x.size(1), dh = cos.size(-1);
+namespace {
+
+// The checked weights of `layers` and the plan of a forward through them (sizes, cache, attention
+// jobs) in the calling thread's buffers, `extra` floats per row of them spare (ping-pong rows).
+std::vector<LayerWeights> layer_weights(const std::vector<StackLayer>& layers, int64_t d, int64_t dh, int64_t hq,
+                                        int64_t hk) {
   TORCH_CHECK(!layers.empty(), "llama_layer: no layers");
   std::vector<LayerWeights> ws;
   for (const auto& l : layers) {
@@ -258,23 +258,29 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
                     w.gate_up.out() == ws.front().gate_up.out(),
                 "llama_layer: weight shapes do not match the layer's sizes");
   }
+  for (size_t i = 1; i < layers.size(); ++i)
+    TORCH_CHECK(layers[i].layer == layers.front().layer + static_cast<int64_t>(i), "llama_layer: layers in order");
+  return ws;
+}
+
+Plan make_plan(const std::vector<LayerWeights>& ws, int64_t first_layer, int64_t kin, const at::Tensor& cos,
+               const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t end, int64_t b,
+               int64_t n, int64_t d, int64_t hq, int64_t hk, double scale, double eps, int team_size,
+               Scratch& sc) {
   Plan p;
+  const int64_t m = b * n, dh = cos.size(-1);
   p.m = m, p.n = n, p.d = d, p.dh = dh, p.hq = hq, p.hk = hk, p.end = end;
   p.inter = ws.front().gate_up.out() / 2;
-  p.kmax = std::max({d, hq * dh, p.inter});
+  p.kmax = std::max({kin, d, hq * dh, p.inter});
   p.eps = static_cast<float>(eps);
   p.half = k_cache.scalar_type() == at::kHalf;
   p.cos = cos.data_ptr<float>();
   p.sin = sin.data_ptr<float>();
   const int64_t esize = p.half ? 2 : 4;
-  p.kbase = static_cast<char*>(k_cache.data_ptr()) + layers.front().layer * k_cache.stride(0) * esize;
-  p.vbase = static_cast<char*>(v_cache.data_ptr()) + layers.front().layer * v_cache.stride(0) * esize;
+  p.kbase = static_cast<char*>(k_cache.data_ptr()) + first_layer * k_cache.stride(0) * esize;
+  p.vbase = static_cast<char*>(v_cache.data_ptr()) + first_layer * v_cache.stride(0) * esize;
   p.klayer = k_cache.stride(0) * esize;
   p.vlayer = v_cache.stride(0) * esize;
-  for (size_t i = 1; i < layers.size(); ++i)
-    TORCH_CHECK(layers[i].layer == layers.front().layer + static_cast<int64_t>(i), "llama_layer: layers in order");
-
-  thread_local Scratch sc;
   sc.codes.resize(m * p.kmax);
   sc.scale.resize(m * p.kmax / kGroup);
   sc.sum.resize(m * p.kmax / kGroup);
@@ -293,10 +299,6 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
   p.qkv = sc.qkv.data(), p.o = sc.o.data(), p.gu = sc.gu.data(), p.act = sc.act.data();
   p.mlp = sc.mlp.data(), p.h1 = sc.h1.data();
   p.q = sc.q.data(), p.attn = sc.attn.data(), p.x1 = sc.x1.data();
-  float* xs = sc.xs.data();
-  uint16_t* hs = sc.hs.data();
-
-  const int team_size = at::get_num_threads();
   auto& att = p.att;
   att.q = p.q;
   att.out = p.attn;
@@ -310,7 +312,31 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
   att.scale = static_cast<float>(scale);
   att.window = 0;
   evospec_attention::plan_attention(att, team_size);
+  return p;
+}
 
+// A row buffer of this thread (OpenMP threads persist, so it is kept from call to call).
+float* row_buffer(int64_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(floats)) buf.resize(floats);
+  return buf.data();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Tensor& h,
+                                              const std::vector<StackLayer>& layers, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& k_cache,
+                                              const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
+                                              int64_t hq, int64_t hk, double scale, double eps) {
+  const int64_t m = b * n, d = x.size(1), dh = cos.size(-1);
+  const auto ws = layer_weights(layers, d, dh, hq, hk);
+  const int team_size = at::get_num_threads();
+  thread_local Scratch sc;
+  const Plan p = make_plan(ws, layers.front().layer, d, cos, sin, k_cache, v_cache, end, b, n, d, hq, hk, scale, eps,
+                           team_size, sc);
+  float* xs = sc.xs.data();
+  uint16_t* hs = sc.hs.data();
   auto x_out = at::empty_like(x), h_out = at::empty_like(h);
   const float* xp = x.data_ptr<float>();
   const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>());
@@ -321,12 +347,11 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
 #pragma omp parallel num_threads(team_size)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-    thread_local std::vector<float> buf;  // one row as float32, and a K/V head
-    if (buf.size() < static_cast<size_t>(p.kmax + dh)) buf.resize(p.kmax + dh);
+    float* buf = row_buffer(p.kmax + dh);  // one row as float32, and a K/V head
     const Span rows = share(m, tid, team);
     for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(h) of the first layer
-      to_f32(hp + r * d, d, buf.data());
-      p.codes.row(buf.data(), r, d);
+      to_f32(hp + r * d, d, buf);
+      p.codes.row(buf, r, d);
     }
 #pragma omp barrier
     for (int64_t li = 0; li < count; ++li) {  // layer li: (x, h) -> (xo, ho), ping-pong buffers
@@ -334,10 +359,57 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
       const float* xin = li == 0 ? xp : xs + ((li - 1) % 2) * m * d;
       float* xo = last ? xo_last : xs + (li % 2) * m * d;
       uint16_t* ho = last ? ho_last : hs + (li % 2) * m * d;
-      layer_phases(p, ws[li], li, xin, xo, ho, !last, tid, team, buf.data());
+      layer_phases(p, ws[li], li, xin, xo, ho, !last, tid, team, buf);
     }
   }
   return {x_out, h_out};
+}
+
+at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std::optional<at::Tensor>& fc_b,
+                      const StackLayer& layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n, int64_t hq, int64_t hk,
+                      double scale, double eps) {
+  TORCH_CHECK(pairs.scalar_type() == at::kFloat && pairs.dim() == 2 && pairs.is_contiguous() && pairs.size(0) == b * n,
+              "draft_step: pairs must be contiguous float32 [B n, 2 D]");
+  TORCH_CHECK(packed_int4(fc_w), "draft_step: fc must be contiguous uint8 [D/16, 2 D/32, 320]");
+  const Weight fc(fc_w);
+  const int64_t m = b * n, d = fc.out(), kin = pairs.size(1), dh = cos.size(-1);
+  TORCH_CHECK(fc.in() == kin, "draft_step: fc takes ", fc.in(), " inputs, the pairs have ", kin);
+  const bool bias = fc_b.has_value() && fc_b->defined();
+  TORCH_CHECK(!bias || norm_weight(*fc_b, d), "draft_step: fc's bias must be contiguous float32 [D]");
+  const auto ws = layer_weights({layer}, d, dh, hq, hk);
+  TORCH_CHECK(!ws.front().next, "draft_step: the draft layer has no next norm");
+  const int team_size = at::get_num_threads();
+  thread_local Scratch sc;
+  const Plan p = make_plan(ws, layer.layer, kin, cos, sin, k_cache, v_cache, end, b, n, d, hq, hk, scale, eps,
+                           team_size, sc);
+  float* x = sc.xs.data();  // fc's output [M, D], then the layer's input
+  uint16_t* h_unused = sc.hs.data();
+  auto out = at::empty({m, d}, pairs.options());
+  const float* in = pairs.data_ptr<float>();
+  const float* bp = bias ? fc_b->data_ptr<float>() : nullptr;
+  float* xo = out.data_ptr<float>();
+
+#pragma omp parallel num_threads(team_size)
+  {
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    float* buf = row_buffer(p.kmax + dh);
+    const Span rows = share(m, tid, team);
+    for (int64_t r = rows.first; r < rows.last; ++r) p.codes.row(in + r * kin, r, kin);  // codes([emb, feature])
+#pragma omp barrier
+    const Span tiles = share(fc.tiles, tid, team);
+    evospec_int4::tile_range(fc.data, fc.groups, tiles.first, tiles.last, p.codes.codes, p.codes.scale, p.codes.sum,
+                             m, kin, x, d);
+#pragma omp barrier
+    for (int64_t r = rows.first; r < rows.last; ++r) {  // x = fc + bias, codes(x): no input norm (EAGLE)
+      if (bp)
+        for (int64_t i = 0; i < d; ++i) x[r * d + i] += bp[i];
+      p.codes.row(x + r * d, r, d);
+    }
+#pragma omp barrier
+    layer_phases(p, ws.front(), 0, x, xo, h_unused, false, tid, team, buf);
+  }
+  return out;
 }
 
 #endif

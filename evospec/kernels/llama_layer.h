@@ -32,4 +32,12 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
                                               const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
                                               int64_t hq, int64_t hk, double scale, double eps);
 
+// An EAGLE draft step by one team of threads: x = fc(pairs) (+ bias), then `layer` (no input norm,
+// no next norm) -> its x [B n, D] float32. pairs [B n, 2 D] float32 ([embedding, feature] rows),
+// fc packed int4; chain semantics and cache as llama_layer's.
+at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std::optional<at::Tensor>& fc_b,
+                      const StackLayer& layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n, int64_t hq, int64_t hk,
+                      double scale, double eps);
+
 }  // namespace evospec_layer

@@ -22,6 +22,7 @@ from torch import nn
 
 from evospec.models.config import ModelConfig
 from evospec.models.errors import CheckpointError
+from evospec.models.fused import run_fused_draft
 from evospec.models.kv_cache import KVCache
 from evospec.models.quant import quantize_linears
 from evospec.models.rope import RotaryTable
@@ -51,6 +52,7 @@ class EagleHead(nn.Module):
     regresses = True  # trained to predict the target's next feature as well as its token
     attention_path = "layers.0.self_attn"  # the draft layer's attention (CL-LoRA adapts its q/v)
     aux_layers: tuple[int, ...] = ()  # reads the target's final features, no other layers
+    fused_step = False  # chain steps as one draft_step op (models/fused.py: enable_fused_draft)
 
     def __init__(self, cfg: ModelConfig, *, fc_bias: bool = True, own_embedding: bool = False) -> None:
         super().__init__()
@@ -99,9 +101,14 @@ class EagleHead(nn.Module):
 
     def step(self, features, tokens, positions, cache, mask, rows=None) -> torch.Tensor:
         """:meth:`forward` without advancing the cache (what a recorded draft step runs);
-        ``rows``: chain rows attending row by row (``models/step.py``) instead of ``mask``."""
+        ``rows``: chain rows attending row by row (``models/step.py``) instead of ``mask``.
+        A fused int4 copy (``models/fused.py: enable_fused_draft``) runs a chain step -- one row,
+        or rows without a mask -- as one op."""
         emb = self.embedding()(tokens).to(features.dtype)
-        x = self.fc(torch.cat((emb, features), dim=-1))
+        pairs = torch.cat((emb, features), dim=-1)
+        if self.fused_step and mask is None and (rows is None or all(r.index is None for r in rows)):
+            return run_fused_draft(self, pairs, positions, cache)
+        x = self.fc(pairs)
         return self.layers[0](x, self.rope(positions, x.dtype), cache, mask, rows)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

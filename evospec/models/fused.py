@@ -270,3 +270,50 @@ def _slot_tensor(cache, n: int) -> torch.Tensor:
     if end > cache.max_len:
         raise ValueError(f"KV cache overflow: need {end} slots, have {cache.max_len}")
     return torch.empty(end, dtype=torch.uint8)
+
+
+def fused_draft_applies(head: nn.Module) -> bool:
+    """An EAGLE-2 head whose step the ``draft_step`` op can run once its linears are int4: one
+    plain Llama layer (SiLU, no q/k norm or attention bias), heads a multiple of 16 wide, on the
+    CPU with the op library built."""
+    from evospec.kernels.cpu_ops import load_cpu_ops
+
+    cfg = getattr(head, "cfg", None)
+    if getattr(head, "arch", None) != "eagle2" or cfg is None:
+        return False
+    plain = cfg.hidden_act == "silu" and not cfg.qk_norm and not cfg.attention_bias and cfg.head_dim % 16 == 0
+    device = next(p for n, p in head.named_parameters() if "norm" in n).device
+    return plain and device.type == "cpu" and bool(load_cpu_ops())
+
+
+def enable_fused_draft(head: nn.Module) -> bool:
+    """Run ``head``'s chain steps (one row, or causal rows behind its cache) as one ``draft_step``
+    op where it qualifies and every linear is on our int4 kernel (``quantised_head(head, "int4")``
+    on a VNNI build); returns whether it now does. Its numbers are the op's (int4 products, bf16
+    activation codes, ``decode_attention``), not the eager layer's: a draft's numbers decide what
+    is proposed, never what is emitted."""
+    layer = getattr(head, "layers", [None])[0]
+    ok = fused_draft_applies(head) and layer is not None
+    if ok:
+        attn, mlp = layer.self_attn, layer.mlp
+        mats = (head.fc.matmul, attn.qkv, attn.o_proj.matmul, mlp.gate_up, mlp.down_proj.matmul)
+        ok = all(isinstance(m, Int4Matmul) and m.kernel == "vnni" for m in mats)
+        ok = ok and attn.o_proj.matmul.bias is None and mlp.gate_up.bias is None
+    head.fused_step = ok
+    return ok
+
+
+def run_fused_draft(head: nn.Module, pairs: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """pairs [B, n, 2 D] ([embedding, feature]) -> the head's x [B, n, D] through ``draft_step``;
+    writes the n pairs' K/V at the cache's next slots (row j attends to the cache and rows 0..j)."""
+    b, n, _ = pairs.shape
+    layer = head.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    cos, sin = head.rope(positions, pairs.dtype)
+    x = torch.ops.evospec.draft_step(
+        pairs.reshape(b * n, -1).contiguous(), head.fc.matmul.packed, head.fc.matmul.bias,
+        attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed, mlp.down_proj.matmul.packed,
+        layer.post_attention_layernorm.weight, cos, sin, cache.k, cache.v, _slot_tensor(cache, n),
+        b, n, attn.num_heads, attn.num_kv_heads, attn.scale, head.cfg.rms_norm_eps,
+    )  # fmt: skip
+    return x.view(b, n, -1)

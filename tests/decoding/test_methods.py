@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from evospec.decoding.methods import METHOD_SPECS, METHODS, make_decoder, method_spec
+from evospec.models.quant import kernels_available
 from evospec.vocab.factory import POLICIES
 from tests.decoding.spec_helpers import tiny_target
 from tests.vocab.helpers import SMALL, stand_in_indices
@@ -138,5 +139,41 @@ def test_an_fp32_target_drafts_with_the_head_itself() -> None:
     draft = new_eagle_for(target, seed=1)
     dec = make_decoder("eagle2", target, draft=draft)
     assert dec.drafter.head is draft
-    with pytest.raises(ValueError, match="draft_weights must be one of auto, fp32, int8"):
-        make_decoder("eagle2", target, draft=draft, draft_weights="int4")
+    with pytest.raises(ValueError, match="draft_weights must be one of auto, fp32, int8, int4"):
+        make_decoder("eagle2", target, draft=draft, draft_weights="int2")
+
+
+def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op() -> None:
+    """Where the target runs the fused ops, ``auto`` drafts with one int4 copy whose chain steps
+    run as the draft_step op (recorded too), and every method still emits plain decoding's tokens."""
+    from evospec.decoding.sampling import SamplingParams
+    from evospec.models.eagle import new_eagle_for
+    from evospec.models.fused import enable_fused_ops
+    from evospec.models.quant import quantize_linears
+    from tests.decoding.spec_helpers import ar_tokens, prompt_of
+
+    if not kernels_available("int4"):
+        pytest.skip("torch without CPU int4 kernels")
+    target = tiny_target(3, head_dim=64)
+    quantize_linears(target, "int4")
+    if not enable_fused_ops(target) or target.layers[0].self_attn.qkv.kernel != "vnni":
+        pytest.skip("the fused draft step needs the op library and our int4 kernel (AVX-512 VNNI)")
+    draft = new_eagle_for(target, seed=2)
+    decs = [
+        make_decoder(n, target, draft=draft, vocab=SMALL, indices=stand_in_indices(target))
+        for n in ("eagle2", "frspec")
+    ]
+    int8 = make_decoder("eagle2", target, draft=draft, draft_weights="int8")
+    try:
+        heads = [d.drafter.head for d in decs]
+        assert heads[0] is heads[1] and heads[0].fused_step and not draft.fused_step
+        assert _formats(heads[0]) == {"int4"} and _formats(int8.drafter.head) == {"int8"}
+        params = SamplingParams(max_new_tokens=24)
+        for seed in range(3):
+            prompt = prompt_of(seed, 6 + seed)
+            want = ar_tokens(target, prompt, params)
+            for dec in (*decs, int8):
+                assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
+    finally:
+        for d in (*decs, int8):
+            d.close()

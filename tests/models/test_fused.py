@@ -232,3 +232,45 @@ def test_the_layer_team_gives_the_op_by_op_layers_bits(monkeypatch, threads):
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(team[0], ops[0], strict=True))
     assert torch.equal(team[1], ops[1])
+
+
+def test_the_fused_draft_step_computes_the_eager_draft_layer():
+    """draft_step (fc, then the head's layer, as one op) gives the eager int4 layer's features up
+    to its activation rounding, writes the same K/V slots, and a chain of pairs behind the cache
+    sees what one pair at a time sees (row j: the cache and rows 0..j)."""
+    from evospec.models.eagle import new_eagle_for, quantised_head
+    from evospec.models.fused import enable_fused_draft
+
+    target = _fused(4, head_dim=64)
+    if target.layers[0].self_attn.qkv.kernel != "vnni":
+        pytest.skip("the fused draft step needs our int4 kernel (AVX-512 VNNI)")
+    head = quantised_head(new_eagle_for(target, seed=3), "int4")
+    assert enable_fused_draft(head)
+    g = torch.Generator().manual_seed(0)
+    head.fc.matmul.bias = torch.randn(target.cfg.hidden_size, generator=g)  # random_init zeroes it
+    feats = torch.randn(1, 9, target.cfg.hidden_size, generator=g)
+    tokens = torch.randint(0, target.cfg.vocab_size, (1, 9), generator=g)
+
+    def run(fused: bool, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        head.fused_step = fused
+        cache = head.new_cache(16)
+        with torch.inference_mode():
+            if split:  # 5 pairs, then 4 one at a time: the same rows as one call of 9
+                outs = [head(feats[:, :5], tokens[:, :5], torch.arange(5), cache, None)]
+                for i in range(5, 9):
+                    outs.append(
+                        head(feats[:, i : i + 1], tokens[:, i : i + 1], torch.tensor([i]), cache, None)
+                    )
+                out = torch.cat(outs, dim=1)
+            else:
+                out = head(feats, tokens, torch.arange(9), cache, None)
+        return out, cache.k[:, :, :, :9].clone()
+
+    fused, fused_k = run(True, False)
+    eager, eager_k = run(False, False)
+    split, split_k = run(True, True)
+    assert torch.equal(fused, split) and torch.equal(fused_k, split_k)  # row-exact chains
+    scale = eager.abs().max()
+    assert (fused - eager).abs().max() <= 0.03 * scale  # bf16 activation codes vs the eager path's
+    assert (fused_k - eager_k).abs().max() <= 0.03 * eager_k.abs().max()
+    head.fused_step = True
