@@ -53,7 +53,7 @@ class ServeConfig:
     prefix_reuse: bool = True  # keep the slots a prompt shares with the last request (decoding/prefix.py)
     prefix_cache_mb: int | None = None  # MiB for earlier sequences' slots (0: the last only; None: 256)
     verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
-    draft_weights: str = "auto"  # non-adapting draft linears: auto (int8 if target quantised) | fp32 | int8
+    draft_weights: str = "auto"  # non-adapting draft linears: auto | fp32 | int8 | int4 (decoding/methods.py)
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After

@@ -118,6 +118,8 @@ def test_draft_weights_flag_reaches_the_stack_and_the_serve_config(capsys):
     assert serve_config(parser.parse_args(["serve"])).draft_weights == "auto"
     cfg = serve_config(parser.parse_args(["serve", "--draft-weights", "int8"]))
     assert cfg.draft_weights == "int8" and cfg.stack_settings().draft_weights == "int8"
+    cfg = serve_config(parser.parse_args(["serve", "--draft-weights", "int4"]))
+    assert cfg.draft_weights == "int4" and cfg.stack_settings().draft_weights == "int4"
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--draft-weights", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        parser.parse_args(["serve", "--draft-weights", "int2"])
+    assert "invalid choice: 'int2'" in capsys.readouterr().err
