@@ -148,6 +148,11 @@ struct Plan {
   float *q, *attn, *x1;
 };
 
+// Kept from call to call for decode-sized forwards; a prefill's (more than kKeepRows rows, where
+// allocation is noise beside the compute) is freed after it, so a long prompt leaves no ~100 MB
+// of buffers behind.
+constexpr int64_t kKeepRows = 64;
+
 struct Scratch {
   std::vector<int8_t> codes;
   std::vector<float> scale, sum, q, attn, x1, xs;
@@ -362,6 +367,7 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
       layer_phases(p, ws[li], li, xin, xo, ho, !last, tid, team, buf);
     }
   }
+  if (m > kKeepRows) sc = Scratch{};
   return {x_out, h_out};
 }
 
@@ -409,6 +415,7 @@ at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std
 #pragma omp barrier
     layer_phases(p, ws.front(), 0, x, xo, h_unused, false, tid, team, buf);
   }
+  if (m > kKeepRows) sc = Scratch{};
   return out;
 }
 

@@ -211,15 +211,15 @@ def test_the_layer_team_gives_the_op_by_op_layers_bits(monkeypatch, threads):
         pytest.skip("the one-op layers need our int4 kernel (AVX-512 VNNI)")
 
     def run() -> tuple[list[torch.Tensor], torch.Tensor]:
-        cache = model.new_cache(48)
-        logits = [model(torch.tensor([prompt_of(7, 30)]), torch.arange(30), cache, logits="all").logits]
-        for pos in (30, 31):
+        cache = model.new_cache(96)  # a 70-row prefill: more rows than the team keeps buffers for
+        logits = [model(torch.tensor([prompt_of(7, 70)]), torch.arange(70), cache, logits="all").logits]
+        for pos in (70, 71):
             logits.append(model(torch.tensor([[pos % 64]]), torch.tensor([pos]), cache, logits="all").logits)
-        logits.append(model(torch.tensor([[5, 7, 11, 13]]), torch.arange(32, 36), cache, logits="all").logits)
+        logits.append(model(torch.tensor([[5, 7, 11, 13]]), torch.arange(72, 76), cache, logits="all").logits)
         # with intermediate outputs asked for (EAGLE-3), the layers run as one op each
-        aux = model(torch.tensor([[17, 19]]), torch.arange(36, 38), cache, logits="all", aux_layers=(0, 1))
+        aux = model(torch.tensor([[17, 19]]), torch.arange(76, 78), cache, logits="all", aux_layers=(0, 1))
         logits += [aux.logits, *aux.aux_hidden]
-        return logits, torch.cat([cache.k[:, :, :, :38], cache.v[:, :, :, :38]])
+        return logits, torch.cat([cache.k[:, :, :, :78], cache.v[:, :, :, :78]])
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
