@@ -161,6 +161,8 @@ class EagleDrafter(_TreeDrafterBase):
             out = self.graph(features, tokens, positions, self.cache)
             if out is not None:
                 return out
+        if causal and getattr(self.head, "fused_step", False):
+            mask = None  # its op attends causally behind the cache: a prompt's catch-up runs as one op
         return self.head(features[None], tokens[None], positions, self.cache, mask)[0]
 
 

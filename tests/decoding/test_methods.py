@@ -143,9 +143,11 @@ def test_an_fp32_target_drafts_with_the_head_itself() -> None:
         make_decoder("eagle2", target, draft=draft, draft_weights="int2")
 
 
-def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op() -> None:
+def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatch) -> None:
     """Where the target runs the fused ops, ``auto`` drafts with one int4 copy whose chain steps
     run as the draft_step op (recorded too), and every method still emits plain decoding's tokens."""
+    import torch
+
     from evospec.decoding.sampling import SamplingParams
     from evospec.models.eagle import new_eagle_for
     from evospec.models.fused import enable_fused_ops
@@ -158,6 +160,13 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op() -> None:
     quantize_linears(target, "int4")
     if not enable_fused_ops(target) or target.layers[0].self_attn.qkv.kernel != "vnni":
         pytest.skip("the fused draft step needs the op library and our int4 kernel (AVX-512 VNNI)")
+    import evospec.models.eagle as eagle
+
+    rows_run: list[int] = []  # rows of each eager draft_step call (recorded graphs call the op inside)
+    run = eagle.run_fused_draft
+    monkeypatch.setattr(
+        eagle, "run_fused_draft", lambda h, p, *a: rows_run.append(p.shape[1]) or run(h, p, *a)
+    )
     draft = new_eagle_for(target, seed=2)
     decs = [
         make_decoder(n, target, draft=draft, vocab=SMALL, indices=stand_in_indices(target))
@@ -169,11 +178,20 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op() -> None:
         assert heads[0] is heads[1] and heads[0].fused_step and not draft.fused_step
         assert _formats(heads[0]) == {"int4"} and _formats(int8.drafter.head) == {"int8"}
         params = SamplingParams(max_new_tokens=24)
-        for seed in range(3):
-            prompt = prompt_of(seed, 6 + seed)
+        for seed, length in ((0, 6), (1, 7), (2, 40)):  # 40: a prompt catch-up past the recorded chains
+            prompt = prompt_of(seed, length)
             want = ar_tokens(target, prompt, params)
             for dec in (*decs, int8):
                 assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
+        assert 40 in rows_run  # the long prompt's catch-up (past the recorded chains) ran as one op
+        # a catch-up of more pairs than a recorded chain holds, behind a filled cache: one op too
+        drafter = decs[0].drafter
+        drafter.start([1, 2, 3], 64)
+        feats = torch.randn(25, target.cfg.hidden_size)
+        drafter.catch_up(feats[:5], torch.arange(5))
+        rows_run.clear()
+        drafter.catch_up(feats[5:], torch.arange(20))
+        assert rows_run == [20] and drafter.cache.length == 25
     finally:
         for d in (*decs, int8):
             d.close()
