@@ -1,4 +1,5 @@
-// One Llama decoder layer run by one team of threads: llama_layer's calls without their dispatch.
+// Llama decoder layers, and an EAGLE-2 draft step, run by one team of threads: llama_layer's
+// calls without their dispatch (cpu_ops.cpp's llama_layer, llama_stack and draft_step ops).
 //
 // The op-by-op layer (cpu_ops.cpp's llama_layer elsewhere) makes ~15 calls: each allocates its
 // output and goes through the dispatcher, the four int4 matmuls and the attention each start the
@@ -10,7 +11,10 @@
 //
 //   codes(h) | qkv tiles | RoPE rows, K/V into the cache | attention jobs | codes(bf16(attn))
 //   | o tiles | x1 = x + o, h1 = norm(x1), codes(h1) | gate_up tiles | codes(silu(g) u)
-//   | down tiles | x2 = x1 + mlp, h2 = norm(x2)
+//   | down tiles | x2 = x1 + mlp, h2 = norm(x2), codes(h2) for the next layer
+//
+// A stack runs its layers in one region (ping-pong x / h buffers between them); the draft step
+// runs codes([embedding, feature]) | fc tiles | x = fc + bias, codes(x) before its one layer.
 //
 // Each phase computes a row with the code of the op it replaces (int4_tiles.h, rows.h,
 // attention.h, vnni.h), and no row depends on how the threads split the work, so the results
@@ -73,8 +77,8 @@ bool norm_weight(const at::Tensor& w, int64_t d) {
   return w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == d && w.is_contiguous();
 }
 
-// The activation codes of rows [first, last) of a matmul input, as evospec_vnni::quantize_rows
-// makes them: each row read as float32 (`load(r, buf)`), then quantize_row.
+// The activation codes of a matmul input's rows, as evospec_vnni::quantize_rows makes them: each
+// row read as float32 (bf16 rows converted into a thread's buffer first), then quantize_row.
 struct Codes {
   int8_t* codes;
   float* scale;

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from evospec.models.quant import Bf16Matmul, Int4Matmul, Int8Matmul, QuantLinear
+from evospec.models.quant import Bf16Matmul, Int4Matmul, Int8Matmul, QuantLinear, quant_kernel
 
 _BF16_INPUT = (Int4Matmul, Int8Matmul, Bf16Matmul)  # matmuls that cast their input to bf16
 
@@ -275,7 +275,8 @@ def _slot_tensor(cache, n: int) -> torch.Tensor:
 def fused_draft_applies(head: nn.Module) -> bool:
     """An EAGLE-2 head whose step the ``draft_step`` op can run once its linears are int4: one
     plain Llama layer (SiLU, no q/k norm or attention bias), heads a multiple of 16 wide, on the
-    CPU with the op library built."""
+    CPU with the op library built and its int4 linears on our VNNI kernel (not on an AVX2-only
+    CPU, nor under ``EVOSPEC_QUANT_KERNEL=torch``: ``auto`` then drafts with the int8 copy)."""
     from evospec.kernels.cpu_ops import load_cpu_ops
 
     cfg = getattr(head, "cfg", None)
@@ -283,7 +284,9 @@ def fused_draft_applies(head: nn.Module) -> bool:
         return False
     plain = cfg.hidden_act == "silu" and not cfg.qk_norm and not cfg.attention_bias and cfg.head_dim % 16 == 0
     device = next(p for n, p in head.named_parameters() if "norm" in n).device
-    return plain and device.type == "cpu" and bool(load_cpu_ops())
+    if not (plain and device.type == "cpu" and load_cpu_ops()):
+        return False
+    return quant_kernel(cfg.hidden_size) == "vnni"  # our int4 kernel (this CPU, EVOSPEC_QUANT_KERNEL)
 
 
 def enable_fused_draft(head: nn.Module) -> bool:

@@ -195,3 +195,29 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
     finally:
         for d in (*decs, int8):
             d.close()
+
+
+def test_auto_drafts_with_the_int8_copy_where_our_int4_kernel_is_off(monkeypatch) -> None:
+    """``EVOSPEC_QUANT_KERNEL=torch`` (or a CPU without AVX-512 VNNI): no fused draft step, so
+    ``auto`` resolves to int8 instead of failing, and ``int4`` asked for by name is a clear error."""
+    from evospec.decoding.methods import draft_format
+    from evospec.models.eagle import new_eagle_for
+    from evospec.models.fused import enable_fused_ops
+    from evospec.models.quant import quantize_linears
+
+    if not (kernels_available("int4") and kernels_available("int8")):
+        pytest.skip("torch without CPU int4/int8 kernels")
+    target = tiny_target(3, head_dim=64)
+    quantize_linears(target, "int4")
+    if not enable_fused_ops(target):
+        pytest.skip("no op library")
+    draft = new_eagle_for(target, seed=2)
+    monkeypatch.setenv("EVOSPEC_QUANT_KERNEL", "torch")
+    assert draft_format(target, "auto", draft) == "int8"
+    dec = make_decoder("eagle2", target, draft=draft)
+    try:
+        assert _formats(dec.drafter.head) == {"int8"}
+    finally:
+        dec.close()
+    with pytest.raises(ValueError, match="int4 needs the fused CPU ops"):
+        make_decoder("eagle2", target, draft=new_eagle_for(target, seed=4), draft_weights="int4")
