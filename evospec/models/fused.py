@@ -301,7 +301,7 @@ def enable_fused_draft(head: nn.Module) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
         mats = (head.fc.matmul, attn.qkv, attn.o_proj.matmul, mlp.gate_up, mlp.down_proj.matmul)
         ok = all(isinstance(m, Int4Matmul) and m.kernel == "vnni" for m in mats)
-        ok = ok and attn.o_proj.matmul.bias is None and mlp.gate_up.bias is None
+        ok = ok and all(m.bias is None for m in mats[1:])  # the op adds fc's bias only
     head.fused_step = ok
     return ok
 
