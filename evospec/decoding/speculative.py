@@ -182,7 +182,9 @@ def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draf
         tree.tokens[None],
         tree.positions,
         cache,
-        tree_mask=tree.mask if tree.size > 1 else None,  # the root alone: a plain decode step
+        # a chain's mask is the causal one (None): the root alone is a plain decode step, and
+        # the target then plans a chain's rows from its positions without reading a mask
+        tree_mask=None if tree.chain or tree.size == 1 else tree.mask,
         logits="none" if lazy else ("last" if tree.size == 1 else "all"),
         aux_layers=draft_layers,
     )

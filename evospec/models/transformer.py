@@ -418,7 +418,13 @@ def row_attention(
     """Per-row plans for a row-exact forward, or None when a row's position does not match
     its visible tokens (not a tree verification: attend in one call)."""
     n = positions.shape[0]
-    visible = torch.ones(n, n, dtype=torch.bool).tril() if tree_mask is None else tree_mask.cpu().bool()
+    if tree_mask is None:  # causal rows: a chain right behind the cache, or not a verification
+        pos = positions.tolist()
+        if pos != list(range(prefix, prefix + n)):
+            return None
+        one = [_build_masks(cfg, p, positions[j : j + 1], None, device) for j, p in enumerate(pos)]
+        return [RowAttention(prefix + j + 1, None, masks) for j, masks in enumerate(one)]
+    visible = tree_mask.cpu().bool()
     out = []
     for j, pos in enumerate(positions.tolist()):  # one host copy above; n <= the tree size
         seen = visible[j].nonzero()[:, 0]  # new slots row j sees, in slot (= depth) order
