@@ -75,8 +75,18 @@ class _TreeDrafterBase:
         causal: bool = False,
     ) -> torch.Tensor:
         """Forward n inputs ([n, D] features, [n] tokens) into the cache; return [n, D].
-        ``causal``: ``mask`` only says that each input sees the cache and the inputs before it."""
+        ``causal``: each input sees the cache and the inputs before it (``mask`` None: an eager
+        layer that needs that spelled out takes :meth:`_causal_mask`; a recorded or fused step
+        attends so by itself)."""
         raise NotImplementedError
+
+    def _causal_mask(self, n: int) -> torch.Tensor | None:
+        """[n, cache.length + n] bool: each of n new inputs sees the cache and the inputs before
+        it; None where no mask is needed (an empty cache: plain causal; one input: everything)."""
+        prefix = self.cache.length
+        if not prefix or n == 1:
+            return None
+        return torch.ones(n, prefix + n, dtype=torch.bool, device=self.cache.k.device).tril(prefix)
 
     def start(self, prompt: Sequence[int], max_len: int) -> None:
         if getattr(self, "cache", None) is None or self.cache.max_len < max_len:
@@ -95,11 +105,7 @@ class _TreeDrafterBase:
         m = tokens.shape[0]
         start = self._base_position()
         positions = torch.arange(start, start + m, device=tokens.device)
-        prefix = self.cache.length
-        mask = None
-        if prefix and m > 1:
-            mask = torch.ones(m, prefix + m, dtype=torch.bool, device=tokens.device).tril(prefix)
-        hidden = self._run(features, tokens, positions, mask, causal=True)  # [m, D]
+        hidden = self._run(features, tokens, positions, None, causal=True)  # [m, D]
         self.committed = self.cache.length
         self._last = hidden[-1:]
 
@@ -162,7 +168,9 @@ class EagleDrafter(_TreeDrafterBase):
             if out is not None:
                 return out
         if causal and getattr(self.head, "fused_step", False):
-            mask = None  # its op attends causally behind the cache: a prompt's catch-up runs as one op
+            mask = None  # its one op attends causally behind the cache (a long catch-up, an expansion)
+        elif causal and mask is None:
+            mask = self._causal_mask(tokens.shape[0])
         return self.head(features[None], tokens[None], positions, self.cache, mask)[0]
 
 
@@ -192,5 +200,7 @@ class TargetDrafter(_TreeDrafterBase):
             positions = torch.cat([positions[:1] * 0, positions + 1])
             out = self.model(tokens[None], positions, self.cache, logits="none")
             return out.hidden[0, 1:]
+        if causal and mask is None:
+            mask = self._causal_mask(tokens.shape[0])
         out = self.model(tokens[None], positions + 1, self.cache, attn_mask=mask, logits="none")
         return out.hidden[0]

@@ -341,7 +341,16 @@ void run_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
 
 }  // namespace
 
-void plan_attention(AttentionJobs& a, int threads) {
+AttentionJobs plan_attention(const float* q, float* out, const at::Tensor& keys, const at::Tensor& values, int64_t h,
+                             int64_t n, int64_t s, const bool* mask, bool per_batch, float scale, int64_t window,
+                             int threads) {
+  AttentionJobs a;
+  a.q = q, a.out = out, a.keys = keys.data_ptr(), a.values = values.data_ptr();
+  a.half = keys.scalar_type() == at::kHalf;
+  a.mask = mask, a.per_batch = per_batch;
+  a.b = keys.size(0), a.h = h, a.n = n, a.dh = keys.size(3), a.hk = keys.size(1), a.s = s;
+  for (int d = 0; d < 3; ++d) a.ks[d] = keys.stride(d), a.vs[d] = values.stride(d);
+  a.scale = scale, a.window = window;
   // A KV head's rows (query head g of its group, chain row j) in blocks of up to kMaxRows,
   // r = j * group + g; smaller blocks where there would be too few to keep the threads busy.
   // Blocks of even sizes: 9 rows as 5 + 4, not 8 + 1.
@@ -353,6 +362,7 @@ void plan_attention(AttentionJobs& a, int threads) {
   a.stride = (a.s + kW - 1) / kW * kW;
   // Threads only where a block's work outweighs waking them (long contexts).
   a.grain = std::max<int64_t>(1, (1 << 17) / std::max<int64_t>(1, a.rb * a.s * a.dh));
+  return a;
 }
 
 void run_attention_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
@@ -394,19 +404,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   }
   auto qc = q.contiguous();
   auto out = at::empty({b, h, n, dh}, q.options());
-  AttentionJobs jobs;
-  jobs.q = qc.data_ptr<float>();
-  jobs.out = out.data_ptr<float>();
-  jobs.keys = keys.data_ptr();
-  jobs.values = values.data_ptr();
-  jobs.half = kt == at::kHalf;
-  jobs.mask = mp;
-  jobs.per_batch = per_batch;
-  jobs.b = b, jobs.h = h, jobs.n = n, jobs.dh = dh, jobs.hk = hk, jobs.s = s;
-  for (int d = 0; d < 3; ++d) jobs.ks[d] = keys.stride(d), jobs.vs[d] = values.stride(d);
-  jobs.scale = static_cast<float>(scale);
-  jobs.window = window;
-  plan_attention(jobs, at::get_num_threads());
+  const auto jobs = plan_attention(qc.data_ptr<float>(), out.data_ptr<float>(), keys, values, h, n, s, mp, per_batch,
+                                   static_cast<float>(scale), window, at::get_num_threads());
   at::parallel_for(0, jobs.jobs(), jobs.grain,
                    [&](int64_t first, int64_t last) { run_attention_jobs(jobs, first, last); });
   return out;

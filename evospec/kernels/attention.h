@@ -33,8 +33,11 @@ struct AttentionJobs {
   int64_t jobs() const { return b * hk * blocks; }
 };
 
-// Fills the plan (rb, blocks, stride, grain) from the other fields, for `threads` threads.
-void plan_attention(AttentionJobs& jobs, int threads);
+// The jobs of attention of q [B, H, n, Dh] (contiguous float32) into out (the same shape) over the
+// first s slots of keys / values [B, Hk, >= s, Dh] (float32 or float16), planned for `threads`.
+AttentionJobs plan_attention(const float* q, float* out, const at::Tensor& keys, const at::Tensor& values, int64_t h,
+                             int64_t n, int64_t s, const bool* mask, bool per_batch, float scale, int64_t window,
+                             int threads);
 void run_attention_jobs(const AttentionJobs& jobs, int64_t first, int64_t last);
 
 }  // namespace evospec_attention

@@ -319,8 +319,7 @@ at::Tensor draft_step(const at::Tensor& pairs, const at::Tensor& fc_w, const std
   const int64_t end = slots.size(0);
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
               "draft_step: the cache cannot hold these slots");
-  auto h = at::empty({b * n, 0}, pairs.options().dtype(at::kBFloat16));  // team_applies reads only its dtype
-  TORCH_CHECK(evospec_layer::team_applies(pairs, h, cos, sin, k_cache, v_cache, n),
+  TORCH_CHECK(evospec_layer::tables_apply(cos, sin, k_cache, v_cache, n),
               "draft_step: needs the VNNI build, a head size that is a multiple of 16 and an f16 or f32 cache");
   return evospec_layer::draft_team(pairs, fc_w, fc_b, {0, qkv_w, o_w, gate_up_w, down_w, post_w, std::nullopt}, cos,
                                    sin, k_cache, v_cache, end, b, n, hq, hk, scale, eps);

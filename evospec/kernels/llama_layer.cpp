@@ -111,19 +111,24 @@ inline void put(void* cache, bool half, int64_t at, const float* src, int64_t dh
 }  // namespace
 #endif
 
-bool team_applies(const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                  const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t n) {
+bool tables_apply(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  int64_t n) {
 #ifndef EVOSPEC_VNNI
   return false;
 #else
   const auto kt = k_cache.scalar_type();
   const int64_t dh = cos.size(-1);
-  return x.scalar_type() == at::kFloat && x.is_contiguous() && h.scalar_type() == at::kBFloat16 &&
-         h.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-         cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * dh && sin.numel() == n * dh &&
-         dh % 16 == 0 && dh <= 512 && (kt == at::kHalf || kt == at::kFloat) && v_cache.scalar_type() == kt &&
-         k_cache.dim() == 5 && k_cache.size(4) == dh && k_cache.stride(4) == 1 && v_cache.stride(4) == 1;
+  return cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+         sin.is_contiguous() && cos.numel() == n * dh && sin.numel() == n * dh && dh % 16 == 0 && dh <= 512 &&
+         (kt == at::kHalf || kt == at::kFloat) && v_cache.scalar_type() == kt && k_cache.dim() == 5 &&
+         k_cache.size(4) == dh && k_cache.stride(4) == 1 && v_cache.stride(4) == 1;
 #endif
+}
+
+bool team_applies(const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t n) {
+  return x.scalar_type() == at::kFloat && x.is_contiguous() && h.scalar_type() == at::kBFloat16 &&
+         h.is_contiguous() && tables_apply(cos, sin, k_cache, v_cache, n);
 }
 
 #ifdef EVOSPEC_VNNI
@@ -308,19 +313,9 @@ Plan make_plan(const std::vector<LayerWeights>& ws, int64_t first_layer, int64_t
   p.qkv = sc.qkv.data(), p.o = sc.o.data(), p.gu = sc.gu.data(), p.act = sc.act.data();
   p.mlp = sc.mlp.data(), p.h1 = sc.h1.data();
   p.q = sc.q.data(), p.attn = sc.attn.data(), p.x1 = sc.x1.data();
-  auto& att = p.att;
-  att.q = p.q;
-  att.out = p.attn;
-  att.keys = p.kbase;
-  att.values = p.vbase;
-  att.half = p.half;
-  att.mask = nullptr;
-  att.per_batch = false;
-  att.b = b, att.h = hq, att.n = n, att.dh = dh, att.hk = hk, att.s = end;
-  for (int i = 0; i < 3; ++i) att.ks[i] = k_cache.stride(i + 1), att.vs[i] = v_cache.stride(i + 1);
-  att.scale = static_cast<float>(scale);
-  att.window = 0;
-  evospec_attention::plan_attention(att, team_size);
+  p.att = evospec_attention::plan_attention(p.q, p.attn, k_cache.select(0, first_layer),
+                                            v_cache.select(0, first_layer), hq, n, end, nullptr, false,
+                                            static_cast<float>(scale), 0, team_size);
   return p;
 }
 

@@ -11,8 +11,12 @@
 
 namespace evospec_layer {
 
-// Whether llama_layer_team serves these arguments (the VNNI build, a head size that is a multiple
-// of 16, an f16 or f32 cache, contiguous rows and tables, cos / sin of [n, Dh]).
+// Whether the team serves a forward with these RoPE tables and caches (the VNNI build, a head size
+// that is a multiple of 16, contiguous cos / sin of [n, Dh], an f16 or f32 cache) ...
+bool tables_apply(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  int64_t n);
+
+// ... and these rows (x float32, h bfloat16, contiguous): stack_team's arguments.
 bool team_applies(const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t n);
 

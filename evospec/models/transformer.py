@@ -422,8 +422,10 @@ def row_attention(
         pos = positions.tolist()
         if pos != list(range(prefix, prefix + n)):
             return None
-        one = [_build_masks(cfg, p, positions[j : j + 1], None, device) for j, p in enumerate(pos)]
-        return [RowAttention(prefix + j + 1, None, masks) for j, masks in enumerate(one)]
+        return [
+            RowAttention(p + 1, None, _build_masks(cfg, p, positions[j : j + 1], None, device))
+            for j, p in enumerate(pos)
+        ]
     visible = tree_mask.cpu().bool()
     out = []
     for j, pos in enumerate(positions.tolist()):  # one host copy above; n <= the tree size
