@@ -1,0 +1,38 @@
+"""``scripts/pause_cost.py``: a recorded step's time by the pause before it (wave 26)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from evospec.models.step import StepGraph
+from tests.decoding.spec_helpers import tiny_target
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "pause_cost.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("pause_cost_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pause_costs_time_each_pause_in_each_pass_and_leave_the_cache_as_it_was():
+    script = _script()
+    model = tiny_target(2)
+    cache = model.new_cache(24)
+    calls = []
+    rows = script.pause_costs(
+        StepGraph(model), cache, 20, [0, 0.5], repeats=2, calls=7, product=lambda: calls.append(1)
+    )
+    assert list(rows) == [0, 0.5]
+    for r in rows.values():
+        assert len(r["spin"]) == len(r["busy"]) == len(r["product"]) == 2
+        assert all(t > 0 for t in r["spin"] + r["busy"])
+    assert len(calls) == 2 * 2 * 7  # every pause, every pass
+    assert cache.length == 20
+    empty = script.pause_costs(StepGraph(model), cache, 20, [0], repeats=1, calls=6)
+    assert empty[0]["product"] == []
