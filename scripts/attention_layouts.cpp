@@ -1,0 +1,213 @@
+// What other key layouts would save in decode attention's scores, on this CPU (a standalone
+// benchmark; no part of the op library). R query rows (one KV head's query heads, times a chain's
+// rows) against S cached keys of 64 dims, three ways:
+//   rows:   keys as the cache holds them ([S][64] f16), a block of 16 converted to f32 once, each
+//           row's 16 dot products by FMAs and a 16-vector transpose-reduce (attention.cpp's
+//           score_rows / reduce16 shape, its 15 adds and 30 two-source shuffles);
+//   f16t:   keys stored transposed in blocks of 16 ([S/16][64][16] f16), a block converted once,
+//           each row broadcasting q[d] into 64 FMAs whose 16 lanes are the 16 keys' scores (no
+//           reduce; float32 arithmetic, other summation order);
+//   bf16t:  the same blocks in bf16 pairs ([S/16][32][16][2]), q rounded to bf16, `vdpbf16ps`
+//           (32 multiply-adds an instruction; bf16 rounding of q and k);
+//   amx:    the bf16t blocks as AMX-BF16 B tiles, the rows (<= 16) as A tiles: two TDPBF16PS per
+//           16 keys (where the compiler targets AMX and Linux grants the tile state).
+// Prints ns per (row, key) and each way's largest error against a float64 reference. Used for
+// docs/benchmarks.md, wave 26:
+//
+//   g++ -O3 -march=native -o /tmp/attention_layouts scripts/attention_layouts.cpp
+//   /tmp/attention_layouts [rows=3] [keys=304] [calls=20000]
+#include <immintrin.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+constexpr int kDh = 64;
+
+// v[j] = sum of a[j]'s 16 lanes, by a tree of shuffles and adds (the engine's reduce16 structure)
+__m512 reduce16(const __m512* a) {
+  const __m512i lo8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i lo4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi4 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i lo2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i hi2 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const __m512i lo1 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i hi1 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], lo8, a[2 * i + 1]),
+                         _mm512_permutex2var_ps(a[2 * i], hi8, a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    e[i] = _mm512_add_ps(_mm512_permutex2var_ps(c[2 * i], lo4, c[2 * i + 1]),
+                         _mm512_permutex2var_ps(c[2 * i], hi4, c[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    f[i] = _mm512_add_ps(_mm512_permutex2var_ps(e[2 * i], lo2, e[2 * i + 1]),
+                         _mm512_permutex2var_ps(e[2 * i], hi2, e[2 * i + 1]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(f[0], lo1, f[1]), _mm512_permutex2var_ps(f[0], hi1, f[1]));
+}
+
+__m512 cvt16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+void scores_rows(const float* q, const uint16_t* k, int rows, int keys, float* out) {
+  alignas(64) float kb[16 * kDh];
+  for (int tb = 0; tb < keys; tb += 16) {
+    for (int j = 0; j < 16; ++j)
+      for (int d = 0; d < kDh; d += 16) _mm512_store_ps(kb + j * kDh + d, cvt16(k + (tb + j) * kDh + d));
+    for (int r = 0; r < rows; ++r) {
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * kDh), _mm512_load_ps(kb + j * kDh));
+        for (int d = 16; d < kDh; d += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * kDh + d), _mm512_load_ps(kb + j * kDh + d), acc);
+        a[j] = acc;
+      }
+      _mm512_storeu_ps(out + r * keys + tb, reduce16(a));
+    }
+  }
+}
+
+void scores_f16t(const float* q, const uint16_t* kt, int rows, int keys, float* out) {
+  alignas(64) float kb[kDh * 16];
+  for (int tb = 0; tb < keys; tb += 16) {
+    const uint16_t* blk = kt + tb * kDh;
+    for (int d = 0; d < kDh; ++d) _mm512_store_ps(kb + d * 16, cvt16(blk + d * 16));
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = q + r * kDh;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int d = 0; d < kDh; d += 4)
+        for (int c = 0; c < 4; ++c)
+          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + c]), _mm512_load_ps(kb + (d + c) * 16), acc[c]);
+      _mm512_storeu_ps(out + r * keys + tb, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+  }
+}
+
+void scores_bf16t(const uint16_t* qb, const uint16_t* kt, int rows, int keys, float* out) {
+  for (int tb = 0; tb < keys; tb += 16) {
+    const uint16_t* blk = kt + tb * kDh;
+    for (int r = 0; r < rows; ++r) {
+      const uint16_t* qr = qb + r * kDh;  // bf16 pairs, broadcast 32 bits at a time
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int p = 0; p < kDh / 2; p += 4)
+        for (int c = 0; c < 4; ++c) {
+          int32_t pair;
+          std::memcpy(&pair, qr + 2 * (p + c), sizeof pair);
+          acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_set1_epi32(pair),
+                                    (__m512bh)_mm512_loadu_si512(blk + (p + c) * 32));
+        }
+      _mm512_storeu_ps(out + r * keys + tb, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+  }
+}
+
+// AMX: tile A = up to 16 query rows x 32 bf16 (64 bytes), tile B = the key block's 16 bf16 pairs x
+// 16 keys (the bf16t layout, 32 dims), tile C = rows x 16 keys in float32; two TDPBF16PS per 16 keys.
+struct TileConfig {
+  uint8_t palette = 1, start = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_ready() {
+#ifdef __AMX_BF16__
+  constexpr long kReqPerm = 0x1023, kXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  return syscall(SYS_arch_prctl, kReqPerm, kXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+#ifdef __AMX_BF16__
+void scores_amx(const uint16_t* qb, const uint16_t* kt, int rows, int keys, float* out) {
+  TileConfig cfg;
+  cfg.rows[0] = rows, cfg.colsb[0] = 64;          // C: rows x 16 float32
+  cfg.rows[1] = rows, cfg.colsb[1] = 64;          // A: rows x 32 bf16 (dims 0-31)
+  cfg.rows[2] = rows, cfg.colsb[2] = 64;          // A: dims 32-63
+  cfg.rows[3] = 16, cfg.colsb[3] = 64;            // B: 16 pairs x 16 keys x 2 (dims 0-31)
+  cfg.rows[4] = 16, cfg.colsb[4] = 64;            // B: dims 32-63
+  _tile_loadconfig(&cfg);
+  _tile_loadd(1, qb, kDh * 2);
+  _tile_loadd(2, qb + 32, kDh * 2);
+  for (int tb = 0; tb < keys; tb += 16) {
+    const uint16_t* blk = kt + tb * kDh;
+    _tile_zero(0);
+    _tile_loadd(3, blk, 64);
+    _tile_loadd(4, blk + 16 * 32, 64);
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, out + tb, keys * 4);
+  }
+  _tile_release();
+}
+#endif
+
+uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rows = argc > 1 ? std::atoi(argv[1]) : 3;
+  const int keys = (argc > 2 ? std::atoi(argv[2]) : 304) / 16 * 16;
+  const int calls = argc > 3 ? std::atoi(argv[3]) : 20000;
+  if (rows < 1 || keys < 16 || calls < 1) {
+    std::fprintf(stderr, "usage: %s [rows >= 1] [keys >= 16] [calls >= 1]\n", argv[0]);
+    return 2;
+  }
+  std::srand(7);
+  std::vector<float> q(rows * kDh), ref(rows * keys), out(rows * keys);
+  std::vector<uint16_t> k(keys * kDh), kt(keys * kDh), ktb(keys * kDh), qb(rows * kDh);
+  for (auto& x : q) x = (std::rand() % 2001 - 1000) / 1000.0f;
+  for (int t = 0; t < keys; ++t)
+    for (int d = 0; d < kDh; ++d) {
+      const uint16_t h = _cvtss_sh((std::rand() % 2001 - 1000) / 1000.0f, 0);
+      k[t * kDh + d] = h;
+      kt[(t / 16) * kDh * 16 + d * 16 + t % 16] = h;
+      ktb[(t / 16) * kDh * 16 + (d / 2) * 32 + (t % 16) * 2 + d % 2] = to_bf16(_cvtsh_ss(h));
+    }
+  for (int i = 0; i < rows * kDh; ++i) qb[i] = to_bf16(q[i]);
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < keys; ++t) {
+      double s = 0;
+      for (int d = 0; d < kDh; ++d) s += static_cast<double>(q[r * kDh + d]) * _cvtsh_ss(k[t * kDh + d]);
+      ref[r * keys + t] = static_cast<float>(s);
+    }
+  auto run = [&](const char* name, auto fn) {
+    fn();
+    double err = 0;
+    for (int i = 0; i < rows * keys; ++i) err = std::fmax(err, std::fabs(out[i] - ref[i]));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) {
+      fn();
+      asm volatile("" ::: "memory");
+    }
+    const double ns = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
+    std::printf("%-6s %.3f ns per (row, key), max |error| %.6f\n", name, ns / calls / (rows * keys), err);
+    return ns;
+  };
+  std::printf("%d rows x %d keys x %d dims, %d calls\n", rows, keys, kDh, calls);
+  const double a = run("rows", [&] { scores_rows(q.data(), k.data(), rows, keys, out.data()); });
+  const double b = run("f16t", [&] { scores_f16t(q.data(), kt.data(), rows, keys, out.data()); });
+  const double c = run("bf16t", [&] { scores_bf16t(qb.data(), ktb.data(), rows, keys, out.data()); });
+  std::printf("f16t %.2fx, bf16t %.2fx the engine's layout\n", a / b, a / c);
+#ifdef __AMX_BF16__
+  if (rows <= 16 && amx_ready()) {
+    const double d = run("amx", [&] { scores_amx(qb.data(), ktb.data(), rows, keys, out.data()); });
+    std::printf("amx %.2fx the engine's layout\n", a / d);
+  }
+#endif
+  return 0;
+}
