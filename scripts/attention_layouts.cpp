@@ -1,6 +1,6 @@
-// What other key layouts would save in decode attention's scores, on this CPU (a standalone
+// What other layouts would save in decode attention, on this CPU (a standalone
 // benchmark; no part of the op library). R query rows (one KV head's query heads, times a chain's
-// rows) against S cached keys of 64 dims, three ways:
+// rows) against S cached keys of 64 dims; the scores four ways:
 //   rows:   keys as the cache holds them ([S][64] f16), a block of 16 converted to f32 once, each
 //           row's 16 dot products by FMAs and a 16-vector transpose-reduce (attention.cpp's
 //           score_rows / reduce16 shape, its 15 adds and 30 two-source shuffles);
@@ -11,11 +11,12 @@
 //           (32 multiply-adds an instruction; bf16 rounding of q and k);
 //   amx:    the bf16t blocks as AMX-BF16 B tiles, the rows (<= 16) as A tiles: two TDPBF16PS per
 //           16 keys (where the compiler targets AMX and Linux grants the tile state).
-// Prints ns per (row, key) and each way's largest error against a float64 reference. Used for
-// docs/benchmarks.md, wave 26:
+// Then the weighted sum of values (the engine's per-key FMAs over f16 values, against AMX tiles
+// over bf16 probabilities and values in key-pair blocks). Prints ns per (row, key) and each way's
+// largest error against a float64 reference. Used for docs/benchmarks.md, wave 26:
 //
 //   g++ -O3 -march=native -o /tmp/attention_layouts scripts/attention_layouts.cpp
-//   /tmp/attention_layouts [rows=3] [keys=304] [calls=20000]
+//   /tmp/attention_layouts [rows=3] [keys=320, a multiple of 32] [calls=20000]
 #include <immintrin.h>
 
 #include <chrono>
@@ -149,7 +150,58 @@ void scores_amx(const uint16_t* qb, const uint16_t* kt, int rows, int keys, floa
   }
   _tile_release();
 }
+
+// The weighted sum on tiles: probabilities as bf16 A tiles (rows x 32 keys), values in key-pair
+// blocks as B tiles ([S/32][4 slabs][16 pairs][16 dims][2]), four float32 C tiles (rows x 16 dims).
+void weigh_amx(const uint16_t* pb, const uint16_t* vt, int rows, int keys, float* out) {
+  TileConfig cfg;
+  for (int c = 0; c < 5; ++c) cfg.rows[c] = rows, cfg.colsb[c] = 64;  // C0-C3, A
+  cfg.rows[5] = 16, cfg.colsb[5] = 64;                                 // B
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int tb = 0; tb < keys; tb += 32) {
+    const uint16_t* blk = vt + tb * kDh;
+    _tile_loadd(4, pb + tb, keys * 2);
+    _tile_loadd(5, blk, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, blk + 512, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, blk + 1024, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, blk + 1536, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, out, kDh * 4);
+  _tile_stored(1, out + 16, kDh * 4);
+  _tile_stored(2, out + 32, kDh * 4);
+  _tile_stored(3, out + 48, kDh * 4);
+  _tile_release();
+}
 #endif
+
+// The engine's weighted sum (attention.cpp's weigh): per key, its 64 f16 values converted once
+// and multiplied into every row's four accumulators by the row's broadcast probability.
+void weigh_rows(const float* p, const uint16_t* v, int rows, int keys, float* out) {
+  for (int r0 = 0; r0 < rows; r0 += 4) {
+    const int nr = rows - r0 < 4 ? rows - r0 : 4;
+    __m512 acc[4][4];
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int t = 0; t < keys; ++t) {
+      __m512 vv[4];
+      for (int c = 0; c < 4; ++c) vv[c] = cvt16(v + t * kDh + 16 * c);
+      for (int r = 0; r < nr; ++r) {
+        const __m512 w = _mm512_set1_ps(p[(r0 + r) * keys + t]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + (r0 + r) * kDh + 16 * c, acc[r][c]);
+  }
+}
 
 uint16_t to_bf16(float f) {  // round to nearest even
   uint32_t u;
@@ -161,10 +213,10 @@ uint16_t to_bf16(float f) {  // round to nearest even
 
 int main(int argc, char** argv) {
   const int rows = argc > 1 ? std::atoi(argv[1]) : 3;
-  const int keys = (argc > 2 ? std::atoi(argv[2]) : 304) / 16 * 16;
+  const int keys = (argc > 2 ? std::atoi(argv[2]) : 320) / 32 * 32;
   const int calls = argc > 3 ? std::atoi(argv[3]) : 20000;
-  if (rows < 1 || keys < 16 || calls < 1) {
-    std::fprintf(stderr, "usage: %s [rows >= 1] [keys >= 16] [calls >= 1]\n", argv[0]);
+  if (rows < 1 || keys < 32 || calls < 1) {
+    std::fprintf(stderr, "usage: %s [rows >= 1] [keys >= 32] [calls >= 1]\n", argv[0]);
     return 2;
   }
   std::srand(7);
@@ -204,10 +256,52 @@ int main(int argc, char** argv) {
   const double c = run("bf16t", [&] { scores_bf16t(qb.data(), ktb.data(), rows, keys, out.data()); });
   std::printf("f16t %.2fx, bf16t %.2fx the engine's layout\n", a / b, a / c);
 #ifdef __AMX_BF16__
-  if (rows <= 16 && amx_ready()) {
+  const bool amx = rows <= 16 && amx_ready();
+  if (amx) {
     const double d = run("amx", [&] { scores_amx(qb.data(), ktb.data(), rows, keys, out.data()); });
     std::printf("amx %.2fx the engine's layout\n", a / d);
   }
 #endif
+  // The weighted sum of values, with probabilities that sum to 1 per row.
+  std::vector<float> pr(rows * keys), wref(rows * kDh), wout(rows * kDh);
+  std::vector<uint16_t> v(keys * kDh), vt(keys * kDh), pb(rows * keys);
+  for (int r = 0; r < rows; ++r) {
+    double total = 0;
+    for (int t = 0; t < keys; ++t) total += pr[r * keys + t] = static_cast<float>(std::rand() % 1000 + 1);
+    for (int t = 0; t < keys; ++t) pb[r * keys + t] = to_bf16(pr[r * keys + t] /= static_cast<float>(total));
+  }
+  for (int t = 0; t < keys; ++t)
+    for (int d = 0; d < kDh; ++d) {
+      const uint16_t h = _cvtss_sh((std::rand() % 2001 - 1000) / 1000.0f, 0);
+      v[t * kDh + d] = h;  // [S/32][slab][pair][dim][2]
+      vt[(t / 32) * 32 * kDh + (d / 16) * 512 + ((t % 32) / 2) * 32 + (d % 16) * 2 + t % 2] = to_bf16(_cvtsh_ss(h));
+    }
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < kDh; ++d) {
+      double s = 0;
+      for (int t = 0; t < keys; ++t) s += static_cast<double>(pr[r * keys + t]) * _cvtsh_ss(v[t * kDh + d]);
+      wref[r * kDh + d] = static_cast<float>(s);
+    }
+  auto weigh = [&](const char* name, auto fn) {
+    fn();
+    double err = 0;
+    for (int i = 0; i < rows * kDh; ++i) err = std::fmax(err, std::fabs(wout[i] - wref[i]));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) {
+      fn();
+      asm volatile("" ::: "memory");
+    }
+    const double ns = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
+    std::printf("%-6s %.3f ns per (row, key), max |error| %.6f (weighted sum)\n", name, ns / calls / (rows * keys), err);
+    return ns;
+  };
+  const double wa = weigh("rows", [&] { weigh_rows(pr.data(), v.data(), rows, keys, wout.data()); });
+#ifdef __AMX_BF16__
+  if (amx) {
+    const double wd = weigh("amx", [&] { weigh_amx(pb.data(), vt.data(), rows, keys, wout.data()); });
+    std::printf("amx %.2fx the engine's weighted sum\n", wa / wd);
+  }
+#endif
+  (void)wa;
   return 0;
 }
