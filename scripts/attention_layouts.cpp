@@ -10,7 +10,9 @@
 //   bf16t:  the same blocks in bf16 pairs ([S/16][32][16][2]), q rounded to bf16, `vdpbf16ps`
 //           (32 multiply-adds an instruction; bf16 rounding of q and k);
 //   amx:    the bf16t blocks as AMX-BF16 B tiles, the rows (<= 16) as A tiles: two TDPBF16PS per
-//           16 keys (where the compiler targets AMX and Linux grants the tile state).
+//           16 keys (where the compiler targets AMX and Linux grants the tile state);
+//   amx16:  tiles over the engine's f16 layout as it is: each block of 16 keys converted to bf16
+//           rows and used as A tiles against the queries as B tiles (S^T = K Q^T).
 // Then the weighted sum of values (the engine's per-key FMAs over f16 values, against AMX tiles
 // over bf16 probabilities and values in key-pair blocks). Prints ns per (row, key) and each way's
 // largest error against a float64 reference. Used for docs/benchmarks.md, wave 26:
@@ -151,6 +153,41 @@ void scores_amx(const uint16_t* qb, const uint16_t* kt, int rows, int keys, floa
   _tile_release();
 }
 
+// Scores on tiles straight from the engine's f16 cache layout: each block of 16 keys converted to
+// bf16 rows (no transposition), then S^T = K Q^T with the keys as A tiles (dims 0-31, 32-63) and
+// the rows' queries as one B tile pair, laid out once per call; the 16 x rows result is stored
+// transposed into out [rows][keys].
+void scores_amx_f16(const uint16_t* qt, const uint16_t* k, int rows, int keys, float* out) {
+  TileConfig cfg;
+  cfg.rows[0] = 16, cfg.colsb[0] = rows * 4;  // C: 16 keys x rows float32
+  cfg.rows[1] = 16, cfg.colsb[1] = 64;        // A: 16 keys x 32 bf16 (dims 0-31)
+  cfg.rows[2] = 16, cfg.colsb[2] = 64;        // A: dims 32-63
+  cfg.rows[3] = 16, cfg.colsb[3] = rows * 4;  // B: 16 dim pairs x rows x 2 (dims 0-31)
+  cfg.rows[4] = 16, cfg.colsb[4] = rows * 4;  // B: dims 32-63
+  _tile_loadconfig(&cfg);
+  _tile_loadd(3, qt, rows * 4);
+  _tile_loadd(4, qt + 16 * rows * 2, rows * 4);
+  alignas(64) uint16_t kb[16 * kDh];
+  alignas(64) float c[16 * 16];
+  for (int tb = 0; tb < keys; tb += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const uint16_t* kj = k + (tb + j) * kDh;
+      const __m512 f0 = cvt16(kj), f1 = cvt16(kj + 16), f2 = cvt16(kj + 32), f3 = cvt16(kj + 48);
+      _mm512_store_si512(kb + j * kDh, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+      _mm512_store_si512(kb + j * kDh + 32, (__m512i)_mm512_cvtne2ps_pbh(f3, f2));
+    }
+    _tile_zero(0);
+    _tile_loadd(1, kb, kDh * 2);
+    _tile_loadd(2, kb + 32, kDh * 2);
+    _tile_dpbf16ps(0, 1, 3);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_stored(0, c, rows * 4);
+    for (int j = 0; j < 16; ++j)
+      for (int r = 0; r < rows; ++r) out[r * keys + tb + j] = c[j * rows + r];
+  }
+  _tile_release();
+}
+
 // The weighted sum on tiles: probabilities as bf16 A tiles (rows x 32 keys), values in key-pair
 // blocks as B tiles ([S/32][4 slabs][16 pairs][16 dims][2]), four float32 C tiles (rows x 16 dims).
 void weigh_amx(const uint16_t* pb, const uint16_t* vt, int rows, int keys, float* out) {
@@ -260,6 +297,11 @@ int main(int argc, char** argv) {
   if (amx) {
     const double d = run("amx", [&] { scores_amx(qb.data(), ktb.data(), rows, keys, out.data()); });
     std::printf("amx %.2fx the engine's layout\n", a / d);
+    std::vector<uint16_t> qt(rows * kDh);  // B tiles: [dim pairs][rows][2]
+    for (int r = 0; r < rows; ++r)
+      for (int d = 0; d < kDh; ++d) qt[(d / 2) * rows * 2 + r * 2 + d % 2] = qb[r * kDh + d];
+    const double e = run("amx16", [&] { scores_amx_f16(qt.data(), k.data(), rows, keys, out.data()); });
+    std::printf("amx16 (the f16 cache as it is, converted per block) %.2fx the engine's layout\n", a / e);
   }
 #endif
   // The weighted sum of values, with probabilities that sum to 1 per row.
