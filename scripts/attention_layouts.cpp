@@ -141,6 +141,7 @@ void scores_amx(const uint16_t* qb, const uint16_t* kt, int rows, int keys, floa
   _tile_loadconfig(&cfg);
   _tile_loadd(1, qb, kDh * 2);
   _tile_loadd(2, qb + 32, kDh * 2);
+  alignas(64) float c[16 * 16];
   for (int tb = 0; tb < keys; tb += 16) {
     const uint16_t* blk = kt + tb * kDh;
     _tile_zero(0);
@@ -148,7 +149,8 @@ void scores_amx(const uint16_t* qb, const uint16_t* kt, int rows, int keys, floa
     _tile_loadd(4, blk + 16 * 32, 64);
     _tile_dpbf16ps(0, 1, 3);
     _tile_dpbf16ps(0, 2, 4);
-    _tile_stored(0, out + tb, keys * 4);
+    _tile_stored(0, c, 64);  // a contiguous block (a strided store into out aliases at some sizes)
+    for (int r = 0; r < rows; ++r) _mm512_storeu_ps(out + r * keys + tb, _mm512_load_ps(c + r * 16));
   }
   _tile_release();
 }
@@ -188,8 +190,9 @@ void scores_amx_f16(const uint16_t* qt, const uint16_t* k, int rows, int keys, f
   _tile_release();
 }
 
-// The weighted sum on tiles: probabilities as bf16 A tiles (rows x 32 keys), values in key-pair
-// blocks as B tiles ([S/32][4 slabs][16 pairs][16 dims][2]), four float32 C tiles (rows x 16 dims).
+// The weighted sum on tiles: probabilities as bf16 A tiles (rows x 32 keys, each block contiguous:
+// [S/32][rows][32]), values in key-pair blocks as B tiles ([S/32][4 slabs][16 pairs][16 dims][2]),
+// four float32 C tiles (rows x 16 dims).
 void weigh_amx(const uint16_t* pb, const uint16_t* vt, int rows, int keys, float* out) {
   TileConfig cfg;
   for (int c = 0; c < 5; ++c) cfg.rows[c] = rows, cfg.colsb[c] = 64;  // C0-C3, A
@@ -201,7 +204,7 @@ void weigh_amx(const uint16_t* pb, const uint16_t* vt, int rows, int keys, float
   _tile_zero(3);
   for (int tb = 0; tb < keys; tb += 32) {
     const uint16_t* blk = vt + tb * kDh;
-    _tile_loadd(4, pb + tb, keys * 2);
+    _tile_loadd(4, pb + tb * rows, 64);  // the block's probabilities: [rows][32] bf16, contiguous
     _tile_loadd(5, blk, 64);
     _tile_dpbf16ps(0, 4, 5);
     _tile_loadd(5, blk + 512, 64);
@@ -246,6 +249,104 @@ uint16_t to_bf16(float f) {  // round to nearest even
   return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// Runs fn once to check `got` against `want`, then `calls` times; prints ns per (row, key) and the
+// largest error; returns the total ns.
+template <typename Fn>
+double measure(const char* name, Fn fn, const std::vector<float>& got, const std::vector<float>& want, int calls,
+               int per_call, const char* what) {
+  fn();
+  double err = 0;
+  for (size_t i = 0; i < want.size(); ++i) err = std::fmax(err, std::fabs(got[i] - want[i]));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < calls; ++i) {
+    fn();
+    asm volatile("" ::: "memory");
+  }
+  const double ns = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
+  std::printf("%-6s %.3f ns per (row, key), max |error| %.6f%s\n", name, ns / calls / per_call, err, what);
+  return ns;
+}
+
+bool use_amx(int rows) {
+#ifdef __AMX_BF16__
+  return rows <= 16 && amx_ready();
+#else
+  return false;
+#endif
+}
+
+void bench_scores(int rows, int keys, int calls) {
+  std::vector<float> q(rows * kDh), ref(rows * keys), out(rows * keys);
+  std::vector<uint16_t> k(keys * kDh), kt(keys * kDh), ktb(keys * kDh), qb(rows * kDh), qt(rows * kDh);
+  for (auto& x : q) x = (std::rand() % 2001 - 1000) / 1000.0f;
+  for (int t = 0; t < keys; ++t)
+    for (int d = 0; d < kDh; ++d) {
+      const uint16_t h = _cvtss_sh((std::rand() % 2001 - 1000) / 1000.0f, 0);
+      k[t * kDh + d] = h;
+      kt[(t / 16) * kDh * 16 + d * 16 + t % 16] = h;
+      ktb[(t / 16) * kDh * 16 + (d / 2) * 32 + (t % 16) * 2 + d % 2] = to_bf16(_cvtsh_ss(h));
+    }
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < kDh; ++d) {
+      qb[r * kDh + d] = to_bf16(q[r * kDh + d]);
+      qt[(d / 2) * rows * 2 + r * 2 + d % 2] = qb[r * kDh + d];  // B tiles: [dim pairs][rows][2]
+    }
+  for (int r = 0; r < rows; ++r)
+    for (int t = 0; t < keys; ++t) {
+      double s = 0;
+      for (int d = 0; d < kDh; ++d) s += static_cast<double>(q[r * kDh + d]) * _cvtsh_ss(k[t * kDh + d]);
+      ref[r * keys + t] = static_cast<float>(s);
+    }
+  auto run = [&](const char* name, auto fn) { return measure(name, fn, out, ref, calls, rows * keys, ""); };
+  const double a = run("rows", [&] { scores_rows(q.data(), k.data(), rows, keys, out.data()); });
+  const double b = run("f16t", [&] { scores_f16t(q.data(), kt.data(), rows, keys, out.data()); });
+  const double c = run("bf16t", [&] { scores_bf16t(qb.data(), ktb.data(), rows, keys, out.data()); });
+  std::printf("f16t %.2fx, bf16t %.2fx the engine's layout\n", a / b, a / c);
+#ifdef __AMX_BF16__
+  if (use_amx(rows)) {
+    const double d = run("amx", [&] { scores_amx(qb.data(), ktb.data(), rows, keys, out.data()); });
+    std::printf("amx %.2fx the engine's layout\n", a / d);
+    const double e = run("amx16", [&] { scores_amx_f16(qt.data(), k.data(), rows, keys, out.data()); });
+    std::printf("amx16 (the f16 cache as it is, converted per block) %.2fx the engine's layout\n", a / e);
+  }
+#endif
+}
+
+// The weighted sum of values, with probabilities that sum to 1 per row.
+void bench_weighted_sum(int rows, int keys, int calls) {
+  std::vector<float> pr(rows * keys), ref(rows * kDh), out(rows * kDh);
+  std::vector<uint16_t> v(keys * kDh), vt(keys * kDh), pb(rows * keys);
+  for (int r = 0; r < rows; ++r) {
+    double total = 0;
+    for (int t = 0; t < keys; ++t) total += pr[r * keys + t] = static_cast<float>(std::rand() % 1000 + 1);
+    for (int t = 0; t < keys; ++t)  // tiles: [S/32][rows][32]
+      pb[(t / 32) * rows * 32 + r * 32 + t % 32] = to_bf16(pr[r * keys + t] /= static_cast<float>(total));
+  }
+  for (int t = 0; t < keys; ++t)
+    for (int d = 0; d < kDh; ++d) {
+      const uint16_t h = _cvtss_sh((std::rand() % 2001 - 1000) / 1000.0f, 0);
+      v[t * kDh + d] = h;  // tiles: [S/32][slab][pair][dim][2]
+      vt[(t / 32) * 32 * kDh + (d / 16) * 512 + ((t % 32) / 2) * 32 + (d % 16) * 2 + t % 2] = to_bf16(_cvtsh_ss(h));
+    }
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < kDh; ++d) {
+      double s = 0;
+      for (int t = 0; t < keys; ++t) s += static_cast<double>(pr[r * keys + t]) * _cvtsh_ss(v[t * kDh + d]);
+      ref[r * kDh + d] = static_cast<float>(s);
+    }
+  auto run = [&](const char* name, auto fn) {
+    return measure(name, fn, out, ref, calls, rows * keys, " (weighted sum)");
+  };
+  const double a = run("rows", [&] { weigh_rows(pr.data(), v.data(), rows, keys, out.data()); });
+#ifdef __AMX_BF16__
+  if (use_amx(rows)) {
+    const double d = run("amx", [&] { weigh_amx(pb.data(), vt.data(), rows, keys, out.data()); });
+    std::printf("amx %.2fx the engine's weighted sum\n", a / d);
+  }
+#endif
+  (void)a;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -257,93 +358,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::srand(7);
-  std::vector<float> q(rows * kDh), ref(rows * keys), out(rows * keys);
-  std::vector<uint16_t> k(keys * kDh), kt(keys * kDh), ktb(keys * kDh), qb(rows * kDh);
-  for (auto& x : q) x = (std::rand() % 2001 - 1000) / 1000.0f;
-  for (int t = 0; t < keys; ++t)
-    for (int d = 0; d < kDh; ++d) {
-      const uint16_t h = _cvtss_sh((std::rand() % 2001 - 1000) / 1000.0f, 0);
-      k[t * kDh + d] = h;
-      kt[(t / 16) * kDh * 16 + d * 16 + t % 16] = h;
-      ktb[(t / 16) * kDh * 16 + (d / 2) * 32 + (t % 16) * 2 + d % 2] = to_bf16(_cvtsh_ss(h));
-    }
-  for (int i = 0; i < rows * kDh; ++i) qb[i] = to_bf16(q[i]);
-  for (int r = 0; r < rows; ++r)
-    for (int t = 0; t < keys; ++t) {
-      double s = 0;
-      for (int d = 0; d < kDh; ++d) s += static_cast<double>(q[r * kDh + d]) * _cvtsh_ss(k[t * kDh + d]);
-      ref[r * keys + t] = static_cast<float>(s);
-    }
-  auto run = [&](const char* name, auto fn) {
-    fn();
-    double err = 0;
-    for (int i = 0; i < rows * keys; ++i) err = std::fmax(err, std::fabs(out[i] - ref[i]));
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; ++i) {
-      fn();
-      asm volatile("" ::: "memory");
-    }
-    const double ns = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
-    std::printf("%-6s %.3f ns per (row, key), max |error| %.6f\n", name, ns / calls / (rows * keys), err);
-    return ns;
-  };
   std::printf("%d rows x %d keys x %d dims, %d calls\n", rows, keys, kDh, calls);
-  const double a = run("rows", [&] { scores_rows(q.data(), k.data(), rows, keys, out.data()); });
-  const double b = run("f16t", [&] { scores_f16t(q.data(), kt.data(), rows, keys, out.data()); });
-  const double c = run("bf16t", [&] { scores_bf16t(qb.data(), ktb.data(), rows, keys, out.data()); });
-  std::printf("f16t %.2fx, bf16t %.2fx the engine's layout\n", a / b, a / c);
-#ifdef __AMX_BF16__
-  const bool amx = rows <= 16 && amx_ready();
-  if (amx) {
-    const double d = run("amx", [&] { scores_amx(qb.data(), ktb.data(), rows, keys, out.data()); });
-    std::printf("amx %.2fx the engine's layout\n", a / d);
-    std::vector<uint16_t> qt(rows * kDh);  // B tiles: [dim pairs][rows][2]
-    for (int r = 0; r < rows; ++r)
-      for (int d = 0; d < kDh; ++d) qt[(d / 2) * rows * 2 + r * 2 + d % 2] = qb[r * kDh + d];
-    const double e = run("amx16", [&] { scores_amx_f16(qt.data(), k.data(), rows, keys, out.data()); });
-    std::printf("amx16 (the f16 cache as it is, converted per block) %.2fx the engine's layout\n", a / e);
-  }
-#endif
-  // The weighted sum of values, with probabilities that sum to 1 per row.
-  std::vector<float> pr(rows * keys), wref(rows * kDh), wout(rows * kDh);
-  std::vector<uint16_t> v(keys * kDh), vt(keys * kDh), pb(rows * keys);
-  for (int r = 0; r < rows; ++r) {
-    double total = 0;
-    for (int t = 0; t < keys; ++t) total += pr[r * keys + t] = static_cast<float>(std::rand() % 1000 + 1);
-    for (int t = 0; t < keys; ++t) pb[r * keys + t] = to_bf16(pr[r * keys + t] /= static_cast<float>(total));
-  }
-  for (int t = 0; t < keys; ++t)
-    for (int d = 0; d < kDh; ++d) {
-      const uint16_t h = _cvtss_sh((std::rand() % 2001 - 1000) / 1000.0f, 0);
-      v[t * kDh + d] = h;  // [S/32][slab][pair][dim][2]
-      vt[(t / 32) * 32 * kDh + (d / 16) * 512 + ((t % 32) / 2) * 32 + (d % 16) * 2 + t % 2] = to_bf16(_cvtsh_ss(h));
-    }
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < kDh; ++d) {
-      double s = 0;
-      for (int t = 0; t < keys; ++t) s += static_cast<double>(pr[r * keys + t]) * _cvtsh_ss(v[t * kDh + d]);
-      wref[r * kDh + d] = static_cast<float>(s);
-    }
-  auto weigh = [&](const char* name, auto fn) {
-    fn();
-    double err = 0;
-    for (int i = 0; i < rows * kDh; ++i) err = std::fmax(err, std::fabs(wout[i] - wref[i]));
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; ++i) {
-      fn();
-      asm volatile("" ::: "memory");
-    }
-    const double ns = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e9;
-    std::printf("%-6s %.3f ns per (row, key), max |error| %.6f (weighted sum)\n", name, ns / calls / (rows * keys), err);
-    return ns;
-  };
-  const double wa = weigh("rows", [&] { weigh_rows(pr.data(), v.data(), rows, keys, wout.data()); });
-#ifdef __AMX_BF16__
-  if (amx) {
-    const double wd = weigh("amx", [&] { weigh_amx(pb.data(), vt.data(), rows, keys, wout.data()); });
-    std::printf("amx %.2fx the engine's weighted sum\n", wa / wd);
-  }
-#endif
-  (void)wa;
+  bench_scores(rows, keys, calls);
+  bench_weighted_sum(rows, keys, calls);
   return 0;
 }

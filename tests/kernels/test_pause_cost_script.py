@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from evospec.models.step import StepGraph
 from tests.decoding.spec_helpers import tiny_target
-
-SCRIPT = Path(__file__).parents[2] / "scripts" / "pause_cost.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("pause_cost_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.script_modules import load_script
 
 
 def test_pause_costs_time_each_pause_in_each_pass_and_leave_the_cache_as_it_was():
-    script = _script()
+    script = load_script("pause_cost")
     model = tiny_target(2)
     cache = model.new_cache(24)
     calls = []

@@ -3,10 +3,7 @@ attention, LM head and the rest, on a tiny model through the fused CPU ops (wave
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +13,7 @@ from evospec.models.fused import enable_fused_ops
 from evospec.models.quant import kernels_available, quantize_linears
 from evospec.models.step import StepGraph
 from tests.decoding.spec_helpers import tiny_target
-
-SCRIPT = Path(__file__).parents[2] / "scripts" / "row_costs.py"
+from tests.script_modules import SCRIPTS, load_script
 
 pytestmark = pytest.mark.skipif(
     not (load_cpu_ops() and kernels_available("int4")), reason="needs the fused CPU ops and int4 kernels"
@@ -25,12 +21,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # it imports step_lengths.py from its folder, as when run
-    spec = importlib.util.spec_from_file_location("row_costs_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # it imports step_lengths.py from its folder, as when run
+    return load_script("row_costs")
 
 
 def test_part_costs_split_a_forward_into_its_ops(monkeypatch):

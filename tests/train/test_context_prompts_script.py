@@ -3,19 +3,13 @@ English side, and the summarize / RAG-shaped prompts built over them (wave 22)."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "context_prompts.py"
+from tests.script_modules import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("context_prompts_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("context_prompts")
 
 
 def _data(tmp_path: Path) -> Path:

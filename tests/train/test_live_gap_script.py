@@ -3,19 +3,11 @@ what live rounds accept (checked against live runs in docs/draft-head.md, wave 2
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).parents[2] / "scripts" / "live_gap.py"
+from tests.script_modules import load_script
 
 
 def _replay():
-    spec = importlib.util.spec_from_file_location("live_gap_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being made
-    spec.loader.exec_module(module)
-    return module.replay
+    return load_script("live_gap").replay
 
 
 def test_every_draft_right_accepts_whole_chains_and_the_verify_adds_one() -> None:
