@@ -3,10 +3,11 @@
 A decode loop does other work between target forwards (acceptance, context lookup, the draft's
 catch-up and head); speculative rounds do more of it than plain decoding. This times one
 recorded one-token step after ``--pauses`` milliseconds in which the main thread only spins
-(no memory traffic), or in which both threads run a small in-cache op (``--busy``), and a
-single int4 product as large as the model's layers together (66 MB for SmolLM2) after the same pauses,
-alternating pause lengths within each of ``--repeats`` passes. Prints a markdown table of
-medians (ms). Used for docs/benchmarks.md, wave 26:
+(no memory traffic), and again after pauses in which both threads run a small in-cache op;
+then a single int4 product as large as the model's layers together (66 MB for SmolLM2) after
+the same pauses. Pause lengths alternate within each of ``--repeats`` passes; the first 5 calls
+of each timing are warm-up. Prints a markdown table of medians (ms). Used for
+docs/benchmarks.md, wave 26:
 
     .venv/bin/python scripts/pause_cost.py --pauses 0 0.4 1.6 3.2 --repeats 3
 """
@@ -20,6 +21,7 @@ import time
 import torch
 
 from evospec.assembly import StackSettings, assemble
+from evospec.common import positive_int
 from evospec.kernels.int4_matmul import pack_int4, vnni_available
 from evospec.models.step import StepGraph
 
@@ -38,7 +40,7 @@ def _median_ms(fn, pause_ms: float, busy, calls: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[5:]) * 1e3
+    return statistics.median(times[5:] or times) * 1e3  # after 5 warm-up calls, where there are more
 
 
 def pause_costs(
@@ -71,10 +73,10 @@ def pause_costs(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pauses", type=float, nargs="+", default=[0, 0.4, 1.6, 3.2], help="pauses in ms")
-    ap.add_argument("--repeats", type=int, default=3, help="passes over the pauses (default 3)")
-    ap.add_argument("--calls", type=int, default=150, help="timed calls per pause and pass (default 150)")
-    ap.add_argument("--slots", type=int, default=300, help="cached tokens before the step (default 300)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=3, help="passes over the pauses (default 3)")
+    ap.add_argument("--calls", type=positive_int, default=150, help="timed calls per pause and pass (default 150)")
+    ap.add_argument("--slots", type=positive_int, default=300, help="cached tokens before the step (default 300)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = assemble(StackSettings(methods=("ar",), weights="int4"), progress=False).loaded.model
