@@ -17,7 +17,7 @@
 // over bf16 probabilities and values in key-pair blocks). Prints ns per (row, key) and each way's
 // largest error against a float64 reference. Used for docs/benchmarks.md, wave 26:
 //
-//   g++ -O3 -march=native -o /tmp/attention_layouts scripts/attention_layouts.cpp
+//   g++ -O3 -march=native -o /tmp/attention_layouts scripts/attention_layouts.cpp   # AVX-512 BF16 (AMX: optional)
 //   /tmp/attention_layouts [rows=3] [keys=320, a multiple of 32] [calls=20000]
 #include <immintrin.h>
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from evospec.models.step import StepGraph
 from tests.decoding.spec_helpers import tiny_target
 from tests.script_modules import load_script
@@ -23,3 +25,11 @@ def test_pause_costs_time_each_pause_in_each_pass_and_leave_the_cache_as_it_was(
     assert cache.length == 20
     empty = script.pause_costs(StepGraph(model), cache, 20, [0], repeats=1, calls=6)
     assert empty[0]["product"] == []
+
+
+def test_counts_below_one_are_refused_before_anything_loads(monkeypatch, capsys):
+    script = load_script("pause_cost")
+    monkeypatch.setattr("sys.argv", ["pause_cost.py", "--calls", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        script.main()
+    assert exit_.value.code == 2 and "--calls" in capsys.readouterr().err
