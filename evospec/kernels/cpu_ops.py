@@ -53,6 +53,9 @@ DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # caller is compiled with OpenMP (torch's own ops are); linking it names libgomp.so.1, which
 # resolves to the copy torch already loaded
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
+# extra compiler flags, appended (part of the build key): "-mno-avx512f" builds the AVX2 kernels
+# an AVX-512 machine would not pick, for tests and benchmarks of what laptops without it run
+EXTRA_CFLAGS_ENV = "EVOSPEC_CPU_CFLAGS"
 LDFLAGS = ("-fopenmp",)
 
 
@@ -66,10 +69,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _cflags() -> tuple[str, ...]:
+    return CFLAGS + tuple(os.environ.get(EXTRA_CFLAGS_ENV, "").split())
+
+
 def build_key() -> str:
     """What the built library depends on: the source, torch's version, the flags, the CPU."""
     h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
-    for part in (torch.__version__, " ".join(CFLAGS + LDFLAGS), platform.machine(), _cpu_flags()):
+    for part in (torch.__version__, " ".join(_cflags() + LDFLAGS), platform.machine(), _cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
@@ -96,7 +103,7 @@ def load_cpu_ops() -> bool:
             cpp_extension.load(
                 name="evospec_cpu_ops",
                 sources=[str(src) for src in SOURCES],
-                extra_cflags=list(CFLAGS),
+                extra_cflags=list(_cflags()),
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(folder),
                 is_python_module=False,

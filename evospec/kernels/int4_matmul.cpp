@@ -1,7 +1,9 @@
-// 4-bit weight x 8-bit activation matmul for the CPU (AVX-512 VNNI), registered as torch ops.
+// 4-bit weight x 8-bit activation matmul for the CPU (AVX-512 VNNI, AVX-VNNI or AVX2: vnni.h),
+// registered as torch ops.
 //
 // Contract (see int4_matmul.py for the packing and the torch reference):
-//   int4_vnni() -> bool: whether this build has the kernel (compiled with AVX-512 BW + VNNI)
+//   int4_vnni() -> bool: whether this build has the kernel (compiled for AVX2 + FMA + F16C or later)
+//   int4_isa() -> str: which instruction set it uses ("avx512-vnni", "avx-vnni", "avx2"; "none")
 //   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320]) -> x's dtype [M, N]
 // Weights: w[n, k] = q * scale[n, g] + zero[n, g] for q in 0..15 (g = k / 32). Tile t holds
 // outputs 16t..16t+15; its group g is 320 contiguous bytes (one stream to read): 4 blocks of 64,
@@ -27,6 +29,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace {
 
@@ -40,9 +43,17 @@ bool int4_vnni() {
 #endif
 }
 
+std::string int4_isa() {  // which instruction set the int8-activation kernels use (vnni.h)
+#ifdef EVOSPEC_VNNI
+  return evospec_vnni::kIsa;
+#else
+  return "none";
+#endif
+}
+
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
 #ifndef EVOSPEC_VNNI
-  TORCH_CHECK(false, "int4_matmul: this build has no AVX-512 VNNI kernel (check int4_vnni() first)");
+  TORCH_CHECK(false, "int4_matmul: this build has no int8-activation kernel (AVX2 or later; check int4_vnni() first)");
   return x;
 #else
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -76,6 +87,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
 
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_vnni() -> bool", &int4_vnni);
+  m.def("int4_isa() -> str", &int4_isa);
   m.def("int4_matmul(Tensor x, Tensor packed) -> Tensor");
 }
 

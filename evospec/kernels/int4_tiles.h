@@ -19,45 +19,33 @@ constexpr int64_t kBlock = 320;  // bytes per tile group: 256 of codes, 16 float
 using evospec_vnni::kGroup;
 using evospec_vnni::kTile;
 
-// Rows 0..NR-1 of one tile: out[r * n + 0..15]. Each row sums its group's 8 dot products in
-// independent int32 chains (exact: integer sums do not depend on their order), so the
-// multiply-adds of all rows overlap instead of waiting on each other's latency.
+// Rows 0..NR-1 of one tile: out[r * n + 0..15]. A group's integer dot products come from
+// vnni.h's group_dots_u4 (exact: integer sums do not depend on their order), then each row's
+// float epilogue adds the group in order.
 template <int NR, typename Out>
 void tile_rows(const uint8_t* packed, int64_t groups, const int8_t* codes, const float* ascale, const float* asum,
                int64_t k, Out* out, int64_t n) {
-  constexpr int kChains = NR == 1 ? 4 : 2;
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0f);
+  using namespace evospec_vnni;
+  FV acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = fv_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wp = packed + g * kBlock;
     for (int b = 0; b < 5; ++b) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * kBlock + 64 * b), _MM_HINT_T0);
-    __m512i w[8];
+    IV w[8];
     for (int b = 0; b < 4; ++b) {
-      const __m512i v = _mm512_loadu_si512(wp + 64 * b);
-      w[2 * b] = _mm512_and_si512(v, low);
-      w[2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const IV v = iv_load(wp + 64 * b);
+      w[2 * b] = nibbles_lo(v);
+      w[2 * b + 1] = nibbles_hi(v);
     }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 256)));
-    const __m512 wz = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 288)));
-    __m512i d[NR][kChains];
-    for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < kChains; ++c) d[r][c] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j)
-      for (int r = 0; r < NR; ++r) {
-        int32_t cj;
-        std::memcpy(&cj, codes + r * k + g * kGroup + 4 * j, sizeof cj);
-        d[r][j % kChains] = _mm512_dpbusd_epi32(d[r][j % kChains], w[j], _mm512_set1_epi32(cj));
-      }
+    const FV ws = fv_f16(wp + 256), wz = fv_f16(wp + 288);
+    IV dots[NR];
+    group_dots_u4<NR>(w, codes + g * kGroup, k, dots);
     for (int r = 0; r < NR; ++r) {
-      __m512i dr = d[r][0];
-      for (int c = 1; c < kChains; ++c) dr = _mm512_add_epi32(dr, d[r][c]);
-      const __m512 t = _mm512_add_ps(_mm512_mul_ps(ws, _mm512_cvtepi32_ps(dr)),
-                                     _mm512_mul_ps(wz, _mm512_set1_ps(asum[r * groups + g])));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ascale[r * groups + g]), t));
+      const FV t = fv_add(fv_mul(ws, fv_cvt(dots[r])), fv_mul(wz, fv_set(asum[r * groups + g])));
+      acc[r] = fv_add(acc[r], fv_mul(fv_set(ascale[r * groups + g]), t));
     }
   }
-  for (int r = 0; r < NR; ++r) evospec_vnni::store_tile(out + r * n, acc[r]);
+  for (int r = 0; r < NR; ++r) store_tile(out + r * n, acc[r]);
 }
 
 template <typename Out>

@@ -1,4 +1,5 @@
-// 8-bit weight x 8-bit activation matmul for the CPU (AVX-512 VNNI), registered as a torch op.
+// 8-bit weight x 8-bit activation matmul for the CPU (AVX-512 VNNI, AVX-VNNI or AVX2: vnni.h),
+// registered as a torch op.
 //
 // Contract (see int8_matmul.py for the packing and the torch reference):
 //   int8_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 512], scale f32 [N]) -> x's dtype [M, N]
@@ -40,33 +41,38 @@ using evospec_vnni::kTile;
 template <int NR, typename Out>
 void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const int8_t* codes,
                const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
+  using namespace evospec_vnni;
+#ifdef EVOSPEC_ZMM
   constexpr int kChains = NR == 1 ? 4 : 2;
-  __m512 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+#else
+  constexpr int kChains = NR == 1 ? 2 : 1;  // two ymm halves a chain, and 16 ymm registers in all
+#endif
+  FV acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = fv_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wp = packed + g * kBlock;
     for (int b = 0; b < 8; ++b) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * kBlock + 64 * b), _MM_HINT_T0);
-    __m512i d[NR][kChains];
+    IV d[NR][kChains];
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < kChains; ++c) d[r][c] = _mm512_setzero_si512();
+      for (int c = 0; c < kChains; ++c) d[r][c] = iv_zero();
     for (int j = 0; j < 8; ++j) {
-      const __m512i w = _mm512_loadu_si512(wp + 64 * j);
+      const IV w = iv_load(wp + 64 * j);
       for (int r = 0; r < NR; ++r) {
         int32_t cj;
         std::memcpy(&cj, codes + r * k + g * kGroup + 4 * j, sizeof cj);
-        d[r][j % kChains] = _mm512_dpbusd_epi32(d[r][j % kChains], w, _mm512_set1_epi32(cj));
+        d[r][j % kChains] = dot4_u8(d[r][j % kChains], w, cj);
       }
     }
     for (int r = 0; r < NR; ++r) {
-      __m512i dr = d[r][0];
-      for (int c = 1; c < kChains; ++c) dr = _mm512_add_epi32(dr, d[r][c]);
+      IV dr = d[r][0];
+      for (int c = 1; c < kChains; ++c) dr = iv_add(dr, d[r][c]);
       const int32_t offset = 128 * static_cast<int32_t>(asum[r * groups + g]);  // the codes' +128
-      const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(dr, _mm512_set1_epi32(offset)));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ascale[r * groups + g]), t));
+      const FV t = fv_cvt(iv_sub(dr, offset));
+      acc[r] = fv_add(acc[r], fv_mul(fv_set(ascale[r * groups + g]), t));
     }
   }
-  const __m512 ws = _mm512_loadu_ps(wscale);
-  for (int r = 0; r < NR; ++r) evospec_vnni::store_tile(out + r * n, _mm512_mul_ps(acc[r], ws));
+  const FV ws = fv_load(wscale);
+  for (int r = 0; r < NR; ++r) store_tile(out + r * n, fv_mul(acc[r], ws));
 }
 
 template <typename Out>
@@ -84,7 +90,7 @@ void tile_block(int64_t nr, const uint8_t* packed, const float* wscale, int64_t 
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
 #ifndef EVOSPEC_VNNI
-  TORCH_CHECK(false, "int8_matmul: this build has no AVX-512 VNNI kernel (check int4_vnni() first)");
+  TORCH_CHECK(false, "int8_matmul: this build has no int8-activation kernel (AVX2 or later; check int4_vnni() first)");
   return x;
 #else
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),

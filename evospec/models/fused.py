@@ -275,8 +275,8 @@ def _slot_tensor(cache, n: int) -> torch.Tensor:
 def fused_draft_applies(head: nn.Module) -> bool:
     """An EAGLE-2 head whose step the ``draft_step`` op can run once its linears are int4: one
     plain Llama layer (SiLU, no q/k norm or attention bias), heads a multiple of 16 wide, on the
-    CPU with the op library built and its int4 linears on our VNNI kernel (not on an AVX2-only
-    CPU, nor under ``EVOSPEC_QUANT_KERNEL=torch``: ``auto`` then drafts with the int8 copy)."""
+    CPU with the op library built and its int4 linears on our int8-activation kernel (AVX2 or
+    later; not under ``EVOSPEC_QUANT_KERNEL=torch``: ``auto`` then drafts with the int8 copy)."""
     from evospec.kernels.cpu_ops import load_cpu_ops
 
     cfg = getattr(head, "cfg", None)

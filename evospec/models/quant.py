@@ -12,8 +12,8 @@ over memory bandwidth. Measured with ``scripts/bench_linear.py --formats`` (all 
 linears, ms at 1 / 4 / 16 rows): oneDNN fp32 11.7 / 11.3 / 15.5, bf16 9.5 / 10.0 / 12.4,
 int8 4.2 / 4.2 / 13.2, int4 2.5 / 3.5 / 11.6. torch's kernels take bf16 activations (their
 fp32 path is scalar and ~20x slower), so such a matmul casts its input to bf16 and its bf16
-output back; the residual stream, norms, attention and the KV cache stay fp32. Where the CPU
-has AVX-512 VNNI, int4 and int8 run our own kernels instead (:func:`quant_kernel`,
+output back; the residual stream, norms, attention and the KV cache stay fp32. Where the op
+library builds (AVX2 or later), int4 and int8 run our own kernels instead (:func:`quant_kernel`,
 ``kernels/int4_matmul.py``, ``kernels/int8_matmul.py``): int8 activations per group of 32, as
 llama.cpp's Q4 x Q8 and Q8 x Q8, which makes the extra rows of a verify and a prefill cheaper
 (docs/engine.md, "Weight formats").
@@ -158,8 +158,9 @@ QUANT_KERNEL_ENV = "EVOSPEC_QUANT_KERNEL"  # "torch" | "vnni" | unset (auto)
 
 def quant_kernel(out_features: int) -> str:
     """Which kernel an int4 or int8 linear runs: ``vnni`` (int8 activations,
-    ``kernels/int4_matmul.py``, ``kernels/int8_matmul.py``) where this CPU has AVX-512 VNNI, the
-    op library loads and N is a multiple of 16, else ``torch`` (bf16 activations).
+    ``kernels/int4_matmul.py``, ``kernels/int8_matmul.py``; AVX-512 VNNI, AVX-VNNI or AVX2, the
+    same bits on each) where the op library loads and N is a multiple of 16, else ``torch``
+    (bf16 activations).
     ``EVOSPEC_QUANT_KERNEL=torch`` keeps torch's everywhere."""
     choice = os.environ.get(QUANT_KERNEL_ENV, "auto")
     if choice not in ("auto", "torch", "vnni"):
@@ -171,7 +172,7 @@ def quant_kernel(out_features: int) -> str:
     if vnni_available():
         return "vnni"
     if choice == "vnni":
-        raise ValueError(f"{QUANT_KERNEL_ENV}=vnni: this CPU or build has no AVX-512 VNNI kernels")
+        raise ValueError(f"{QUANT_KERNEL_ENV}=vnni: this CPU or build has no int8-activation kernels (AVX2+)")
     return "torch"
 
 

@@ -17,7 +17,7 @@ from evospec.kernels.int4_matmul import (
 )
 from evospec.models.quant import QUANT_KERNEL_ENV, GroupCodes, Int4Matmul, quant_kernel
 
-needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no AVX-512 VNNI int4 kernel on this CPU/build")
+needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no int4 kernel (needs AVX2) here")
 
 
 def _weight(

@@ -10,7 +10,7 @@ from evospec.kernels.int4_matmul import GROUP, vnni_available
 from evospec.kernels.int8_matmul import int8_matmul, int8_matmul_ref, pack_int8, unpack_int8, write_int8_rows
 from evospec.models.quant import QUANT_KERNEL_ENV, Int8Matmul
 
-needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no AVX-512 VNNI kernels on this CPU/build")
+needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no int8 kernel (needs AVX2) here")
 
 
 def _weight(n: int, k: int, seed: int = 0) -> Int8Matmul:

@@ -127,7 +127,7 @@ def test_int8_slots_in_vnni_tiles_give_the_full_heads_logits_bit_for_bit():
     from evospec.models.quant import Int8Matmul
 
     if not vnni_available():
-        pytest.skip("no AVX-512 VNNI kernel on this CPU")
+        pytest.skip("no int8-activation kernels (AVX2 or later) on this CPU")
     torch.manual_seed(2)
     weight = torch.randn(320, 64)
     int8 = Int8Matmul(weight, None, [320])
