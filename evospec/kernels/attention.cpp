@@ -46,7 +46,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -60,6 +60,48 @@ constexpr int kMaxRows = 16;   // query rows sharing each key and value load
 constexpr int kGroup = 4;      // rows whose accumulators one value load feeds (registers)
 constexpr int64_t kChunk = 64;  // keys per pass of the row groups: their values stay in L1
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// Without AVX-512 a V is two ymm registers, spelled out: GCC keeps a 64-byte vector type's halves
+// on the stack around every intrinsic, which made this op 2-3x slower than the zmm build.
+#define EVOSPEC_YMM_V 1
+struct V {
+  __m256 lo, hi;
+};
+inline V operator+(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V operator*(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V& operator+=(V& a, V b) { return a = a + b; }
+inline V vmax(V x, V best) { return {_mm256_max_ps(x.lo, best.lo), _mm256_max_ps(x.hi, best.hi)}; }  // x > best ? x : best
+inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V load(const uint16_t* p) {  // 16 float16 -> float32 (exact)
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void store(float* p, V v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline V splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+// a * b + c rounded once (a fused multiply-add), lane by lane: the same bits on every CPU.
+inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+
+// Keys 8p..8p+7 of reduce16: the same tree (below) by in-lane shuffles.
+inline __m256 reduce8(const V* a) {
+  __m256 c[8], e[4], f[2];
+  for (int j = 0; j < 8; ++j) c[j] = _mm256_add_ps(a[j].lo, a[j].hi);  // (l, l + 8): the two halves
+  for (int i = 0; i < 4; ++i)  // (l, l + 4): keys 2i | 2i + 1, four lanes each
+    e[i] = _mm256_add_ps(_mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x31));
+  for (int m = 0; m < 2; ++m)  // (l, l + 2): keys 4m, 4m + 2 | 4m + 1, 4m + 3, two lanes each
+    f[m] = _mm256_add_ps(_mm256_shuffle_ps(e[2 * m], e[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(e[2 * m], e[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // (0, 1): keys 0, 2, 4, 6 | 1, 3, 5, 7, then into key order
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(f[0], f[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(f[0], f[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline V reduce16(const V* a) { return {reduce8(a), reduce8(a + 8)}; }
+#else
 typedef float V __attribute__((vector_size(kW * sizeof(float))));
 typedef int32_t VI __attribute__((vector_size(kW * sizeof(int32_t))));
 
@@ -68,6 +110,8 @@ typedef int32_t VI __attribute__((vector_size(kW * sizeof(int32_t))));
 #else
 #define EVOSPEC_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, VI{__VA_ARGS__})
 #endif
+
+inline V vmax(V x, V best) { return x > best ? x : best; }
 
 inline V load(const float* p) {
   V v;
@@ -129,6 +173,7 @@ inline V reduce16(const V* a) {
   return EVOSPEC_SHUFFLE(f[0], f[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          EVOSPEC_SHUFFLE(f[0], f[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#endif
 
 inline float sum16(V x) {  // reduce16's tree for one vector
   float a[kW];
@@ -217,7 +262,7 @@ float softmax_row(float* s, int64_t count, int64_t t0, int64_t lo, const bool* m
   V best = splat(-INFINITY);
   for (int64_t i = 0; i < padded; i += kW) {
     const V x = load(s + i);
-    best = x > best ? x : best;
+    best = vmax(x, best);
   }
   exp_shifted(s, padded, max16(best));
   V total = {};

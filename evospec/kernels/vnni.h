@@ -202,19 +202,26 @@ inline void quantize_row(const float* x, int64_t k, int8_t* codes, float* scale,
     scale[g] = amax / 127.0f;
     sum[g] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)));
 #else
-    float amax = 0.0f;  // max is exact in any order
-    for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xg + 8 * i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));  // max: exact in any order
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t total = 0;
-    for (int i = 0; i < kGroup; ++i) {
-      // nearest even, saturated to int8, as the zmm path's VCVTPS2DQ + VPMOVSDB
-      const int32_t c = static_cast<int32_t>(std::nearbyint(xg[i] * inv));
-      const int32_t s = c < -128 ? -128 : (c > 127 ? 127 : c);
-      codes[g * kGroup + i] = static_cast<int8_t>(s);
-      total += s;
-    }
+    const __m256 vi = _mm256_set1_ps(inv);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi));  // nearest even
+    // int32 -> int8 saturated (VPACKSSDW, VPACKSSWB), the 128-bit lanes' interleave undone
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + g * kGroup), ordered);
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1)));
     scale[g] = amax / 127.0f;
-    sum[g] = static_cast<float>(total);
+    sum[g] = static_cast<float>(_mm_cvtsi128_si32(u));
 #endif
   }
 }

@@ -20,8 +20,9 @@ from tests.decoding.spec_helpers import prompt_of, tiny_target
 
 
 def outputs() -> dict[str, torch.Tensor | str]:
-    """int4 and int8 products of 1-5 rows (float32 and bf16 inputs), and a tiny int4 model's
-    prefill logits and greedy tokens on the fused ops (the layer team, attention, norms)."""
+    """int4 and int8 products of 1-5 rows (float32 and bf16 inputs), decode attention (f16 and
+    f32 caches, head size 64), and a tiny int4 model's prefill logits and greedy tokens on the
+    fused ops (the layer team, attention, norms)."""
     assert load_cpu_ops()
     torch.manual_seed(0)
     out: dict[str, torch.Tensor | str] = {"isa": torch.ops.evospec.int4_isa()}
@@ -33,6 +34,10 @@ def outputs() -> dict[str, torch.Tensor | str]:
         out[f"int4_f32_{m}"] = torch.ops.evospec.int4_matmul(x, w4)
         out[f"int4_bf16_{m}"] = torch.ops.evospec.int4_matmul(x.bfloat16(), w4)
         out[f"int8_f32_{m}"] = torch.ops.evospec.int8_matmul(x, w8, s8)
+    for n, s, dtype in ((1, 45, torch.float16), (3, 70, torch.float16), (2, 33, torch.float32)):
+        q = torch.randn(1, 6, n, 64)
+        keys, values = torch.randn(1, 2, s, 64).to(dtype), torch.randn(1, 2, s, 64).to(dtype)
+        out[f"attention_{n}_{s}"] = torch.ops.evospec.decode_attention(q, keys, values, None, 0.125, 0)
     model = tiny_target(5, head_dim=16)
     quantize_linears(model, "int4")
     model.exact_rows = True
