@@ -63,14 +63,14 @@ constexpr int64_t kChunk = 64;  // keys per pass of the row groups: their values
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // Without AVX-512 a V is two ymm registers, spelled out: GCC keeps a 64-byte vector type's halves
 // on the stack around every intrinsic, which made this op 2-3x slower than the zmm build.
-#define EVOSPEC_YMM_V 1
 struct V {
   __m256 lo, hi;
 };
 inline V operator+(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V operator*(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V& operator+=(V& a, V b) { return a = a + b; }
-inline V vmax(V x, V best) { return {_mm256_max_ps(x.lo, best.lo), _mm256_max_ps(x.hi, best.hi)}; }  // x > best ? x : best
+// x > best ? x : best, lane by lane (MAXPS returns its second operand unless the first is greater)
+inline V vmax(V x, V best) { return {_mm256_max_ps(x.lo, best.lo), _mm256_max_ps(x.hi, best.hi)}; }
 inline V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline V load(const uint16_t* p) {  // 16 float16 -> float32 (exact)
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),

@@ -12,7 +12,7 @@
 //   avx-vnni     two ymm halves, the VEX-encoded VPDPBUSD (Alder Lake and later laptop cores);
 //   avx2         two ymm halves, VPMADDUBSW + VPMADDWD in place of VPDPBUSD (exact here: the
 //                int4 weights' products and the int8 weights' sign-folded ones cannot saturate
-//                16 bits, see dot4_*).
+//                16 bits, see group_dots_u4 and dot4_u8).
 // EVOSPEC_VNNI names the build that has one of them (the kernels' historical name); kIsa which.
 #pragma once
 
@@ -104,14 +104,7 @@ inline IV dot4_u4(IV acc, IV w, int32_t c4) {
   return {dot4_half(acc.lo, w.lo, c), dot4_half(acc.hi, w.hi, c)};
 }
 inline IV dot4_u8(IV acc, IV w, int32_t c4) { return dot4_u4(acc, w, c4); }
-#else
-// Weights 0..15 times codes -127..127: a pair of products is at most 3,810 in magnitude, so
-// VPMADDUBSW's 16-bit saturation never applies and the sums are VPDPBUSD's.
-inline IV dot4_u4(IV acc, IV w, int32_t c4) {
-  const __m256i c = _mm256_set1_epi32(c4), ones = _mm256_set1_epi16(1);
-  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, c), ones)),
-          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, c), ones))};
-}
+#else  // (int4 weights on plain AVX2: group_dots_u4's 16-bit sums)
 // Weights u = w + 128 (1..255): sum u c = sum w c + 128 sum c, with w c formed as |w| (sign(w) c)
 // (pairs at most 2 * 127 * 127 = 32,258: no saturation; codes are never -128).
 inline __m256i dot4_u8_half(__m256i acc, __m256i u, __m256i c, __m256i ones) {
