@@ -151,6 +151,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     import torch
 
+    from evospec.kernels.int4_matmul import kernel_isa
+
     config = {
         "model": loaded.name,
         "data": [str(p) for p in args.data],
@@ -171,6 +173,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "weights": stack.loaded.weights,
         "step_graph": stack.loaded.model.step_graph is not None,
         "fused_ops": bool(getattr(stack.loaded.model, "fused_ops", False)),
+        "kernel_isa": kernel_isa(),
         "draft_weights": args.draft_weights,
         "verify_logits": args.verify_logits,
         "torch": torch.__version__,

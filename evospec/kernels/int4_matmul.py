@@ -1,6 +1,7 @@
 """The int4 x int8 matmul (``int4_matmul.cpp``): weight packing, availability, torch reference.
 
 Owns: :func:`vnni_available` (the op library is loaded and has the int8-activation kernels),
+:func:`kernel_isa` (which instruction set they use),
 :func:`pack_int4` (4-bit group codes -> the kernel's tile layout), :func:`int4_matmul`
 (the op) and :func:`int4_matmul_ref` (the same arithmetic in plain torch, bit for bit: tests
 hold the kernel to it). Knows tensors only; ``models/quant.py`` decides where it is used.
@@ -24,10 +25,16 @@ TILE = 16  # output columns per tile
 @functools.cache
 def vnni_available() -> bool:
     """Whether the op library is loaded and has the int8-activation kernels (built for AVX-512
-    VNNI, AVX-VNNI or AVX2: ``torch.ops.evospec.int4_isa()`` says which)."""
+    VNNI, AVX-VNNI or AVX2: :func:`kernel_isa` says which)."""
     from evospec.kernels.cpu_ops import load_cpu_ops
 
     return load_cpu_ops() and bool(torch.ops.evospec.int4_vnni())
+
+
+def kernel_isa() -> str:
+    """The instruction set of the int8-activation kernels: ``avx512-vnni``, ``avx-vnni`` or
+    ``avx2`` (the same bits on each, ``kernels/vnni.h``); ``none`` without them."""
+    return str(torch.ops.evospec.int4_isa()) if vnni_available() else "none"
 
 
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from evospec.kernels.cpu_ops import EXTRA_CFLAGS_ENV, _cpu_flags, load_cpu_ops
-from evospec.kernels.int4_matmul import vnni_available
+from evospec.kernels.int4_matmul import kernel_isa, vnni_available
 from tests.kernels.isa_outputs import outputs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +53,11 @@ def test_an_avx2_build_gives_the_default_builds_bits(flags, isa, tmp_path):
     for key in want:
         if key != "isa":
             assert torch.equal(want[key], got[key]), key
+
+
+def test_kernel_isa_names_the_build_and_follows_the_cpu():
+    flags = set(_cpu_flags().split())
+    want = "avx512-vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else "avx-vnni"
+    if want == "avx-vnni" and "avx_vnni" not in flags:
+        want = "avx2"
+    assert kernel_isa() == want
