@@ -3,8 +3,8 @@
 The default build takes the widest the CPU has (AVX-512 VNNI here); laptops without AVX-512
 build the AVX-VNNI or plain AVX2 variants (``vnni.h``). Each is built here too, with
 ``EVOSPEC_CPU_CFLAGS`` switching AVX-512 (and AVX-VNNI) off, in a subprocess (one op library a
-process), and must reproduce the default build's products, fused logits and greedy tokens
-exactly: integer dot products are exact and the float epilogues are the same operations.
+process), and must reproduce the default build's products, decode attention, fused logits and
+greedy tokens exactly: integer dot products are exact, the float epilogues the same operations.
 """
 
 from __future__ import annotations
