@@ -15,6 +15,7 @@ import pytest
 from evospec.cli import main
 from evospec.decoding.methods import ARDecoder
 from evospec.decoding.sampling import SamplingParams
+from evospec.kernels.int4_matmul import kernel_isa
 from evospec.models.loading import LoadedModel
 from evospec.models.registry import DEFAULT_MODEL
 
@@ -179,6 +180,7 @@ def test_bench_writes_json(
     assert set(result) == {"methods", "per_category", "config"}
     assert set(result["per_category"]) == {"greet", "count"}
     assert result["config"]["prompts"] == 2 and result["config"]["methods"] == ["ar", "hf"]
+    assert result["config"]["kernel_isa"] == kernel_isa()  # which int8-activation kernels ran
     for stats in result["methods"].values():
         assert stats["mal"] == 1.0 and stats["matches_ar"] == 1.0 and stats["tokens"] == 8
         assert {"tok_per_s", "speedup_vs_ar"} <= set(stats)
