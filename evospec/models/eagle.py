@@ -253,6 +253,34 @@ def random_init(head: nn.Module, seed: int) -> None:
             p.zero_()
 
 
+@torch.no_grad()
+def widen_mlp(head: EagleHead, intermediate_size: int, *, seed: int = 0) -> EagleHead:
+    """A copy of ``head`` whose layer's MLP has ``intermediate_size`` units: the old units keep
+    their weights, the new ones start with random gate and up rows (as :func:`random_init`
+    draws them) and zero down columns, so the copy computes exactly what ``head`` computes and
+    training can grow into the new units (function-preserving growth, as Net2Net's). Raises
+    ValueError unless it is wider than the head's MLP."""
+    old, d = head.cfg.intermediate_size, head.cfg.hidden_size
+    if intermediate_size <= old:
+        raise ValueError(f"--widen-mlp {intermediate_size}: the head's MLP already has {old} units")
+    wide = EagleHead(
+        replace(head.cfg, intermediate_size=intermediate_size),
+        fc_bias=head.fc.bias is not None,
+        own_embedding=head.embed_tokens is not None,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    state = head.state_dict()
+    for name in ("gate_proj", "up_proj"):
+        key = f"layers.0.mlp.{name}.weight"  # [I, D]: new rows appended
+        extra = torch.randn(intermediate_size - old, d, generator=gen) / d**0.5
+        state[key] = torch.cat((state[key], extra.to(state[key])))
+    key = "layers.0.mlp.down_proj.weight"  # [D, I]: new columns are zero
+    state[key] = torch.cat((state[key], state[key].new_zeros(d, intermediate_size - old)), 1)
+    wide.load_state_dict(state)
+    wide._shared[:] = head._shared
+    return wide.to(head.fc.weight.device, head.fc.weight.dtype).eval()
+
+
 def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -> EagleHead:
     """A randomly initialised head shaped for ``target`` (training starts here; tests use it)."""
     head = EagleHead(draft_config(target.cfg), fc_bias=fc_bias)

@@ -187,6 +187,14 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         help="start from this EAGLE-2 head folder ('shipped': the head shipped for the target) instead "
         "of a random one, e.g. to train an existing head on more data or for more steps",
     )
+    t.add_argument(
+        "--widen-mlp",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="EAGLE-2 with --init: grow the head's MLP to N units before training, the new units "
+        "starting silent (the grown head drafts exactly as --init does; training uses the room)",
+    )
     t.add_argument("--batch-size", type=positive_int, default=16, help="generation batch size (default 16)")
     t.add_argument("--max-new-tokens", type=positive_int, default=192, help="answer length cap (default 192)")
     t.add_argument(
@@ -229,7 +237,7 @@ def _stop_cleanly_on_sigterm() -> None:
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.common import evospec_home
-    from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
+    from evospec.models.eagle import save_eagle
     from evospec.models.eagle3 import default_aux_layers, new_eagle3_for
     from evospec.models.loading import load_model, resolve_device
     from evospec.train.conversations import training_conversations
@@ -238,6 +246,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.train.support import resolve_support
     from evospec.train.trainer import TrainConfig, load_sequences, train_head
 
+    if args.widen_mlp is not None and (args.arch != "eagle2" or args.init is None):
+        raise ValueError("--widen-mlp N grows an EAGLE-2 head given as --init (add --init HEAD)")
     if args.draft_vocab and (args.arch != "eagle3" or args.lm_head != "own"):
         raise ValueError("--draft-vocab K needs --arch eagle3 --lm-head own (a reduced LM head of its own)")
     if args.out is None and not args.generate_only:
@@ -335,11 +345,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             head = new_eagle3_for(loaded.model, aux_layers=layers, draft_ids=ids)
     else:
         seqs = load_sequences(shards, cfg.max_seq_len)
-        head = (
-            new_eagle_for(loaded.model)
-            if init is None
-            else load_eagle(init, device=device).attach(loaded.model)
-        )
+        head = _eagle2_head(loaded.model, init, device, args.widen_mlp)
     for p in head.parameters():
         p.requires_grad_(True)
     ckpt = work / ("ckpt" if args.arch == "eagle2" else f"ckpt-{args.arch}")
@@ -400,7 +406,7 @@ def _hardware(device: str) -> str:
 def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: float) -> int:
     """Train on the token ids of ``work``'s answers (and the datasets' answers with ``--source
     dataset|mix``), the target's features computed per batch (``onthefly.py``)."""
-    from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
+    from evospec.models.eagle import save_eagle
     from evospec.models.registry import default_head
     from evospec.train.conversations import training_conversations
     from evospec.train.datagen import generated_records
@@ -429,9 +435,7 @@ def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: fl
     if args.init == "shipped" and init is None:
         raise ValueError(f"--init shipped: no eagle2 head ships for {loaded.name}")
     device = str(loaded.model.embed_tokens.weight.device)
-    head = (
-        new_eagle_for(loaded.model) if init is None else load_eagle(init, device=device).attach(loaded.model)
-    )
+    head = _eagle2_head(loaded.model, init, device, args.widen_mlp)
     head = head.to(device)
     for p in head.parameters():
         p.requires_grad_(True)
@@ -445,6 +449,16 @@ def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: fl
     )
     save_eagle(head, args.out)
     return _finish(args, loaded, device, init, t0, log, have, taught, len(seqs))
+
+
+def _eagle2_head(target, init, device: str, widen: int | None = None):
+    """A new EAGLE-2 head for ``target``, or ``init``'s, its MLP grown to ``widen`` units."""
+    from evospec.models.eagle import load_eagle, new_eagle_for, widen_mlp
+
+    if init is None:
+        return new_eagle_for(target)
+    head = load_eagle(init, device=device).attach(target)
+    return head if widen is None else widen_mlp(head, widen)
 
 
 def _eagle3_head(target, init, device: str, tied: bool, draft_vocab: int | None = None):

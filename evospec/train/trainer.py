@@ -367,7 +367,7 @@ def train_head(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup_steps, total_steps))
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir / "trainer.pt"
-    run = run_key(seqs, cfg)
+    run = run_key(seqs, cfg, head)
     step, log = 0, {"config": asdict(cfg), "loss_support": mode, "epochs": [], "feat_std": float(feat_std)}
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -497,13 +497,20 @@ def attach_supports(
         s.support_ids, s.support_logp = ids, logp
 
 
-def run_key(seqs: list[Sequence], cfg: TrainConfig) -> dict:
-    """What a checkpoint must match to be resumed: the data (sequences, lengths) and the config."""
+def run_key(seqs: list[Sequence], cfg: TrainConfig, head: EagleHead) -> dict:
+    """What a checkpoint must match to be resumed: the data (sequences, lengths), the config and
+    the head training starts from (its weights' shapes and values: another ``--init`` or
+    ``--widen-mlp`` in the same work folder starts afresh instead of resuming a foreign run)."""
     lengths = json.dumps([(s.prompt_len, int(s.tokens.shape[0])) for s in seqs])
+    start = hashlib.sha1()
+    for name, t in sorted(head.state_dict().items()):
+        start.update(f"{name}{tuple(t.shape)}".encode())
+        start.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return {
         "config": asdict(cfg),
         "sequences": len(seqs),
         "lengths_sha1": hashlib.sha1(lengths.encode()).hexdigest(),
+        "start_sha1": start.hexdigest(),
     }
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
+from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle, widen_mlp
 from evospec.models.errors import CheckpointError
 from tests.decoding.spec_helpers import tiny_target
 
@@ -111,6 +111,33 @@ def test_save_reloads_bit_exactly(tmp_path):
     third = load_eagle(tmp_path / "h2")
     for k, v in again.state_dict().items():
         assert torch.equal(third.state_dict()[k], v), k
+
+
+def test_widened_mlp_drafts_as_before_and_trains_the_new_units(tmp_path):
+    """widen_mlp grows the MLP without changing what the head computes; the new units get
+    gradients once their down columns move, and the wider head saves and reloads."""
+    target = tiny_target(0)
+    head = new_eagle_for(target, seed=3)
+    torch.nn.init.normal_(head.layers[0].mlp.down_proj.weight)  # make the old MLP matter
+    old = head.cfg.intermediate_size
+    wide = widen_mlp(head, 3 * old, seed=1)
+    assert wide.cfg.intermediate_size == 3 * old and wide.layers[0].mlp.gate_proj.weight.shape[0] == 3 * old
+    feats, tokens = torch.randn(1, 5, D), torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        a = head(feats, tokens, torch.arange(5), head.new_cache(8), None)
+        b = wide(feats, tokens, torch.arange(5), wide.new_cache(8), None)
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert wide.layers[0].mlp.up_proj.weight[old:].abs().sum() > 0  # the new rows are not dead
+    loss = wide(feats, tokens, torch.arange(5), wide.new_cache(8), None).square().sum()
+    loss.backward()
+    assert wide.layers[0].mlp.down_proj.weight.grad[:, old:].abs().sum() > 0
+    save_eagle(wide, tmp_path / "w", dtype=torch.float32)
+    again = load_eagle(tmp_path / "w").attach(target)
+    assert again.cfg.intermediate_size == 3 * old
+    with torch.no_grad():
+        torch.testing.assert_close(again(feats, tokens, torch.arange(5), again.new_cache(8), None), b)
+    with pytest.raises(ValueError, match="already has"):
+        widen_mlp(head, old)
 
 
 def test_mismatched_target_is_a_clear_error(tmp_path):

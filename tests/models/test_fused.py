@@ -234,17 +234,23 @@ def test_the_layer_team_gives_the_op_by_op_layers_bits(monkeypatch, threads):
     assert torch.equal(team[1], ops[1])
 
 
-def test_the_fused_draft_step_computes_the_eager_draft_layer():
+@pytest.mark.parametrize("widened", [False, True])
+def test_the_fused_draft_step_computes_the_eager_draft_layer(widened):
     """draft_step (fc, then the head's layer, as one op) gives the eager int4 layer's features up
     to its activation rounding, writes the same K/V slots, and a chain of pairs behind the cache
-    sees what one pair at a time sees (row j: the cache and rows 0..j)."""
-    from evospec.models.eagle import new_eagle_for, quantised_head
+    sees what one pair at a time sees (row j: the cache and rows 0..j); also for a head whose
+    MLP was grown (``widen_mlp``) past the target's."""
+    from evospec.models.eagle import new_eagle_for, quantised_head, widen_mlp
     from evospec.models.fused import enable_fused_draft
 
     target = _fused(4, head_dim=64)
     if target.layers[0].self_attn.qkv.kernel != "vnni":
         pytest.skip("the fused draft step needs our int4 kernel (AVX-512 VNNI)")
-    head = quantised_head(new_eagle_for(target, seed=3), "int4")
+    head = new_eagle_for(target, seed=3)
+    if widened:
+        head = widen_mlp(head, 3 * head.cfg.intermediate_size, seed=1)
+        torch.nn.init.normal_(head.layers[0].mlp.down_proj.weight, std=0.05)  # the new units speak
+    head = quantised_head(head, "int4")
     assert enable_fused_draft(head)
     g = torch.Generator().manual_seed(0)
     head.fc.matmul.bias = torch.randn(target.cfg.hidden_size, generator=g)  # random_init zeroes it

@@ -46,6 +46,22 @@ def test_generate_only_grows_the_cache_and_a_later_run_trains(model: Path, tmp_p
     assert load_eagle(out).fc.weight.shape[0] > 0
 
 
+def test_widen_mlp_continues_a_head_with_a_wider_mlp(model: Path, tmp_path: Path, capsys) -> None:
+    """--widen-mlp grows the --init head before training; the saved head keeps the width; without
+    --init (or for EAGLE-3) it is refused before anything loads."""
+    first, wide = tmp_path / "head", tmp_path / "wide"
+    common = ["--epochs", "1", "--device", "cpu"]
+    assert main(_argv(model, tmp_path, "--out", str(first), *common)) == 0
+    inter = load_eagle(first).cfg.intermediate_size
+    argv = _argv(model, tmp_path, "--out", str(wide), "--init", str(first), *common)
+    assert main([*argv, "--widen-mlp", str(2 * inter)]) == 0
+    grown = load_eagle(wide)
+    assert grown.layers[0].mlp.down_proj.weight.shape[1] == 2 * inter
+    assert json.loads((wide / "config.json").read_text())["intermediate_size"] == 2 * inter
+    assert main(_argv(model, tmp_path, "--out", str(wide), "--widen-mlp", "64")) == 2
+    assert "--widen-mlp N grows an EAGLE-2 head given as --init" in capsys.readouterr().err
+
+
 def test_skip_prompts_answers_only_the_rest_of_the_mix(model: Path, tmp_path: Path, capsys) -> None:
     from evospec.train.prompts import training_prompts
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
+from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle, widen_mlp
 from evospec.train.batch_generate import greedy_batch
 from evospec.train.datagen import feature_shards, generate_responses
 from evospec.train.trainer import (
@@ -107,6 +107,24 @@ def test_checkpoint_of_other_data_is_not_resumed(tmp_path):
     alone = train_head(fresh(), target, seqs, tmp_path / "other", cfg, progress=False)
     assert log["epochs"][-1]["step"] == alone["epochs"][-1]["step"] > 0
     assert len(log["epochs"]) == 1
+
+
+def test_checkpoint_of_another_starting_head_is_not_resumed(tmp_path):
+    """Same data and config, another head to start from (another --init, or --widen-mlp): a new
+    run, neither the finished run's weights nor a shape error."""
+    target = tiny_target(0, sharp=4.0)
+    seqs = make_sequences(target, n=8)
+    cfg = TrainConfig(epochs=1, lr=3e-3, warmup_steps=1, tokens_per_batch=256, holdout=0.2)
+    heads = [new_eagle_for(target, seed=s) for s in (0, 1)]
+    heads.append(widen_mlp(heads[0], 2 * heads[0].cfg.intermediate_size))
+    logs = []
+    for head in heads:
+        for p in head.parameters():
+            p.requires_grad_(True)
+        logs.append(train_head(head, target, seqs, tmp_path / "ckpt", cfg, progress=False))
+    assert all(log["epochs"][-1]["step"] > 0 and "initial_holdout" in log for log in logs)
+    assert not torch.equal(heads[0].fc.weight, heads[1].fc.weight)
+    assert heads[2].layers[0].mlp.down_proj.weight.shape[1] == 2 * heads[0].cfg.intermediate_size
 
 
 def generate_tiny(target, work, n: int, **kw) -> int:
