@@ -243,7 +243,7 @@ def answer_prompts(model, mix, rng: random.Random, args, info: dict) -> list[tup
 
 
 def run(args: argparse.Namespace) -> None:
-    from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle
+    from evospec.models.eagle import load_eagle, new_eagle_for, save_eagle, widen_mlp
     from evospec.models.loading import load_model, resolve_device
     from evospec.models.registry import default_head
     from evospec.train.onthefly import Budget, token_seq, train_head_onthefly
@@ -288,7 +288,10 @@ def run(args: argparse.Namespace) -> None:
     init = {"shipped": default_head(loaded.name), "none": None}.get(args.init, args.init)
     if args.init == "shipped" and init is None:
         raise SystemExit(f"--init shipped: no head ships for {loaded.name} (give a folder, or none)")
-    head = (load_eagle(init, device=device).attach(model) if init else new_eagle_for(model)).to(device)
+    head = load_eagle(init, device=device).attach(model) if init else new_eagle_for(model)
+    if args.widen_mlp:  # grown silent: it drafts as --init does until training uses the new units
+        head = widen_mlp(head, args.widen_mlp)
+    head = head.to(device)
     for p in head.parameters():
         p.requires_grad_(True)
     cfg = TrainConfig(
@@ -350,6 +353,9 @@ def main() -> None:
         nargs="*",
         default=None,
         help="train on these answers_NN.npz instead of generating",
+    )
+    r.add_argument(
+        "--widen-mlp", type=int, default=None, metavar="N", help="grow --init's MLP to N units first"
     )
     r.add_argument("--device", default="auto")
     r.add_argument("--seed", type=int, default=0)

@@ -59,8 +59,13 @@ def test_prepare_then_run_writes_answers_and_a_head(tmp_path: Path) -> None:
         "2",
     ]
     again[again.index(str(out))] = str(tmp_path / "out2")
+    inter = load_eagle(out / "head").cfg.intermediate_size
+    again[again.index("none")] = str(out / "head")  # continue the first head, its MLP grown
     redo = subprocess.run(
-        [*again, "--batch-size", "4", "--tokens-per-batch", "256"], capture_output=True, text=True
+        [*again, "--batch-size", "4", "--tokens-per-batch", "256", "--widen-mlp", str(2 * inter)],
+        capture_output=True,
+        text=True,
     )
     assert redo.returncode == 0, redo.stderr[-2000:]
     assert f"{gen['answers']} answers read" in redo.stderr
+    assert load_eagle(tmp_path / "out2" / "head").cfg.intermediate_size == 2 * inter
