@@ -58,8 +58,9 @@ def test_widen_mlp_continues_a_head_with_a_wider_mlp(model: Path, tmp_path: Path
     grown = load_eagle(wide)
     assert grown.layers[0].mlp.down_proj.weight.shape[1] == 2 * inter
     assert json.loads((wide / "config.json").read_text())["intermediate_size"] == 2 * inter
-    assert main(_argv(model, tmp_path, "--out", str(wide), "--widen-mlp", "64")) == 2
-    assert "--widen-mlp N grows an EAGLE-2 head given as --init" in capsys.readouterr().err
+    for extra in (["--widen-mlp", "64"], ["--widen-mlp", "64", "--init", str(first), "--arch", "eagle3"]):
+        assert main(_argv(model, tmp_path, "--out", str(wide), *extra)) == 2
+        assert "--widen-mlp N grows an EAGLE-2 head given as --init" in capsys.readouterr().err
 
 
 def test_skip_prompts_answers_only_the_rest_of_the_mix(model: Path, tmp_path: Path, capsys) -> None:
