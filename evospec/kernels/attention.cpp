@@ -29,7 +29,9 @@
 // Why: at a few hundred cached slots attention is a sixth of a SmolLM2 int4 step, and at a few
 // thousand most of it. Scores are formed 16 keys at a time (one transposing add tree instead
 // of a reduction per key), the query heads of one KV head share each key and value load, and
-// an f16 cache halves the bytes a step streams.
+// an f16 cache halves the bytes a step streams. Without AVX-512 (16 ymm registers, not 32 zmm)
+// the same sums are blocked smaller -- four keys' sums at a time, pairs of rows' outputs -- or
+// they spill on every multiply-add: 20-25% off 2-4-row attention on a Zen 3 (wave 29).
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
@@ -84,10 +86,13 @@ inline V splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 // a * b + c rounded once (a fused multiply-add), lane by lane: the same bits on every CPU.
 inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 
-// Keys 8p..8p+7 of reduce16: the same tree (below) by in-lane shuffles.
-inline __m256 reduce8(const V* a) {
-  __m256 c[8], e[4], f[2];
-  for (int j = 0; j < 8; ++j) c[j] = _mm256_add_ps(a[j].lo, a[j].hi);  // (l, l + 8): the two halves
+#define EVOSPEC_ATTENTION_YMM 1  // score_rows and weigh_rows_ymm below: blocked for 16 ymm registers
+constexpr int kShareKeys = 2;     // rows from which an f16 block's keys are converted once (score_block)
+
+// Keys 8p..8p+7 of reduce16 after its first level, c[j] = lanes (l, l + 8) of key j added: the
+// same tree (below) by in-lane shuffles.
+inline __m256 reduce8_halves(const __m256* c) {
+  __m256 e[4], f[2];
   for (int i = 0; i < 4; ++i)  // (l, l + 4): keys 2i | 2i + 1, four lanes each
     e[i] = _mm256_add_ps(_mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x20),
                          _mm256_permute2f128_ps(c[2 * i], c[2 * i + 1], 0x31));
@@ -100,7 +105,7 @@ inline __m256 reduce8(const V* a) {
   return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-inline V reduce16(const V* a) { return {reduce8(a), reduce8(a + 8)}; }
+inline __m256 halves(V a) { return _mm256_add_ps(a.lo, a.hi); }  // (l, l + 8)
 #else
 typedef float V __attribute__((vector_size(kW * sizeof(float))));
 typedef int32_t VI __attribute__((vector_size(kW * sizeof(int32_t))));
@@ -155,6 +160,8 @@ inline V fma(V a, V b, V c) {
   std::memcpy(&v, &r, sizeof v);
   return v;
 }
+
+constexpr int kShareKeys = 3;  // rows from which an f16 block's keys are converted once (score_block)
 
 // Lane j: the sum of a[j]'s 16 lanes by the tree (l, l + 8), (l, l + 4), (l, l + 2), (0, 1),
 // formed for the 16 vectors at once by shuffles and adds: each key's sum is the same bits
@@ -211,6 +218,31 @@ struct Rows {
 
 // score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j} (K: float or
 // float16 elements).
+#ifdef EVOSPEC_ATTENTION_YMM
+// With ymm registers, four keys at a time, each folded to its 8-lane half sums before the next
+// four: sixteen keys' sums would fill 32 ymm, twice the register file, and spill on every
+// multiply-add. The same products and sums in the same order as reduce16's.
+template <typename K>
+void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
+                int64_t stride) {
+  for (int r = 0; r < rows.nr; ++r) {
+    const float* q = rows.q[r];
+    __m256 c[kW];
+    for (int j0 = 0; j0 < kW; j0 += 4) {
+      V a[4];
+      const V q0 = load(q);
+      for (int j = 0; j < 4; ++j) a[j] = q0 * load(kp[j0 + j]);
+      for (int64_t d = kW; d < dh; d += kW) {
+        const V qd = load(q + d);
+        for (int j = 0; j < 4; ++j) a[j] = fma(qd, load(kp[j0 + j] + d), a[j]);
+      }
+      for (int j = 0; j < 4; ++j) c[j0 + j] = halves(a[j]);
+    }
+    const V sums = {reduce8_halves(c), reduce8_halves(c + 8)};
+    store(score + r * stride + (tb - t0), scale * sums);
+  }
+}
+#else
 template <typename K>
 void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
                 int64_t stride) {
@@ -226,13 +258,15 @@ void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, in
     store(score + r * stride + (tb - t0), scale * reduce16(a));
   }
 }
+#endif
 
 // score_rows for the 16 keys from tb (keys past `end`: zeros). An f16 cache's keys are
-// converted once into `kbuf` where three or more rows share them, else as each row loads them.
+// converted once into `kbuf` where kShareKeys or more rows share them, else as each row loads
+// them.
 template <typename T>
 void score_block(const Rows& rows, const T* kb, int64_t ks, int64_t tb, int64_t end, int64_t t0, int64_t dh,
                  V scale, float* score, int64_t stride, float* kbuf, const float* zeros, const T* zeros_t) {
-  if (std::is_same_v<T, float> || rows.nr >= 3) {
+  if (std::is_same_v<T, float> || rows.nr >= kShareKeys) {
     const float* kp[kW];
     for (int j = 0; j < kW; ++j) kp[j] = tb + j < end ? key_row(kb, ks, tb + j, dh, kbuf + j * dh) : zeros;
     return score_rows(rows, kp, tb, t0, dh, scale, score, stride);
@@ -271,10 +305,11 @@ float softmax_row(float* s, int64_t count, int64_t t0, int64_t lo, const bool* m
 }
 
 // out_r += sum over keys [ta, te) of e_r[t] v_t for the rows [r0, r0 + NR), CW vectors of each
-// value row at a time. out holds the running sums between calls: a float32 store and load are
-// exact, so a row's sum is the one fused chain over its keys in order whatever the chunking.
+// value row at a time (va: key ta's value, each next key's `vs` elements on). out holds the
+// running sums between calls: a float32 store and load are exact, so a row's sum is the one
+// fused chain over its keys in order whatever the chunking and grouping.
 template <typename T, int NR, int CW>
-void weigh(const Rows& rows, int r0, const T* vb, int64_t vs, int64_t t0, int64_t ta, int64_t te, int64_t dh,
+void weigh(const Rows& rows, int r0, const T* va, int64_t vs, int64_t t0, int64_t ta, int64_t te, int64_t dh,
            const float* score, int64_t stride) {
   for (int64_t i = 0; i < dh; i += CW * kW) {
     V acc[NR][CW];
@@ -282,7 +317,7 @@ void weigh(const Rows& rows, int r0, const T* vb, int64_t vs, int64_t t0, int64_
       for (int c = 0; c < CW; ++c) acc[r][c] = load(rows.out[r0 + r] + i + c * kW);
     for (int64_t t = ta; t < te; ++t) {
       V v[CW];
-      for (int c = 0; c < CW; ++c) v[c] = load(vb + t * vs + i + c * kW);
+      for (int c = 0; c < CW; ++c) v[c] = load(va + (t - ta) * vs + i + c * kW);
       for (int r = 0; r < NR; ++r) {
         if (t >= rows.keys[r0 + r]) continue;
         const V w = splat(score[(r0 + r) * stride + (t - t0)]);
@@ -314,11 +349,49 @@ void weigh_rows(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t e
   for (int64_t ta = t0; ta < end; ta += kChunk) {
     const int64_t te = std::min(end, ta + kChunk);
     for (int r0 = 0; r0 < rows.nr; r0 += kGroup)
-      weigh_group<T, CW>(rows, r0, std::min(kGroup, rows.nr - r0), vb, vs, t0, ta, te, dh, score, stride);
+      weigh_group<T, CW>(rows, r0, std::min(kGroup, rows.nr - r0), vb + ta * vs, vs, t0, ta, te, dh, score, stride);
   }
   for (int r = 0; r < rows.nr; ++r)
     for (int64_t i = 0; i < dh; i += kW) store(rows.out[r] + i, load(rows.out[r] + i) * splat(inv[r]));
 }
+
+#ifdef EVOSPEC_ATTENTION_YMM
+// weigh_rows for ymm registers: a value's 16 lanes are two ymm, and each sum is one chain of
+// dependent multiply-adds, so a group of rows must hold enough sums to hide their latency and
+// few enough to stay in the 16 registers beside the value vectors: pairs of rows over 32 lanes
+// (8 ymm of sums), a lone row over 64.
+template <typename T>
+void weigh_pair_or_lone(const Rows& rows, int r0, int nr, const T* vb, int64_t vs, int64_t t0, int64_t ta,
+                        int64_t te, int64_t dh, const float* score, int64_t stride) {
+  if (nr == 2) {
+    if (dh % (2 * kW) == 0) return weigh<T, 2, 2>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+    return weigh<T, 2, 1>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+  }
+  if (dh % (4 * kW) == 0) return weigh<T, 1, 4>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+  if (dh % (2 * kW) == 0) return weigh<T, 1, 2>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+  weigh<T, 1, 1>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
+}
+
+template <typename T>
+void weigh_rows_ymm(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh,
+                    const float* score, int64_t stride, const float* inv, float* vbuf) {
+  for (int r = 0; r < rows.nr; ++r) std::memset(rows.out[r], 0, dh * sizeof(float));
+  for (int64_t ta = t0; ta < end; ta += kChunk) {
+    const int64_t te = std::min(end, ta + kChunk);
+    if (std::is_same_v<T, uint16_t> && rows.nr > 2) {  // an f16 chunk converted once for all its pairs
+      for (int64_t t = ta; t < te; ++t)
+        for (int64_t d = 0; d < dh; d += kW) store(vbuf + (t - ta) * dh + d, load(vb + t * vs + d));
+      for (int r0 = 0; r0 < rows.nr; r0 += 2)
+        weigh_pair_or_lone<float>(rows, r0, std::min(2, rows.nr - r0), vbuf, dh, t0, ta, te, dh, score, stride);
+      continue;
+    }
+    for (int r0 = 0; r0 < rows.nr; r0 += 2)
+      weigh_pair_or_lone<T>(rows, r0, std::min(2, rows.nr - r0), vb + ta * vs, vs, t0, ta, te, dh, score, stride);
+  }
+  for (int r = 0; r < rows.nr; ++r)
+    for (int64_t i = 0; i < dh; i += kW) store(rows.out[r] + i, load(rows.out[r] + i) * splat(inv[r]));
+}
+#endif
 
 // Attention of `rows` over one KV head's keys kb / values vb (rows `ks` / `vs` apart) from t0.
 template <typename T>
@@ -333,6 +406,9 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
   float inv[kMaxRows];
   for (int r = 0; r < rows.nr; ++r)
     inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask);
+#ifdef EVOSPEC_ATTENTION_YMM
+  return weigh_rows_ymm<T>(rows, vb, vs, t0, end, dh, score, stride, inv, kbuf);  // the keys' buffer, free now
+#endif
   if (dh % (4 * kW) == 0) return weigh_rows<T, 4>(rows, vb, vs, t0, end, dh, score, stride, inv);
   if (dh % (2 * kW) == 0) return weigh_rows<T, 2>(rows, vb, vs, t0, end, dh, score, stride, inv);
   weigh_rows<T, 1>(rows, vb, vs, t0, end, dh, score, stride, inv);
@@ -375,7 +451,7 @@ void run_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
   thread_local std::vector<float> score, kbuf, zeros;
   thread_local std::vector<T> zeros_t;  // +0 in either format
   if (score.size() < static_cast<size_t>(a.rb * a.stride)) score.resize(a.rb * a.stride);
-  if (kbuf.size() < static_cast<size_t>(kW * a.dh)) kbuf.resize(kW * a.dh);
+  if (kbuf.size() < static_cast<size_t>(kChunk * a.dh)) kbuf.resize(kChunk * a.dh);  // 16 keys, or (ymm) 64 values
   if (zeros.size() < static_cast<size_t>(a.dh)) {
     zeros.resize(a.dh, 0.0f);
     zeros_t.resize(a.dh, T{0});

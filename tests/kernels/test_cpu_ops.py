@@ -154,6 +154,30 @@ def test_decode_attention_of_a_chain_gives_each_row_its_one_row_bits():
         OPS.decode_attention(q, keys, values, torch.ones(s, dtype=torch.bool), 0.3)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_every_row_grouping_of_an_f16_chain_gives_each_row_its_one_row_bits(n):
+    """The model's shape (9 query heads over 3 KV heads of 64, f16 cache) over more keys than one
+    values chunk: 3n rows per KV head are split into blocks, pairs and lone rows however the
+    build blocks them (the ymm build converts a shared chunk's values once), and each row still
+    gets the bits of its one-row call over the keys it sees."""
+    g = torch.Generator().manual_seed(n)
+    s = 150
+    keys = torch.randn(1, 3, s, 64, generator=g).half()
+    values = torch.randn(1, 3, s, 64, generator=g).half()
+    q = torch.randn(1, 9, n, 64, generator=g)
+    got = OPS.decode_attention(q, keys, values, None, 0.125)
+    torch.testing.assert_close(
+        got, decode_attention_ref(q, keys.float(), values.float(), None, 0.125), rtol=1e-5, atol=1e-6
+    )
+    for j in range(n):
+        end = s - n + 1 + j
+        for head in (0, 4, 8):  # one of each KV head's group, first / middle / last
+            kv = slice(head // 3, head // 3 + 1)
+            row = q[:, head : head + 1, j : j + 1]
+            alone = OPS.decode_attention(row, keys[:, kv, :end], values[:, kv, :end], None, 0.125)
+            assert torch.equal(alone[:, 0, 0], got[:, head, j])
+
+
 def test_decode_attention_reads_an_f16_cache_as_its_exact_f32_values():
     """float16 -> float32 is exact, so an f16 cache gives the bits of the same values in f32,
     whether its keys are converted once for a block of rows or as each row loads them."""
