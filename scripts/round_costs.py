@@ -3,10 +3,11 @@
 Each variant uses ``scripts/tree_ab.py``'s syntax (``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:
 DEPTH[:MIN_PROB]``). Every prompt runs AR and every variant back to back (the order flipping
 between prompts), after every graph is recorded and warmed; outputs are checked equal to AR's.
-Rounds are split into ``drafted`` (the head proposed), ``free`` (context lookup or the n-gram
-table proposed) and ``plain`` (the root alone: no proposal, or a stopping chain that drafted
-nothing); per kind: count, accepted tokens per round, and mean milliseconds of drafting, of the
-verify forward and of the whole round. Used for docs/benchmarks.md, wave 13:
+Rounds are split into ``drafted`` (the head proposed), ``free, n guessed`` (context lookup or
+the n-gram table proposed n tokens: a verify forward of 1 + n rows) and ``plain`` (the root
+alone: no proposal, or a stopping chain that drafted nothing); per kind: count, accepted tokens
+per round, and mean milliseconds of drafting, of the verify forward and of the whole round.
+Used for docs/benchmarks.md, waves 13 and 29:
 
     .venv/bin/python scripts/round_costs.py --data ../shared/data/spec_bench/question.jsonl \\
         ngram:3:2:1:1 frspec:3:2:1:1 frspec:0:2:0:1
@@ -65,8 +66,10 @@ def main() -> None:
                 kind = "ar"
             elif not ev.tree_size:
                 kind = "plain"
+            elif ev.looked_up:
+                kind = f"free, {ev.tree_size} guessed"  # the verify forward's rows: 1 + guessed
             else:
-                kind = "free" if ev.looked_up else "drafted"
+                kind = "drafted"
             s = stats[name][kind]
             s[0], s[1] = s[0] + 1, s[1] + ev.accepted
             s[2], s[3], s[4] = s[2] + ev.draft_s, s[3] + ev.verify_s, s[4] + (ev.round_s or ev.verify_s)

@@ -31,7 +31,7 @@
 // of a reduction per key), the query heads of one KV head share each key and value load, and
 // an f16 cache halves the bytes a step streams. Without AVX-512 (16 ymm registers, not 32 zmm)
 // the same sums are blocked smaller -- four keys' sums at a time, pairs of rows' outputs -- or
-// they spill on every multiply-add: 20-25% off 2-4-row attention on a Zen 3 (wave 29).
+// they spill on every multiply-add: 12-24% off 2-4-row attention on a Zen 3 (wave 29).
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
@@ -407,11 +407,12 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
   for (int r = 0; r < rows.nr; ++r)
     inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask);
 #ifdef EVOSPEC_ATTENTION_YMM
-  return weigh_rows_ymm<T>(rows, vb, vs, t0, end, dh, score, stride, inv, kbuf);  // the keys' buffer, free now
-#endif
+  weigh_rows_ymm<T>(rows, vb, vs, t0, end, dh, score, stride, inv, kbuf);  // the keys' buffer, free now
+#else
   if (dh % (4 * kW) == 0) return weigh_rows<T, 4>(rows, vb, vs, t0, end, dh, score, stride, inv);
   if (dh % (2 * kW) == 0) return weigh_rows<T, 2>(rows, vb, vs, t0, end, dh, score, stride, inv);
   weigh_rows<T, 1>(rows, vb, vs, t0, end, dh, score, stride, inv);
+#endif
 }
 
 // One job: the rows of block `job` (batch row, KV head, row block) over that head's keys.
