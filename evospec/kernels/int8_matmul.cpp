@@ -66,8 +66,8 @@ void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const
     for (int r = 0; r < NR; ++r) {
       IV dr = d[r][0];
       for (int c = 1; c < kChains; ++c) dr = iv_add(dr, d[r][c]);
-      const int32_t offset = 128 * static_cast<int32_t>(asum[r * groups + g]);  // the codes' +128
-      const FV t = fv_cvt(iv_sub(dr, offset));
+      if (kU8Offset) dr = iv_sub(dr, 128 * static_cast<int32_t>(asum[r * groups + g]));  // the weights' +128
+      const FV t = fv_cvt(dr);
       acc[r] = fv_add(acc[r], fv_mul(fv_set(ascale[r * groups + g]), t));
     }
   }

@@ -62,6 +62,7 @@ inline IV nibbles_hi(IV v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _m
 // acc + per lane the sum of its 4 unsigned weight bytes times the 4 signed codes in c4
 inline IV dot4_u4(IV acc, IV w, int32_t c4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(c4)); }
 inline IV dot4_u8(IV acc, IV w, int32_t c4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(c4)); }
+constexpr bool kU8Offset = true;  // dot4_u8 sums u c = w c + 128 c: the tile loop takes 128 sum c off
 inline FV fv_zero() { return _mm512_setzero_ps(); }
 inline FV fv_set(float x) { return _mm512_set1_ps(x); }
 inline FV fv_load(const float* p) { return _mm512_loadu_ps(p); }
@@ -104,6 +105,7 @@ inline IV dot4_u4(IV acc, IV w, int32_t c4) {
   return {dot4_half(acc.lo, w.lo, c), dot4_half(acc.hi, w.hi, c)};
 }
 inline IV dot4_u8(IV acc, IV w, int32_t c4) { return dot4_u4(acc, w, c4); }
+constexpr bool kU8Offset = true;  // dot4_u8 sums u c = w c + 128 c: the tile loop takes 128 sum c off
 #else  // (int4 weights on plain AVX2: group_dots_u4's 16-bit sums)
 // Weights u = w + 128 (1..255): sum u c = sum w c + 128 sum c, with w c formed as |w| (sign(w) c)
 // (pairs at most 2 * 127 * 127 = 32,258: no saturation; codes are never -128).
@@ -112,13 +114,13 @@ inline __m256i dot4_u8_half(__m256i acc, __m256i u, __m256i c, __m256i ones) {
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(c, w));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
 }
+// Here acc gains sum w c alone, not VPDPBUSD's sum u c: the 128 sum c that VPDPBUSD adds and the
+// tile loop then takes off again (kU8Offset) is never added (integers: the same sums, without a
+// scalar code sum and two adds per row and step).
+constexpr bool kU8Offset = false;
 inline IV dot4_u8(IV acc, IV w, int32_t c4) {
-  int8_t c[4];
-  std::memcpy(c, &c4, 4);
-  const int32_t bias = 128 * (c[0] + c[1] + c[2] + c[3]);
-  const __m256i cv = _mm256_set1_epi32(c4), ones = _mm256_set1_epi16(1), b = _mm256_set1_epi32(bias);
-  return {_mm256_add_epi32(dot4_u8_half(acc.lo, w.lo, cv, ones), b),
-          _mm256_add_epi32(dot4_u8_half(acc.hi, w.hi, cv, ones), b)};
+  const __m256i cv = _mm256_set1_epi32(c4), ones = _mm256_set1_epi16(1);
+  return {dot4_u8_half(acc.lo, w.lo, cv, ones), dot4_u8_half(acc.hi, w.hi, cv, ones)};
 }
 #endif
 inline FV fv_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
