@@ -216,49 +216,42 @@ struct Rows {
   int nr;
 };
 
-// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j} (K: float or
-// float16 elements).
-#ifdef EVOSPEC_ATTENTION_YMM
-// With ymm registers, four keys at a time, each folded to its 8-lane half sums before the next
-// four: sixteen keys' sums would fill 32 ymm, twice the register file, and spill on every
+// a[j] = the 16 lane sums of q * k_j over the head (lane l takes d = l mod 16, in d order) for
+// the NK keys kp[j] (K: float or float16 elements).
+template <int NK, typename K>
+inline void lane_sums(const float* q, const K* const* kp, int64_t dh, V* a) {
+  const V q0 = load(q);
+  for (int j = 0; j < NK; ++j) a[j] = q0 * load(kp[j]);
+  for (int64_t d = kW; d < dh; d += kW) {
+    const V qd = load(q + d);
+    for (int j = 0; j < NK; ++j) a[j] = fma(qd, load(kp[j] + d), a[j]);
+  }
+}
+
+// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j}. With ymm
+// registers, four keys at a time, each folded to its 8-lane half sums before the next four:
+// sixteen keys' sums would fill 32 ymm, twice the register file, and spill on every
 // multiply-add. The same products and sums in the same order as reduce16's.
 template <typename K>
 void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
                 int64_t stride) {
   for (int r = 0; r < rows.nr; ++r) {
-    const float* q = rows.q[r];
+#ifdef EVOSPEC_ATTENTION_YMM
     __m256 c[kW];
     for (int j0 = 0; j0 < kW; j0 += 4) {
       V a[4];
-      const V q0 = load(q);
-      for (int j = 0; j < 4; ++j) a[j] = q0 * load(kp[j0 + j]);
-      for (int64_t d = kW; d < dh; d += kW) {
-        const V qd = load(q + d);
-        for (int j = 0; j < 4; ++j) a[j] = fma(qd, load(kp[j0 + j] + d), a[j]);
-      }
+      lane_sums<4>(rows.q[r], kp + j0, dh, a);
       for (int j = 0; j < 4; ++j) c[j0 + j] = halves(a[j]);
     }
     const V sums = {reduce8_halves(c), reduce8_halves(c + 8)};
+#else
+    V a[kW];
+    lane_sums<kW>(rows.q[r], kp, dh, a);
+    const V sums = reduce16(a);
+#endif
     store(score + r * stride + (tb - t0), scale * sums);
   }
 }
-#else
-template <typename K>
-void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
-                int64_t stride) {
-  for (int r = 0; r < rows.nr; ++r) {
-    const float* q = rows.q[r];
-    V a[kW];
-    const V q0 = load(q);
-    for (int j = 0; j < kW; ++j) a[j] = q0 * load(kp[j]);
-    for (int64_t d = kW; d < dh; d += kW) {
-      const V qd = load(q + d);
-      for (int j = 0; j < kW; ++j) a[j] = fma(qd, load(kp[j] + d), a[j]);
-    }
-    store(score + r * stride + (tb - t0), scale * reduce16(a));
-  }
-}
-#endif
 
 // score_rows for the 16 keys from tb (keys past `end`: zeros). An f16 cache's keys are
 // converted once into `kbuf` where kShareKeys or more rows share them, else as each row loads
