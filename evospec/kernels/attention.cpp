@@ -86,7 +86,7 @@ inline V splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 // a * b + c rounded once (a fused multiply-add), lane by lane: the same bits on every CPU.
 inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 
-#define EVOSPEC_ATTENTION_YMM 1  // score_rows and weigh_rows_ymm below: blocked for 16 ymm registers
+#define EVOSPEC_ATTENTION_YMM 1  // score_rows and weigh_groups below: blocked for 16 ymm registers
 constexpr int kShareKeys = 2;     // rows from which an f16 block's keys are converted once (score_block)
 
 // Keys 8p..8p+7 of reduce16 after its first level, c[j] = lanes (l, l + 8) of key j added: the
@@ -333,58 +333,64 @@ void weigh_group(const Rows& rows, int r0, int nr, const T* vb, int64_t vs, int6
   }
 }
 
-// out_r = (sum_t e_r[t] v_t) * inv_r: keys in chunks of kChunk, each chunk's values read by every
-// group of kGroup rows while they sit in L1 (a block of up to kMaxRows rows reads the values once).
-template <typename T, int CW>
-void weigh_rows(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh,
-                const float* score, int64_t stride, const float* inv) {
-  for (int r = 0; r < rows.nr; ++r) std::memset(rows.out[r], 0, dh * sizeof(float));
-  for (int64_t ta = t0; ta < end; ta += kChunk) {
-    const int64_t te = std::min(end, ta + kChunk);
-    for (int r0 = 0; r0 < rows.nr; r0 += kGroup)
-      weigh_group<T, CW>(rows, r0, std::min(kGroup, rows.nr - r0), vb + ta * vs, vs, t0, ta, te, dh, score, stride);
-  }
-  for (int r = 0; r < rows.nr; ++r)
-    for (int64_t i = 0; i < dh; i += kW) store(rows.out[r] + i, load(rows.out[r] + i) * splat(inv[r]));
-}
-
 #ifdef EVOSPEC_ATTENTION_YMM
-// weigh_rows for ymm registers: a value's 16 lanes are two ymm, and each sum is one chain of
-// dependent multiply-adds, so a group of rows must hold enough sums to hide their latency and
-// few enough to stay in the 16 registers beside the value vectors: pairs of rows over 32 lanes
-// (8 ymm of sums), a lone row over 64.
+// One chunk's weighing for ymm registers: a value's 16 lanes are two ymm, and each sum is one
+// chain of dependent multiply-adds, so a group of rows must hold enough sums to hide their
+// latency and few enough to stay in the 16 registers beside the value vectors: pairs of rows
+// over 32 lanes (8 ymm of sums), a lone row over 64.
 template <typename T>
-void weigh_pair_or_lone(const Rows& rows, int r0, int nr, const T* vb, int64_t vs, int64_t t0, int64_t ta,
-                        int64_t te, int64_t dh, const float* score, int64_t stride) {
-  if (nr == 2) {
-    if (dh % (2 * kW) == 0) return weigh<T, 2, 2>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
-    return weigh<T, 2, 1>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
-  }
-  if (dh % (4 * kW) == 0) return weigh<T, 1, 4>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
-  if (dh % (2 * kW) == 0) return weigh<T, 1, 2>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
-  weigh<T, 1, 1>(rows, r0, vb, vs, t0, ta, te, dh, score, stride);
-}
-
-template <typename T>
-void weigh_rows_ymm(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh,
-                    const float* score, int64_t stride, const float* inv, float* vbuf) {
-  for (int r = 0; r < rows.nr; ++r) std::memset(rows.out[r], 0, dh * sizeof(float));
-  for (int64_t ta = t0; ta < end; ta += kChunk) {
-    const int64_t te = std::min(end, ta + kChunk);
-    if (std::is_same_v<T, uint16_t> && rows.nr > 2) {  // an f16 chunk converted once for all its pairs
-      for (int64_t t = ta; t < te; ++t)
-        for (int64_t d = 0; d < dh; d += kW) store(vbuf + (t - ta) * dh + d, load(vb + t * vs + d));
-      for (int r0 = 0; r0 < rows.nr; r0 += 2)
-        weigh_pair_or_lone<float>(rows, r0, std::min(2, rows.nr - r0), vbuf, dh, t0, ta, te, dh, score, stride);
-      continue;
+void weigh_groups(const Rows& rows, const T* va, int64_t vs, int64_t t0, int64_t ta, int64_t te, int64_t dh,
+                  const float* score, int64_t stride) {
+  for (int r0 = 0; r0 < rows.nr; r0 += 2) {
+    if (rows.nr - r0 >= 2) {
+      if (dh % (2 * kW) == 0) weigh<T, 2, 2>(rows, r0, va, vs, t0, ta, te, dh, score, stride);
+      else weigh<T, 2, 1>(rows, r0, va, vs, t0, ta, te, dh, score, stride);
+    } else if (dh % (4 * kW) == 0) {
+      weigh<T, 1, 4>(rows, r0, va, vs, t0, ta, te, dh, score, stride);
+    } else if (dh % (2 * kW) == 0) {
+      weigh<T, 1, 2>(rows, r0, va, vs, t0, ta, te, dh, score, stride);
+    } else {
+      weigh<T, 1, 1>(rows, r0, va, vs, t0, ta, te, dh, score, stride);
     }
-    for (int r0 = 0; r0 < rows.nr; r0 += 2)
-      weigh_pair_or_lone<T>(rows, r0, std::min(2, rows.nr - r0), vb + ta * vs, vs, t0, ta, te, dh, score, stride);
   }
-  for (int r = 0; r < rows.nr; ++r)
-    for (int64_t i = 0; i < dh; i += kW) store(rows.out[r] + i, load(rows.out[r] + i) * splat(inv[r]));
+}
+#else
+// One chunk's weighing: groups of kGroup rows, each value row CW vectors at a time.
+template <typename T>
+void weigh_groups(const Rows& rows, const T* va, int64_t vs, int64_t t0, int64_t ta, int64_t te, int64_t dh,
+                  const float* score, int64_t stride) {
+  for (int r0 = 0; r0 < rows.nr; r0 += kGroup) {
+    const int nr = std::min(kGroup, rows.nr - r0);
+    if (dh % (4 * kW) == 0) weigh_group<T, 4>(rows, r0, nr, va, vs, t0, ta, te, dh, score, stride);
+    else if (dh % (2 * kW) == 0) weigh_group<T, 2>(rows, r0, nr, va, vs, t0, ta, te, dh, score, stride);
+    else weigh_group<T, 1>(rows, r0, nr, va, vs, t0, ta, te, dh, score, stride);
+  }
 }
 #endif
+
+// out_r = (sum_t e_r[t] v_t) * inv_r: keys in chunks of kChunk, each chunk's values read by every
+// group of rows while they sit in L1 (a block of up to kMaxRows rows reads the values once). The
+// ymm build converts an f16 chunk once into `vbuf` (kChunk * dh floats) where more than one pair
+// of rows reads it.
+template <typename T>
+void weigh_rows(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh,
+                const float* score, int64_t stride, const float* inv, float* vbuf) {
+  for (int r = 0; r < rows.nr; ++r) std::memset(rows.out[r], 0, dh * sizeof(float));
+  for (int64_t ta = t0; ta < end; ta += kChunk) {
+    const int64_t te = std::min(end, ta + kChunk);
+#ifdef EVOSPEC_ATTENTION_YMM
+    if (std::is_same_v<T, uint16_t> && rows.nr > 2) {
+      for (int64_t t = ta; t < te; ++t)
+        for (int64_t d = 0; d < dh; d += kW) store(vbuf + (t - ta) * dh + d, load(vb + t * vs + d));
+      weigh_groups<float>(rows, vbuf, dh, t0, ta, te, dh, score, stride);
+      continue;
+    }
+#endif
+    weigh_groups<T>(rows, vb + ta * vs, vs, t0, ta, te, dh, score, stride);
+  }
+  for (int r = 0; r < rows.nr; ++r)
+    for (int64_t i = 0; i < dh; i += kW) store(rows.out[r] + i, load(rows.out[r] + i) * splat(inv[r]));
+}
 
 // Attention of `rows` over one KV head's keys kb / values vb (rows `ks` / `vs` apart) from t0.
 template <typename T>
@@ -399,13 +405,7 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
   float inv[kMaxRows];
   for (int r = 0; r < rows.nr; ++r)
     inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask);
-#ifdef EVOSPEC_ATTENTION_YMM
-  weigh_rows_ymm<T>(rows, vb, vs, t0, end, dh, score, stride, inv, kbuf);  // the keys' buffer, free now
-#else
-  if (dh % (4 * kW) == 0) return weigh_rows<T, 4>(rows, vb, vs, t0, end, dh, score, stride, inv);
-  if (dh % (2 * kW) == 0) return weigh_rows<T, 2>(rows, vb, vs, t0, end, dh, score, stride, inv);
-  weigh_rows<T, 1>(rows, vb, vs, t0, end, dh, score, stride, inv);
-#endif
+  weigh_rows<T>(rows, vb, vs, t0, end, dh, score, stride, inv, kbuf);  // the keys' buffer, free now
 }
 
 // One job: the rows of block `job` (batch row, KV head, row block) over that head's keys.
@@ -445,7 +445,7 @@ void run_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
   thread_local std::vector<float> score, kbuf, zeros;
   thread_local std::vector<T> zeros_t;  // +0 in either format
   if (score.size() < static_cast<size_t>(a.rb * a.stride)) score.resize(a.rb * a.stride);
-  if (kbuf.size() < static_cast<size_t>(kChunk * a.dh)) kbuf.resize(kChunk * a.dh);  // 16 keys, or (ymm) 64 values
+  if (kbuf.size() < static_cast<size_t>(kChunk * a.dh)) kbuf.resize(kChunk * a.dh);  // 16 keys, or a values chunk
   if (zeros.size() < static_cast<size_t>(a.dh)) {
     zeros.resize(a.dh, 0.0f);
     zeros_t.resize(a.dh, T{0});
