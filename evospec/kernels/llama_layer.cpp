@@ -418,6 +418,21 @@ at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std
   return out;
 }
 
+#else  // no VNNI or AVX2: tables_apply is false, so cpu_ops.cpp never calls these
+
+std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor&, const at::Tensor&, const std::vector<StackLayer>&,
+                                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                              const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                                              double) {
+  TORCH_CHECK(false, "stack_team needs the AVX2 or VNNI build of the op library");
+}
+
+at::Tensor draft_team(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const StackLayer&,
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                      int64_t, int64_t, int64_t, double, double) {
+  TORCH_CHECK(false, "draft_step needs the AVX2 or VNNI build of the op library");
+}
+
 #endif
 
 }  // namespace evospec_layer

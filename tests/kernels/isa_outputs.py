@@ -2,7 +2,8 @@
 
 ``python -m tests.kernels.isa_outputs OUT`` (run by ``test_isa_builds.py`` with
 ``EVOSPEC_CPU_CFLAGS`` naming another instruction set) saves :func:`outputs` of the op library
-that environment builds; the test compares them with the default build's, bit for bit.
+that environment builds; the test compares them with the default build's, bit for bit. With
+``--fallback`` it saves :func:`fallback_outputs`, for a build below AVX2.
 """
 
 from __future__ import annotations
@@ -56,5 +57,20 @@ def outputs() -> dict[str, torch.Tensor | str]:
     return out
 
 
+def fallback_outputs() -> dict[str, torch.Tensor | str | bool]:
+    """For a build without AVX2 (no int8-activation kernels): whether the op library loads, its
+    ISA, and a tiny int4 model's prefill logits with the fused ops and with plain torch ops."""
+    out: dict[str, torch.Tensor | str | bool] = {"loaded": load_cpu_ops()}
+    out["isa"] = torch.ops.evospec.int4_isa() if out["loaded"] else "unloaded"
+    model = tiny_target(5, head_dim=16)
+    quantize_linears(model, "int4")
+    tokens = torch.tensor([prompt_of(3, 12)])
+    with torch.inference_mode():
+        out["plain_logits"] = model(tokens, torch.arange(12), model.new_cache(32)).logits[0]
+        out["fused"] = enable_fused_ops(model)
+        out["fused_logits"] = model(tokens, torch.arange(12), model.new_cache(32)).logits[0]
+    return out
+
+
 if __name__ == "__main__":
-    torch.save(outputs(), sys.argv[1])
+    torch.save(fallback_outputs() if sys.argv[2:] == ["--fallback"] else outputs(), sys.argv[1])

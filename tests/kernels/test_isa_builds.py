@@ -29,10 +29,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _build_outputs(flags: str, tmp_path: Path) -> dict:
+def _build_outputs(flags: str, tmp_path: Path, *extra: str) -> dict:
     path = tmp_path / "outputs.pt"
     env = {**os.environ, EXTRA_CFLAGS_ENV: flags, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "tests.kernels.isa_outputs", str(path)]
+    cmd = [sys.executable, "-m", "tests.kernels.isa_outputs", str(path), *extra]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
     return torch.load(path)
 
@@ -61,3 +61,13 @@ def test_kernel_isa_names_the_build_and_follows_the_cpu():
     if want == "avx-vnni" and "avx_vnni" not in flags:
         want = "avx2"
     assert kernel_isa() == want
+
+
+def test_a_build_without_avx2_loads_and_runs_the_model_on_torchs_int4_products(tmp_path):
+    """Below AVX2 the library has no int8-activation kernels (nor the layer team built on
+    them); it must still load, say so, and give the model the same logits as plain torch ops
+    (it once failed to link: the layer team's entry points were compiled out but still called)."""
+    got = _build_outputs("-mno-avx2", tmp_path, "--fallback")
+    assert got["loaded"] and got["isa"] == "none"
+    assert got["fused"]
+    torch.testing.assert_close(got["fused_logits"], got["plain_logits"], atol=2e-2, rtol=2e-2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from evospec.kernels.cpu_ops import load_cpu_ops
+from evospec.kernels.int4_matmul import vnni_available
 from evospec.models.fused import enable_fused_ops
 from evospec.models.quant import kernels_available, quantize_linears
 from evospec.models.step import StepGraph
@@ -16,7 +17,8 @@ from tests.decoding.spec_helpers import tiny_target
 from tests.script_modules import SCRIPTS, load_script
 
 pytestmark = pytest.mark.skipif(
-    not (load_cpu_ops() and kernels_available("int4")), reason="needs the fused CPU ops and int4 kernels"
+    not (load_cpu_ops() and kernels_available("int4") and vnni_available()),
+    reason="needs the fused CPU ops and their int4 kernels (AVX2 or later)",
 )
 
 
