@@ -113,6 +113,7 @@ def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, 
         raise FileNotFoundError("no shared data folder")
 
     monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
+    monkeypatch.setattr(tune.Tuner, "final", lambda self, names, trees: {n: speedups[n] for n in names})
     monkeypatch.setattr(indices.default, "ensure_indices", no_indices)
     model, head = folder
     stack = assemble(StackSettings(model=str(model), methods=(AUTO,), draft=str(head)), progress=False)
@@ -157,6 +158,7 @@ def test_auto_without_a_head_chooses_between_ar_and_ngram(
         }
 
     monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
+    monkeypatch.setattr(tune.Tuner, "final", lambda self, names, trees: {n: ngram for n in names})
     stack = assemble(StackSettings(model=str(folder[0]), methods=(AUTO,)), progress=False)
     assert seen == ["ngram"]  # the methods with a draft need a head
     assert stack.resolved == {AUTO: chosen} and stack.decoder(AUTO).name == chosen

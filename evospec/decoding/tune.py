@@ -2,8 +2,8 @@
 fastest on this machine.
 
 Owns: the candidate shapes, the calibration prompts, the calibration run and its cache, and
-the method choice (:meth:`Tuner.method`: the candidate with the best measured speedup over
-AR, or ``ar`` itself when none beats it). Verifying many tree tokens is
+the method choice (:meth:`Tuner.method`: each method calibrated alone, then its leaders timed
+again interleaved with AR in a :func:`final`; the fastest, or ``ar`` itself when none beats it). Verifying many tree tokens is
 not free on a CPU (PERF_NOTES: a 60-token verify costs several AR steps), while on a GPU it
 nearly is, so the best (top_k, depth, total_tokens) depends on the machine, the model, the
 draft head and the vocabulary method. The tuner measures instead of modelling: it decodes a
@@ -17,6 +17,7 @@ result says so (``beats_ar: false``) and the fastest shape is still returned.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -93,6 +94,26 @@ AUTO_CANDIDATES = ("frspec", "evospec", "nanospec", "eagle2", "ngram")
 # --method auto switches away from ar only for a calibrated speedup above this: the calibration
 # is short (4 prompts x 48 tokens), and here a 1.03x calibration came out 0.94x in the full bench
 AUTO_MARGIN = 1.05
+# The final of --method auto: each method's calibration keeps its best run against its own AR
+# runs, minutes apart from the other methods', and a machine that drifts ~20% from minute to
+# minute (docs/benchmarks.md, wave 29) can reorder methods a few percent apart. So the leading
+# candidates (at most FINALISTS, each calibrated at or above FINAL_FLOOR x AR) meet AR again in
+# one interleaved run over more prompts (FINAL_TEXTS), and that run decides.
+FINALISTS = 2
+FINAL_FLOOR = 0.95
+FINAL_ROUNDS = 3
+FINAL_TOKENS = 64
+FINAL_TEXTS = (
+    *CALIBRATION_TEXTS,
+    'Translate into English: "Der Zug nach Hamburg hat heute wegen eines Sturms zwei Stunden '
+    'Verspätung, und viele Fahrgäste warten noch am Bahnhof."',
+    "Summarize in two sentences: The town council met on Tuesday to discuss the new bus routes. "
+    "Residents of the north side said the changes would add twenty minutes to their commute, while "
+    "the transport office argued that the new routes serve two schools and the hospital. The council "
+    "agreed to test the routes for three months and to collect feedback from riders.",
+    "Write a short, friendly email to a colleague asking to move our Thursday meeting to Friday morning.",
+    "What are three common causes of a slow laptop, and how can each be fixed?",
+)
 
 
 def candidates_for(method: str, table: bool = False) -> tuple[TreeConfig, ...]:
@@ -175,8 +196,23 @@ def calibrate(
     decoders = {i: build(tree) for i, tree in enumerate(candidates)}
     # no candidate's timing pays for recording a graph
     record_steps(getattr(ar, "model", None), decoders.values())
-    with _live_cache_only([ar, *decoders.values()]):
-        return _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress)
+    try:
+        with _live_cache_only([ar, *decoders.values()]):
+            return _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress)
+    finally:
+        _release(decoders.values())
+
+
+def _release(decoders: Iterable[Decoder]) -> None:
+    """Close the decoders a timing built (an evospec decoder's retrieval worker among what
+    they hold) and free them now rather than whenever the cyclic collector runs: a
+    calibration builds a dozen per method, and the final and the serving that follow it run
+    in the same process."""
+    for dec in decoders:
+        close = getattr(dec, "close", None)
+        if close is not None:
+            close()
+    gc.collect()
 
 
 def _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress) -> dict:
@@ -222,10 +258,57 @@ def _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, 
     }
 
 
+def final(
+    ar: Decoder,
+    decoders: dict[str, Decoder],
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int = FINAL_TOKENS,
+    rounds: int = FINAL_ROUNDS,
+    progress: bool = True,
+) -> dict[str, float]:
+    """Speedup over AR of each of ``decoders`` (greedy), timed interleaved with AR: in every
+    round each prompt is decoded once by every entrant, AR among them, in an order that rotates
+    by one from prompt to prompt, so a slow minute of the machine falls on all of them alike.
+    Each entrant keeps its fastest run of every prompt (noise only slows), and its speed is its
+    tokens over the sum of those times."""
+    from tqdm.auto import tqdm
+
+    entrants = {"ar": ar, **decoders}
+    names = list(entrants)
+    record_steps(getattr(ar, "model", None), decoders.values())
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    best = {name: [math.inf] * len(prompts) for name in names}
+    tokens = {name: [0] * len(prompts) for name in names}
+    with _live_cache_only(entrants.values()):
+        for dec in entrants.values():
+            list(dec.generate(prompts[0], SamplingParams(max_new_tokens=4)))
+        total = rounds * len(prompts) * len(names)
+        with tqdm(total=total, desc="method final", unit="run", disable=not progress) as bar:
+            for r in range(rounds):
+                for j, ids in enumerate(prompts):
+                    turn = (r * len(prompts) + j) % len(names)
+                    for name in names[turn:] + names[:turn]:
+                        t0 = time.perf_counter()
+                        tokens[name][j] = sum(len(ev.tokens) for ev in entrants[name].generate(ids, params))
+                        best[name][j] = min(best[name][j], time.perf_counter() - t0)
+                        bar.update(1)
+    speed = {name: sum(tokens[name]) / max(sum(best[name]), 1e-9) for name in names}
+    return {name: speed[name] / max(speed["ar"], 1e-9) for name in decoders}
+
+
 def _cache_file() -> Path:
     from evospec.common import evospec_home
 
     return evospec_home() / "tuning" / "trees.json"
+
+
+def _write_cache(path: Path, cache: dict) -> None:
+    """Replace the cache file whole (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=2))
+    tmp.replace(path)
 
 
 @dataclass(frozen=True)
@@ -287,10 +370,7 @@ class Tuner:
             )
             cache = json.loads(path.read_text()) if path.exists() else {}
             cache[key] = result
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=2))
-            tmp.replace(path)
+            _write_cache(path, cache)
         return cache[key]
 
     def tree(self, method: str) -> TreeConfig:
@@ -310,23 +390,51 @@ class Tuner:
             )
         return tree
 
+    def final(self, finalists: Sequence[str], trees: dict[str, TreeConfig]) -> dict[str, float]:
+        """The cached (or freshly measured) :func:`final` of ``finalists`` at their tuned trees:
+        speedup over AR by name."""
+        key = self._key(f"final:{','.join(finalists)}") + f"|final-v1-{FINAL_ROUNDS}x{len(FINAL_TEXTS)}"
+        path = _cache_file()
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        if key not in cache:
+            codec = self.loaded.codec
+            ids = [codec.encode_chat([{"role": "user", "content": t}]) for t in FINAL_TEXTS]
+            decoders = {name: self.build(name, trees[name]) for name in finalists}
+            try:
+                ar = ARDecoder(self.loaded.model, self.eos)
+                speedups = final(ar, decoders, ids, progress=self.progress)
+            finally:
+                _release(decoders.values())
+            cache = json.loads(path.read_text()) if path.exists() else {}
+            cache[key] = {"speedups": speedups, "trees": {n: asdict(trees[n]) for n in finalists}}
+            _write_cache(path, cache)
+        return cache[key]["speedups"]
+
     def method(self, candidates: Sequence[str]) -> tuple[str, TreeConfig | None, dict[str, float]]:
         """The fastest lossless method here (``--method auto``): (name, its tuned tree, speedup
-        over AR per candidate). Each candidate is calibrated at its best tree shape; the one with
-        the highest tok/s relative to the AR run measured beside it wins, and ``ar`` (tree None)
-        when no candidate's speedup exceeds :data:`AUTO_MARGIN`."""
+        over AR per candidate). Each candidate is calibrated at its best tree shape; the leading
+        ones (:data:`FINALISTS`, calibrated at :data:`FINAL_FLOOR` x AR or more) then meet AR in
+        one interleaved :func:`final`, whose speedups replace their calibrations'. The fastest
+        wins, and ``ar`` (tree None) when no speedup exceeds :data:`AUTO_MARGIN`."""
         speedups: dict[str, float] = {}
         trees: dict[str, TreeConfig] = {}
         for name in candidates:
             res = self.tuning(name)
             speedups[name] = res.get("speedup", res["tok_per_s"] / max(res["ar_tok_per_s"], 1e-9))
             trees[name] = TreeConfig(**res["tree"])
+        ranked = sorted(speedups, key=speedups.__getitem__, reverse=True)
+        finalists = [n for n in ranked[:FINALISTS] if speedups[n] >= FINAL_FLOOR]
+        calibrated = dict(speedups)
+        if finalists:
+            speedups.update(self.final(finalists, trees))
         best = max(speedups, key=speedups.__getitem__, default=None)
         chosen = best if best is not None and speedups[best] > AUTO_MARGIN else "ar"
         if self.progress:
-            table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
+            table = ", ".join(f"{n} {x:.2f}x" for n, x in calibrated.items())
+            played = ", ".join(f"{n} {speedups[n]:.2f}x" for n in finalists) or "none at the floor"
             print(
-                f"[evospec] --method auto: {chosen} (speedup over AR on this machine: {table})",
+                f"[evospec] --method auto: {chosen} (speedup over AR on this machine, calibrated: {table}; "
+                f"final, interleaved with AR: {played})",
                 file=sys.stderr,
             )
         return chosen, trees.get(chosen), speedups

@@ -26,6 +26,9 @@ class _Sleepy:
             time.sleep(self.delay)
             yield StepEvent(tokens=[1])
 
+    def close(self) -> None:
+        self.closed = True
+
 
 def test_calibrate_picks_the_fastest_shape_and_compares_with_ar():
     delays = {SLOW: 0.02, FAST: 0.002}
@@ -236,3 +239,116 @@ def test_calibration_times_with_the_live_cache_only_and_gives_the_store_back():
     )
     assert seen and set(seen) == {0}
     assert ar.prefix.store_bytes == 256 << 20
+
+
+def test_the_final_interleaves_ar_and_the_finalists_and_keeps_each_prompts_best_run():
+    """Two prompts, two rounds: each prompt is decoded by AR and both finalists in an order that
+    rotates by one; a burst at a third of the speed hits one of A's runs and one of AR's, and
+    the best runs still say A 2x AR, B 1.25x."""
+    order, runs = [], iter(range(100))
+    burst = {4, 10}  # run numbers (0-2 are the warm-ups) that fall into the burst
+
+    class Logged(_Sleepy):
+        def __init__(self, name: str, delay: float) -> None:
+            super().__init__(delay)
+            self.name = name
+
+        def generate(self, prompt, params):
+            n = next(runs)
+            if n >= 3:
+                order.append((self.name, prompt[0]))
+            for _ in range(params.max_new_tokens):
+                time.sleep(self.delay * (3 if n in burst else 1))
+                yield StepEvent(tokens=[1])
+
+    ar, a, b = Logged("ar", 0.01), Logged("a", 0.005), Logged("b", 0.008)
+    speedups = tune.final(ar, {"a": a, "b": b}, [[0], [1]], max_new_tokens=4, rounds=2, progress=False)
+    assert order == [
+        ("ar", 0),
+        ("a", 0),
+        ("b", 0),
+        ("a", 1),
+        ("b", 1),
+        ("ar", 1),  # round 1
+        ("b", 0),
+        ("ar", 0),
+        ("a", 0),
+        ("ar", 1),
+        ("a", 1),
+        ("b", 1),  # round 2
+    ]  # runs 4 (a, prompt 0, round 1) and 10 (ar, prompt 0, round 2) were slowed
+    assert set(speedups) == {"a", "b"}
+    assert 1.6 < speedups["a"] < 2.4 and 1.05 < speedups["b"] < 1.5
+
+
+def _method_tuner(monkeypatch, calibrated: dict, played: dict | None, seen: list) -> tune.Tuner:
+    """A tuner whose calibrations report ``calibrated`` and whose final reports ``played``."""
+
+    def fake_tuning(self, method):
+        tree = {"top_k": 1, "depth": 1, "total_tokens": 1}
+        return {"tree": tree, "tok_per_s": calibrated[method], "ar_tok_per_s": 1.0}
+
+    def fake_final(self, names, trees):
+        seen.append(list(names))
+        return {n: played[n] for n in names}
+
+    monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
+    monkeypatch.setattr(tune.Tuner, "final", fake_final)
+    return tune.Tuner(lambda m, t: None, _loaded(), "h", progress=False)
+
+
+def test_method_auto_lets_the_interleaved_final_decide(monkeypatch):
+    seen: list = []
+    calibrated = {"frspec": 1.08, "ngram": 1.06, "eagle2": 1.07, "nanospec": 0.9}
+    tuner = _method_tuner(monkeypatch, calibrated, {"frspec": 1.02, "eagle2": 1.11}, seen)
+    chosen, tree, speedups = tuner.method(list(calibrated))
+    assert seen == [["frspec", "eagle2"]]  # the two leaders (FINALISTS) play the final
+    assert chosen == "eagle2" and tree == TreeConfig(top_k=1, depth=1, total_tokens=1)
+    assert speedups == {"frspec": 1.02, "ngram": 1.06, "eagle2": 1.11, "nanospec": 0.9}
+
+
+def test_method_auto_falls_back_to_ar_when_the_final_says_no_method_pays(monkeypatch):
+    seen: list = []
+    tuner = _method_tuner(monkeypatch, {"frspec": 1.09, "ngram": 1.07}, {"frspec": 1.03, "ngram": 1.04}, seen)
+    assert tuner.method(["frspec", "ngram"])[:2] == ("ar", None)
+    assert seen == [["frspec", "ngram"]]
+    seen.clear()  # nothing calibrated at FINAL_FLOOR: no final is played
+    tuner = _method_tuner(monkeypatch, {"frspec": 0.9, "ngram": 0.94}, None, seen)
+    assert tuner.method(["frspec", "ngram"])[0] == "ar" and seen == []
+
+
+def test_the_final_is_cached_per_finalists(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    built, calls = [], []
+
+    def fake_final(ar, decoders, prompts, **kw):
+        calls.append((len(prompts), sorted(decoders)))
+        return {n: 1.2 for n in decoders}
+
+    def build(method, tree):
+        built.append((method, tree))
+        return _Sleepy(0.0)
+
+    monkeypatch.setattr(tune, "final", fake_final)
+    monkeypatch.setattr(tune, "ARDecoder", lambda model, eos: _Sleepy(0.0))
+    trees = {"ngram": TreeConfig(1, 1, 1, lookup=3), "frspec": TreeConfig(1, 2, 2)}
+    for _ in range(2):
+        assert tune.Tuner(build, _loaded(), "h", progress=False).final(["ngram", "frspec"], trees) == {
+            "ngram": 1.2,
+            "frspec": 1.2,
+        }
+    assert calls == [(len(tune.FINAL_TEXTS), ["frspec", "ngram"])]  # the second read the cache
+    assert built == [("ngram", trees["ngram"]), ("frspec", trees["frspec"])]
+    tune.Tuner(build, _loaded(), "h", progress=False).final(["ngram"], trees)
+    assert len(calls) == 2  # other finalists, another final
+
+
+def test_calibrate_closes_the_decoders_it_built():
+    built = []
+
+    def build(tree):
+        built.append(_Sleepy(0.001))
+        return built[-1]
+
+    tune.calibrate(build, _Sleepy(0.001), [[1]], candidates=[SLOW, FAST], max_new_tokens=2, progress=False)
+    assert len(built) == 2 and all(getattr(d, "closed", False) for d in built)
