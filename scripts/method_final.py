@@ -21,7 +21,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["ngram", "eagle2"], help="the finalists")
     p.add_argument("--repeat", type=int, default=5, help="finals to play (default 5)")
-    p.add_argument("--rounds", type=int, default=tune.FINAL_ROUNDS, help="rounds a final (default: as served)")
+    p.add_argument("--rounds", type=int, default=tune.FINAL_ROUNDS, help="rounds a final (as served)")
     args = p.parse_args()
     gen = build_parser().parse_args(["generate", "--tree", "auto", "x"])  # the CLI's defaults
     stack = assemble(options.stack_settings(gen, ["ar", *args.methods]), progress=True)
