@@ -146,3 +146,22 @@ def test_greedy_ids_pick_as_argmax_does_with_ties_and_nans():
             logits[1, int(torch.randint(0, 5000, (1,), generator=gen))] = float("nan")
         assert torch.equal(greedy_ids(logits), torch.argmax(logits, dim=-1))
         assert int(greedy_ids(logits[2])) == int(torch.argmax(logits[2]))
+
+
+def test_greedy_ids_agree_on_every_path_views_and_dtypes():
+    """The numpy path (CPU float32) and torch's (other dtypes, tensors needing grad) pick the
+    same ids: several NaNs (the first wins), strided views, one row or many, inference mode."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(30):
+        logits = torch.randint(0, 4, (4, 3000), generator=gen).float()
+        if trial % 3 == 0:
+            logits[0, torch.randint(0, 3000, (3,), generator=gen)] = float("nan")
+        want = torch.argmax(logits, dim=-1)
+        for view, expect in ((logits, want), (logits[:, ::2], torch.argmax(logits[:, ::2], dim=-1))):
+            got = greedy_ids(view)
+            assert got.dtype == torch.int64 and torch.equal(got, expect)
+        with torch.inference_mode():
+            assert torch.equal(greedy_ids(logits.clone()), want)
+        assert torch.equal(greedy_ids(logits.double()), want)
+        assert torch.equal(greedy_ids(logits.requires_grad_()), want)
+        assert int(greedy_ids(logits[3].detach())) == int(want[3])
