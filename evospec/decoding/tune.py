@@ -3,15 +3,16 @@ fastest on this machine.
 
 Owns: the candidate shapes, the calibration prompts, the calibration run and its cache, and
 the method choice (:meth:`Tuner.method`: each method calibrated alone, then its leaders timed
-again interleaved with AR in a :func:`final`; the fastest, or ``ar`` itself when none beats it). Verifying many tree tokens is
-not free on a CPU (PERF_NOTES: a 60-token verify costs several AR steps), while on a GPU it
-nearly is, so the best (top_k, depth, total_tokens) depends on the machine, the model, the
-draft head and the vocabulary method. The tuner measures instead of modelling: it decodes a
-few calibration prompts (:data:`CALIBRATION_TEXTS`, written for this purpose: no data set,
-so a fresh install can tune) with every candidate shape and plain AR between them, in two
-passes (each keeps its best run), keeps the fastest shape, and caches the choice in
-``$EVOSPEC_HOME/tuning/trees.json`` under a key naming all of those. If no shape beats AR the
-result says so (``beats_ar: false``) and the fastest shape is still returned.
+again interleaved with AR in a :func:`final`; the fastest of those, or ``ar`` itself when none
+beats it). Verifying many tree tokens is not free on a CPU (PERF_NOTES: a 60-token verify
+costs several AR steps), while on a GPU it nearly is, so the best (top_k, depth, total_tokens)
+depends on the machine, the model, the draft head and the vocabulary method. The tuner
+measures instead of modelling: it decodes a few calibration prompts
+(:data:`CALIBRATION_TEXTS`, written for this purpose: no data set, so a fresh install can
+tune) with every candidate shape and plain AR between them, in two passes (each keeps its best
+run), keeps the fastest shape, and caches the choice in ``$EVOSPEC_HOME/tuning/trees.json``
+under a key naming all of those. If no shape beats AR the result says so (``beats_ar: false``)
+and the fastest shape is still returned.
 """
 
 from __future__ import annotations
@@ -427,7 +428,8 @@ class Tuner:
         calibrated = dict(speedups)
         if finalists:
             speedups.update(self.final(finalists, trees))
-        best = max(speedups, key=speedups.__getitem__, default=None)
+        # only a finalist can win: the others' calibrations are what the final corrects
+        best = max(finalists, key=speedups.__getitem__, default=None)
         chosen = best if best is not None and speedups[best] > AUTO_MARGIN else "ar"
         if self.progress:
             table = ", ".join(f"{n} {x:.2f}x" for n, x in calibrated.items())

@@ -307,6 +307,15 @@ def test_method_auto_lets_the_interleaved_final_decide(monkeypatch):
     assert speedups == {"frspec": 1.02, "ngram": 1.06, "eagle2": 1.11, "nanospec": 0.9}
 
 
+def test_only_a_finalist_can_win_method_auto(monkeypatch):
+    """A third method's calibration (1.09x) above what the final measured for the two leaders
+    does not make it the choice: the final corrects calibrations, and it did not play."""
+    seen: list = []
+    calibrated = {"frspec": 1.12, "ngram": 1.11, "eagle2": 1.09}
+    tuner = _method_tuner(monkeypatch, calibrated, {"frspec": 1.04, "ngram": 1.07}, seen)
+    assert tuner.method(list(calibrated))[0] == "ngram" and seen == [["frspec", "ngram"]]
+
+
 def test_method_auto_falls_back_to_ar_when_the_final_says_no_method_pays(monkeypatch):
     seen: list = []
     tuner = _method_tuner(monkeypatch, {"frspec": 1.09, "ngram": 1.07}, {"frspec": 1.03, "ngram": 1.04}, seen)
