@@ -351,28 +351,38 @@ class Tuner:
         # v7: every graph recorded and warmed before timing, stopping chains among the candidates
         return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v7"])
 
-    def tuning(self, method: str) -> dict:
-        """The cached (or freshly measured) calibration of ``method``: ``calibrate``'s result."""
-        key = self._key(method)
+    def _cached(self, key: str, measure: Callable[[], dict]) -> dict:
+        """The cache's entry ``key``, measured by ``measure`` and stored first if missing (the
+        file is read again before the write: another process may have tuned meanwhile)."""
         path = _cache_file()
         cache = json.loads(path.read_text()) if path.exists() else {}
         if key not in cache:
-            codec = self.loaded.codec
-            if codec is None:
-                raise ValueError("auto tuning needs a model with a tokenizer for its calibration prompts")
-            ids = [codec.encode_chat([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
-            ar = ARDecoder(self.loaded.model, self.eos)
-            result = calibrate(
-                lambda t: self.build(method, t),
-                ar,
-                ids,
-                candidates=candidates_for(method, self.table),
-                progress=self.progress,
-            )
+            result = measure()
             cache = json.loads(path.read_text()) if path.exists() else {}
             cache[key] = result
             _write_cache(path, cache)
         return cache[key]
+
+    def _prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        """``texts`` as one-turn chats, token ids."""
+        codec = self.loaded.codec
+        if codec is None:
+            raise ValueError("auto tuning needs a model with a tokenizer for its calibration prompts")
+        return [codec.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+    def tuning(self, method: str) -> dict:
+        """The cached (or freshly measured) calibration of ``method``: ``calibrate``'s result."""
+
+        def measure() -> dict:
+            return calibrate(
+                lambda t: self.build(method, t),
+                ARDecoder(self.loaded.model, self.eos),
+                self._prompts(CALIBRATION_TEXTS),
+                candidates=candidates_for(method, self.table),
+                progress=self.progress,
+            )
+
+        return self._cached(self._key(method), measure)
 
     def tree(self, method: str) -> TreeConfig:
         """The fastest measured shape for ``method`` (``--tree auto``); prints it."""
@@ -394,29 +404,26 @@ class Tuner:
     def final(self, finalists: Sequence[str], trees: dict[str, TreeConfig]) -> dict[str, float]:
         """The cached (or freshly measured) :func:`final` of ``finalists`` at their tuned trees:
         speedup over AR by name."""
-        key = self._key(f"final:{','.join(finalists)}") + f"|final-v1-{FINAL_ROUNDS}x{len(FINAL_TEXTS)}"
-        path = _cache_file()
-        cache = json.loads(path.read_text()) if path.exists() else {}
-        if key not in cache:
-            codec = self.loaded.codec
-            ids = [codec.encode_chat([{"role": "user", "content": t}]) for t in FINAL_TEXTS]
+
+        def measure() -> dict:
             decoders = {name: self.build(name, trees[name]) for name in finalists}
             try:
                 ar = ARDecoder(self.loaded.model, self.eos)
-                speedups = final(ar, decoders, ids, progress=self.progress)
+                speedups = final(ar, decoders, self._prompts(FINAL_TEXTS), progress=self.progress)
             finally:
                 _release(decoders.values())
-            cache = json.loads(path.read_text()) if path.exists() else {}
-            cache[key] = {"speedups": speedups, "trees": {n: asdict(trees[n]) for n in finalists}}
-            _write_cache(path, cache)
-        return cache[key]["speedups"]
+            return {"speedups": speedups, "trees": {n: asdict(trees[n]) for n in finalists}}
+
+        key = self._key(f"final:{','.join(finalists)}") + f"|final-v1-{FINAL_ROUNDS}x{len(FINAL_TEXTS)}"
+        return self._cached(key, measure)["speedups"]
 
     def method(self, candidates: Sequence[str]) -> tuple[str, TreeConfig | None, dict[str, float]]:
         """The fastest lossless method here (``--method auto``): (name, its tuned tree, speedup
         over AR per candidate). Each candidate is calibrated at its best tree shape; the leading
         ones (:data:`FINALISTS`, calibrated at :data:`FINAL_FLOOR` x AR or more) then meet AR in
-        one interleaved :func:`final`, whose speedups replace their calibrations'. The fastest
-        wins, and ``ar`` (tree None) when no speedup exceeds :data:`AUTO_MARGIN`."""
+        one interleaved :func:`final`, whose speedups replace their calibrations'. The faster
+        finalist wins, and ``ar`` (tree None) when its speedup does not exceed :data:`AUTO_MARGIN`
+        or no candidate reached the final."""
         speedups: dict[str, float] = {}
         trees: dict[str, TreeConfig] = {}
         for name in candidates:

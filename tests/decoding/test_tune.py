@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from evospec.decoding import tune
@@ -361,3 +362,14 @@ def test_calibrate_closes_the_decoders_it_built():
 
     tune.calibrate(build, _Sleepy(0.001), [[1]], candidates=[SLOW, FAST], max_new_tokens=2, progress=False)
     assert len(built) == 2 and all(getattr(d, "closed", False) for d in built)
+
+
+def test_tuning_a_model_without_a_tokenizer_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    loaded = _loaded()
+    loaded.codec = None
+    tuner = tune.Tuner(lambda m, t: _Sleepy(0.0), loaded, "h", progress=False)
+    for measure in (lambda: tuner.tuning("frspec"), lambda: tuner.final(["ngram"], {"ngram": SLOW})):
+        with pytest.raises(ValueError, match="needs a model with a tokenizer"):
+            measure()
+    assert not (tmp_path / "tuning" / "trees.json").exists()  # nothing cached
