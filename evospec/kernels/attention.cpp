@@ -31,7 +31,8 @@
 // of a reduction per key), the query heads of one KV head share each key and value load, and
 // an f16 cache halves the bytes a step streams. Without AVX-512 (16 ymm registers, not 32 zmm)
 // the same sums are blocked smaller -- four keys' sums at a time, pairs of rows' outputs -- or
-// they spill on every multiply-add: 12-24% off 2-4-row attention on a Zen 3 (wave 29).
+// they spill on every multiply-add: 12-24% off 2-4-row attention on a Zen 3 (wave 29); and f16
+// keys and values are converted as each row loads them, not shared through a buffer (wave 31).
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
@@ -87,7 +88,11 @@ inline V splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 
 #define EVOSPEC_ATTENTION_YMM 1  // score_rows and weigh_groups below: blocked for 16 ymm registers
-constexpr int kShareKeys = 2;     // rows from which an f16 block's keys are converted once (score_block)
+// An f16 cache's keys and values are converted as each row loads them: converting a block once
+// into a float32 buffer for its rows to share costs an extra 256-bit store and reload per 8
+// lanes, which on a Zen 3 took more than the conversions it saved (2-row and longer blocks,
+// 5-20% of the op; wave 31). kShareKeys above kMaxRows: never.
+constexpr int kShareKeys = kMaxRows + 1;
 
 // Keys 8p..8p+7 of reduce16 after its first level, c[j] = lanes (l, l + 8) of key j added: the
 // same tree (below) by in-lane shuffles.
@@ -369,23 +374,14 @@ void weigh_groups(const Rows& rows, const T* va, int64_t vs, int64_t t0, int64_t
 #endif
 
 // out_r = (sum_t e_r[t] v_t) * inv_r: keys in chunks of kChunk, each chunk's values read by every
-// group of rows while they sit in L1 (a block of up to kMaxRows rows reads the values once). The
-// ymm build converts an f16 chunk once into `vbuf` (kChunk * dh floats) where more than one pair
-// of rows reads it.
+// group of rows while they sit in L1 (a block of up to kMaxRows rows reads the values once; an
+// f16 chunk is converted by each group as it loads it).
 template <typename T>
 void weigh_rows(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t end, int64_t dh,
-                const float* score, int64_t stride, const float* inv, float* vbuf) {
+                const float* score, int64_t stride, const float* inv) {
   for (int r = 0; r < rows.nr; ++r) std::memset(rows.out[r], 0, dh * sizeof(float));
   for (int64_t ta = t0; ta < end; ta += kChunk) {
     const int64_t te = std::min(end, ta + kChunk);
-#ifdef EVOSPEC_ATTENTION_YMM
-    if (std::is_same_v<T, uint16_t> && rows.nr > 2) {
-      for (int64_t t = ta; t < te; ++t)
-        for (int64_t d = 0; d < dh; d += kW) store(vbuf + (t - ta) * dh + d, load(vb + t * vs + d));
-      weigh_groups<float>(rows, vbuf, dh, t0, ta, te, dh, score, stride);
-      continue;
-    }
-#endif
     weigh_groups<T>(rows, vb + ta * vs, vs, t0, ta, te, dh, score, stride);
   }
   for (int r = 0; r < rows.nr; ++r)
@@ -405,7 +401,7 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
   float inv[kMaxRows];
   for (int r = 0; r < rows.nr; ++r)
     inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask);
-  weigh_rows<T>(rows, vb, vs, t0, end, dh, score, stride, inv, kbuf);  // the keys' buffer, free now
+  weigh_rows<T>(rows, vb, vs, t0, end, dh, score, stride, inv);
 }
 
 // One job: the rows of block `job` (batch row, KV head, row block) over that head's keys.
@@ -445,7 +441,7 @@ void run_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
   thread_local std::vector<float> score, kbuf, zeros;
   thread_local std::vector<T> zeros_t;  // +0 in either format
   if (score.size() < static_cast<size_t>(a.rb * a.stride)) score.resize(a.rb * a.stride);
-  if (kbuf.size() < static_cast<size_t>(kChunk * a.dh)) kbuf.resize(kChunk * a.dh);  // 16 keys, or a values chunk
+  if (kbuf.size() < static_cast<size_t>(kW * a.dh)) kbuf.resize(kW * a.dh);  // a block's 16 keys, converted
   if (zeros.size() < static_cast<size_t>(a.dh)) {
     zeros.resize(a.dh, 0.0f);
     zeros_t.resize(a.dh, T{0});
