@@ -221,6 +221,48 @@ struct Rows {
   int nr;
 };
 
+#ifdef EVOSPEC_ATTENTION_YMM
+// score_rows for rows [r0, r0 + NR): each key's 16-lane chunks are loaded (an f16 key's
+// converted) once for the NR rows, whose lane sums fill 2 NR ymm. The same products and sums,
+// in the same order, as one row at a time: lane l of row r and key j is q_r[l] k_j[l], then
+// fused multiply-adds in d order; (l, l + 8) halves; reduce8_halves over 8 keys.
+template <int NR, typename K>
+void score_group(const Rows& rows, int r0, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale,
+                 float* score, int64_t stride) {
+  __m256 c[NR][kW];
+  for (int j = 0; j < kW; ++j) {
+    V a[NR];
+    const V k0 = load(kp[j]);
+    for (int r = 0; r < NR; ++r) a[r] = load(rows.q[r0 + r]) * k0;
+    for (int64_t d = kW; d < dh; d += kW) {
+      const V kd = load(kp[j] + d);
+      for (int r = 0; r < NR; ++r) a[r] = fma(load(rows.q[r0 + r] + d), kd, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) c[r][j] = halves(a[r]);
+  }
+  for (int r = 0; r < NR; ++r) {
+    const V sums = {reduce8_halves(c[r]), reduce8_halves(c[r] + 8)};
+    store(score + (r0 + r) * stride + (tb - t0), scale * sums);
+  }
+}
+
+constexpr int kKeyRows = 4;  // rows sharing each key load: 8 ymm of lane sums, 2 of the key
+
+// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j}, up to kKeyRows
+// rows sharing each key's loads (and an f16 key's conversion).
+template <typename K>
+void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
+                int64_t stride) {
+  for (int r0 = 0; r0 < rows.nr; r0 += kKeyRows) {
+    switch (std::min(kKeyRows, rows.nr - r0)) {
+      case 1: score_group<1>(rows, r0, kp, tb, t0, dh, scale, score, stride); break;
+      case 2: score_group<2>(rows, r0, kp, tb, t0, dh, scale, score, stride); break;
+      case 3: score_group<3>(rows, r0, kp, tb, t0, dh, scale, score, stride); break;
+      default: score_group<4>(rows, r0, kp, tb, t0, dh, scale, score, stride);
+    }
+  }
+}
+#else
 // a[j] = the 16 lane sums of q * k_j over the head (lane l takes d = l mod 16, in d order) for
 // the NK keys kp[j] (K: float or float16 elements).
 template <int NK, typename K>
@@ -233,30 +275,17 @@ inline void lane_sums(const float* q, const K* const* kp, int64_t dh, V* a) {
   }
 }
 
-// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j}. With ymm
-// registers, four keys at a time, each folded to its 8-lane half sums before the next four:
-// sixteen keys' sums would fill 32 ymm, twice the register file, and spill on every
-// multiply-add. The same products and sums in the same order as reduce16's.
+// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j}.
 template <typename K>
 void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
                 int64_t stride) {
   for (int r = 0; r < rows.nr; ++r) {
-#ifdef EVOSPEC_ATTENTION_YMM
-    __m256 c[kW];
-    for (int j0 = 0; j0 < kW; j0 += 4) {
-      V a[4];
-      lane_sums<4>(rows.q[r], kp + j0, dh, a);
-      for (int j = 0; j < 4; ++j) c[j0 + j] = halves(a[j]);
-    }
-    const V sums = {reduce8_halves(c), reduce8_halves(c + 8)};
-#else
     V a[kW];
     lane_sums<kW>(rows.q[r], kp, dh, a);
-    const V sums = reduce16(a);
-#endif
-    store(score + r * stride + (tb - t0), scale * sums);
+    store(score + r * stride + (tb - t0), scale * reduce16(a));
   }
 }
+#endif
 
 // score_rows for the 16 keys from tb (keys past `end`: zeros). An f16 cache's keys are
 // converted once into `kbuf` where kShareKeys or more rows share them, else as each row loads
