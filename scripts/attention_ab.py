@@ -2,7 +2,7 @@
 
 Builds each tree's op library (its ``evospec/kernels`` sources, this machine's flags) under its
 own op namespace (``-Devospec=NS``: ``torch.ops.NS.decode_attention``), loads both, checks that
-they give the same bits over a few hundred shapes (head sizes 32-256, 1-16 rows, grouped
+they give the same bits over a few hundred shapes (head sizes 32-256, 1-16 rows, 7-1,100 keys, grouped
 queries, masks, sliding windows, f32 and f16 caches), then times them call block by call block,
 alternating (the order flips each repeat), so that a machine whose speed drifts from minute to
 minute times both under the same conditions. SmolLM2's shape: 9 query heads over 3 KV heads of
@@ -62,7 +62,7 @@ def check_shapes(ops: list, seed: int = 0) -> int:
     gen = torch.Generator().manual_seed(seed)
     count = 0
     dtypes = (torch.float16, torch.float32)
-    grid = itertools.product((32, 64, 80, 128, 256), (1, 2, 3, 4, 5, 9, 16), (7, 64, 333), dtypes)
+    grid = itertools.product((32, 64, 80, 128, 256), (1, 2, 3, 4, 5, 9, 16), (7, 64, 333, 1100), dtypes)
     for dh, n, s, dtype in grid:
         for h, hk, b, window, masked in ((9, 3, 1, 0, False), (4, 4, 2, 0, n == 1), (8, 2, 1, 48, False)):
             if n > s:
