@@ -32,7 +32,7 @@
 // an f16 cache halves the bytes a step streams. Without AVX-512 (16 ymm registers, not 32 zmm)
 // the same sums are blocked smaller -- one key's sums for up to four rows at a time, pairs of
 // rows' outputs -- or they spill on every multiply-add (12-24% off 2-4-row attention on a Zen 3,
-// wave 29; 16-31% more since wave 31, when each key load began to serve up to four rows' scores
+// wave 29; 9-31% more since wave 31, when each key load began to serve up to four rows' scores
 // and f16 keys and values to be converted as they are loaded, not shared through a buffer).
 
 #include <ATen/Parallel.h>
