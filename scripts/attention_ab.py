@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import itertools
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,18 +27,22 @@ from pathlib import Path
 import torch
 
 from evospec.common import evospec_home, positive_int
-from evospec.kernels.cpu_ops import CFLAGS, LDFLAGS, SOURCES
+from evospec.kernels.cpu_ops import CFLAGS, LDFLAGS, SOURCES, _cpu_flags
 
 
 def load_tree(tree: Path, namespace: str) -> object:
     """``torch.ops.<namespace>``: the op library of ``tree``'s kernel sources, built once into
-    the kernels cache (keyed by those sources and the flags)."""
+    the kernels cache (keyed, as the library's own build, by the sources, the flags, torch and
+    the CPU). Only its ``decode_attention`` is used here: ops that look another op up by name
+    (``"evospec::..."`` strings) would still find the installed library's."""
     from torch.utils import cpp_extension
 
     sources = [tree / "evospec" / "kernels" / src.name for src in SOURCES]
     headers = sorted((tree / "evospec" / "kernels").glob("*.h"))
     flags = [*CFLAGS, f"-Devospec={namespace}"]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*sources, *headers)) + " ".join(flags).encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*sources, *headers)))
+    for part in (" ".join(flags), torch.__version__, platform.machine(), _cpu_flags()):
+        key.update(part.encode())
     folder = evospec_home() / "kernels" / f"ab-{key.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)
     name = f"evospec_cpu_ops_{namespace}"
