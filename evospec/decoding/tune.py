@@ -403,7 +403,8 @@ class Tuner:
 
     def final(self, finalists: Sequence[str], trees: dict[str, TreeConfig]) -> dict[str, float]:
         """The cached (or freshly measured) :func:`final` of ``finalists`` at their tuned trees:
-        speedup over AR by name."""
+        speedup over AR by name. The key names the trees too: a calibration measured again to
+        another shape plays a new final."""
 
         def measure() -> dict:
             decoders = {name: self.build(name, trees[name]) for name in finalists}
@@ -412,9 +413,11 @@ class Tuner:
                 speedups = final(ar, decoders, self._prompts(FINAL_TEXTS), progress=self.progress)
             finally:
                 _release(decoders.values())
-            return {"speedups": speedups, "trees": {n: asdict(trees[n]) for n in finalists}}
+            return {"speedups": speedups}
 
-        key = self._key(f"final:{','.join(finalists)}") + f"|final-v1-{FINAL_ROUNDS}x{len(FINAL_TEXTS)}"
+        shapes = ";".join(f"{n}={json.dumps(asdict(trees[n]), sort_keys=True)}" for n in finalists)
+        version = f"final-v1-{FINAL_ROUNDS}x{len(FINAL_TEXTS)}"
+        key = "|".join([self._key("final:" + ",".join(finalists)), version, shapes])
         return self._cached(key, measure)["speedups"]
 
     def method(self, candidates: Sequence[str]) -> tuple[str, TreeConfig | None, dict[str, float]]:

@@ -351,6 +351,9 @@ def test_the_final_is_cached_per_finalists(tmp_path, monkeypatch):
     assert built == [("ngram", trees["ngram"]), ("frspec", trees["frspec"])]
     tune.Tuner(build, _loaded(), "h", progress=False).final(["ngram"], trees)
     assert len(calls) == 2  # other finalists, another final
+    recalibrated = {**trees, "frspec": TreeConfig(1, 1, 1)}
+    tune.Tuner(build, _loaded(), "h", progress=False).final(["ngram", "frspec"], recalibrated)
+    assert len(calls) == 3  # a finalist's tree measured again to another shape: another final
 
 
 def test_calibrate_closes_the_decoders_it_built():
