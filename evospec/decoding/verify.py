@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from evospec.decoding.node_logits import NodeLogits
-from evospec.decoding.sampling import SamplingParams, greedy_ids, target_probs
+from evospec.decoding.sampling import SamplingParams, draw, greedy_ids, target_probs
 from evospec.decoding.tree import DraftTree
 
 Rows = torch.Tensor | NodeLogits  # [N, V] logits of every node, or rows projected on demand
@@ -112,7 +112,7 @@ def sample_accept(
                 break
             p[tok] = 0.0
         if not moved:
-            bonus = int(torch.multinomial(p / p.sum(), 1, generator=gen))
+            bonus = draw(p, gen)
             return torch.tensor(path, device=tree.tokens.device), bonus
 
 

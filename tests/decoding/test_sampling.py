@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from evospec.decoding.sampling import SAMPLING_EPS, SamplingParams, greedy_ids, pick_token, target_probs
+from evospec.decoding import sampling
+from evospec.decoding.sampling import SAMPLING_EPS, SamplingParams, draw, greedy_ids, pick_token, target_probs
 
 # probabilities 0.5, 0.3, 0.15, 0.05 (in a shuffled order) as logits
 PROBS = torch.tensor([0.15, 0.5, 0.05, 0.3])
@@ -165,3 +166,63 @@ def test_greedy_ids_agree_on_every_path_views_and_dtypes():
         assert torch.equal(greedy_ids(logits.double()), want)
         assert torch.equal(greedy_ids(logits.requires_grad_()), want)
         assert int(greedy_ids(logits[3].detach())) == int(want[3])
+
+
+def _full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus as a full descending sort defines it (the implementation before wave 32)."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = sorted_p.double().cumsum(-1) - sorted_p.double()
+    drop = mass_before >= top_p
+    drop[..., 0] = False
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 3.0, 10.0])
+def test_top_p_finds_the_nucleus_a_full_sort_finds(scale: float) -> None:
+    """Peaked rows (a few ids) and flat ones (thousands: the search past NUCLEUS_K), batched."""
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(3, 5000, generator=gen) * scale
+    probs = torch.softmax(logits, dim=-1)
+    sizes = set()
+    for top_p in (1e-9, 0.3, 0.9, 0.95, 0.999, 1 - 1e-9):
+        got = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        want = _full_sort_nucleus(probs, top_p)
+        assert torch.equal(got > 0, want > 0), (scale, top_p)
+        assert torch.allclose(got, want, atol=1e-6) and torch.allclose(got.sum(-1), torch.ones(3))
+        sizes.update((got > 0).sum(-1).tolist())
+    if scale <= 1.0:
+        assert max(sizes) > 4 * sampling.NUCLEUS_K  # the search grew past its first k
+
+
+def test_top_p_keeps_the_lowest_ids_among_equal_edge_probabilities() -> None:
+    probs = torch.tensor([0.1, 0.3, 0.3, 0.3])  # mass before, descending: 0, 0.3, 0.6, 0.9
+    got = target_probs(probs.log(), SamplingParams(temperature=1.0, top_p=0.35))
+    assert torch.nonzero(got).flatten().tolist() == [1, 2]
+    flat = target_probs(torch.zeros(8), SamplingParams(temperature=1.0, top_p=0.3))
+    assert torch.nonzero(flat).flatten().tolist() == [0, 1, 2]  # 0, 1/8, 2/8 come before 0.3
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero() -> None:
+    weights = torch.tensor([0.2, 0.0, 1.2, 0.6, 0.0])  # unnormalised
+    gen = torch.Generator().manual_seed(3)
+    n = 4000
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(n)]), minlength=5).float()
+    want = weights / weights.sum()
+    assert counts[1] == 0 and counts[4] == 0
+    assert ((counts / n - want).abs() <= 5 * (want * (1 - want) / n).sqrt()).all(), counts
+
+
+def test_draw_reproduces_with_a_seed_and_rejects_no_mass() -> None:
+    weights = torch.rand(1000, generator=torch.Generator().manual_seed(0))
+    ids = [[draw(weights, torch.Generator().manual_seed(9)) for _ in range(3)] for _ in range(2)]
+    assert ids[0] == ids[1]
+    for bad in (torch.zeros(10), torch.tensor([0.5, float("nan")])):
+        with pytest.raises(ValueError, match="mass"):
+            draw(bad, None)
+
+
+def test_a_draw_at_the_very_top_takes_the_last_id_with_mass(monkeypatch) -> None:
+    """u x total rounded up to the total would fall past the end: the last id with mass."""
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(torch.tensor([0.25, 0.75, 0.0, 0.0]), None) == 1
