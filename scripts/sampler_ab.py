@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--weights", default="int4")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -77,7 +78,11 @@ def main() -> None:
     def run(method: str, arm: str, ids: list[int], seed: int, record: bool = True) -> None:
         use(arm)
         params = sampling.SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=seed
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=seed,
         )
         n, t0 = 0, time.perf_counter()
         for ev in decoders[method].generate(ids, params):
@@ -98,7 +103,10 @@ def main() -> None:
                 run(m, arm, ids, seed=i)
     finally:
         use("this")
-    print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, T={args.temperature}, top_p={args.top_p}")
+    print(
+        f"{len(prompts)} prompts x {args.max_new_tokens} tokens, "
+        f"T={args.temperature}, top_p={args.top_p}, top_k={args.top_k}"
+    )
     print("| method | reference sampler, tok/s | this sampler, tok/s | ratio |")
     print("|---|---|---|---|")
     for m in methods:

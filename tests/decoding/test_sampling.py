@@ -226,3 +226,35 @@ def test_a_draw_at_the_very_top_takes_the_last_id_with_mass(monkeypatch) -> None
     """u x total rounded up to the total would fall past the end: the last id with mass."""
     monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
     assert draw(torch.tensor([0.25, 0.75, 0.0, 0.0]), None) == 1
+
+
+def test_top_p_after_top_k_and_underflow_sees_only_the_positive_ids() -> None:
+    """Rows with thousands of zeros (top-k filtering; logits far apart, whose softmax underflows)
+    keep the nucleus a full sort finds."""
+    gen = torch.Generator().manual_seed(5)
+    for logits, top_k in (
+        (torch.randn(2, 5000, generator=gen) * 3, 40),
+        (torch.randn(2, 5000, generator=gen) * 60, 0),
+    ):
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=0.9)
+        got = target_probs(logits, params)
+        filtered = target_probs(logits, SamplingParams(temperature=1.0, top_k=top_k))
+        assert (filtered == 0).sum() > 4000
+        want = _full_sort_nucleus(filtered, 0.9)
+        assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, atol=1e-6)
+
+
+def test_top_k_keeps_ties_and_matches_the_masked_softmax() -> None:
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(3, 5000, generator=gen) * 3
+    for k in (1, 40, 1000):
+        got = target_probs(logits, SamplingParams(temperature=0.8, top_k=k))
+        scaled = logits / 0.8
+        kth = torch.topk(scaled, k, dim=-1).values[..., -1:]
+        want = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+        assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, atol=1e-6)
+    ties = torch.tensor([3.0, 1.0, 2.0, 2.0, 2.0, 0.0])  # the 2nd largest value is held by three ids
+    got = target_probs(ties, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.nonzero(got).flatten().tolist() == [0, 2, 3, 4]
+    with pytest.raises(ValueError, match="mass"):
+        pick_token(torch.tensor([0.0, float("nan"), 1.0]), SamplingParams(temperature=1.0, top_k=1), None)
