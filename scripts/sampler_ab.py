@@ -1,15 +1,16 @@
 """Sampled decoding with this checkout's sampler beside the one it replaced, in one process.
 
 The reference sampler is wave 31's: a token drawn by ``torch.multinomial`` (an exponential
-drawn per id: ~1.3 ms for SmolLM2's 49,152 here) and the top-p nucleus found by a full
-``torch.sort`` of the row (~4 ms). Both samplers follow the same law (``tests/decoding/
-test_sampling.py``); they consume the random stream differently, so their tokens differ and
-each arm is timed on its own seeded outputs. Every method runs every prompt with both
+drawn per id: ~1.3 ms for SmolLM2's 49,152 here), top-k by torch's ``topk`` and a masked
+softmax over the row, and the top-p nucleus found by a full ``torch.sort`` of the row (~4
+ms). Both samplers follow the same law (``tests/decoding/test_sampling.py``); they consume
+the random stream differently, so their tokens differ and each arm is timed on its own
+seeded outputs. Every method runs every prompt with both
 samplers, the order flipping from prompt to prompt; prints decode tok/s per method and arm.
 Used for docs/benchmarks.md, wave 32:
 
     .venv/bin/python scripts/sampler_ab.py --data ../shared/data/spec_bench/question.jsonl \\
-        --temperature 1.0 --top-p 0.95
+        --per-category 2 --temperature 1.0 --top-p 0.95     # also --top-k 40
 """
 
 from __future__ import annotations
@@ -31,26 +32,36 @@ def reference_draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
-def reference_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    drop = mass_before >= top_p
-    drop[..., 0] = False
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-    return kept / kept.sum(-1, keepdim=True)
+def reference_target_probs(logits: torch.Tensor, params: sampling.SamplingParams) -> torch.Tensor:
+    """Wave 31's ``target_probs``: torch's ``topk`` and a masked softmax over the row, then the
+    nucleus from a full sort."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop = mass_before >= params.top_p
+        drop[..., 0] = False
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = kept / kept.sum(-1, keepdim=True)
+    return probs
 
 
 ARMS = {
-    "this": (sampling.draw, sampling._nucleus),
-    "reference": (reference_draw, reference_nucleus),
+    "this": (sampling.target_probs, sampling.draw),
+    "reference": (reference_target_probs, reference_draw),
 }
 
 
 def use(arm: str) -> None:
-    """Point every caller of the sampler at ``arm``'s draw and nucleus."""
-    draw, nucleus = ARMS[arm]
+    """Point every caller of the sampler (plain decoding's ``pick_token``, verification's
+    ``sample_accept``) at ``arm``'s distribution and draw."""
+    target_probs, draw = ARMS[arm]
+    sampling.target_probs = verify.target_probs = target_probs
     sampling.draw = verify.draw = draw
-    sampling._nucleus = nucleus
 
 
 def main() -> None:
