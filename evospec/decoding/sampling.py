@@ -110,8 +110,12 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def _nucleus_row(p: np.ndarray, top_p: float) -> np.ndarray:
     """One row [V] of :func:`_nucleus`: the nucleus's size and its smallest probability come from
     the row's top values alone (:func:`_nucleus_edge`); every id above that edge is kept, and as
-    many ids at the edge, lowest first, as make the size."""
-    edge, size = _nucleus_edge(p, top_p)
+    many ids at the edge, lowest first, as make the size. A row without positive mass (NaN
+    logits) passes through as it is: a draw from it raises."""
+    positive = p[p > 0]  # a zero never joins the nucleus (the mass before it is the total)
+    if not positive.size:
+        return p
+    edge, size = _nucleus_edge(positive, top_p)
     keep = p > edge
     missing = size - int(np.count_nonzero(keep))
     if missing > 0:
@@ -121,13 +125,12 @@ def _nucleus_row(p: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def _nucleus_edge(p: np.ndarray, top_p: float) -> tuple[np.float32, int]:
-    """(the smallest probability in the nucleus, its size) of a row [V]: the mass before each of
-    the top k values in descending order (float64), k = ``NUCLEUS_K`` and x4 while the k-th
-    value still comes before ``top_p`` -- numpy's partition of the row's positive values and a
-    sort of k of them (~0.1 ms for k = 256 of 49,152 here, against ~4 ms for torch's ``sort``
-    of the row; partitioning the zeros as well, which top-k filtering and underflow leave by the
-    thousand, took ~0.7 ms: its selection slows down on many equal values)."""
-    p = p[p > 0]  # a zero never joins the nucleus (the mass before it is the total)
+    """(the smallest probability in the nucleus, its size) from a row's positive values [n]: the
+    mass before each of the top k values in descending order (float64), k = ``NUCLEUS_K`` and x4
+    while the k-th value still comes before ``top_p`` -- numpy's partition and a sort of k
+    values (~0.1 ms for k = 256 of 49,152 here, against ~4 ms for torch's ``sort`` of the row;
+    partitioning the zeros as well, which top-k filtering and underflow leave by the thousand,
+    took ~0.7 ms: its selection slows down on many equal values)."""
     vocab = p.shape[0]
     k = min(NUCLEUS_K, vocab)
     while True:

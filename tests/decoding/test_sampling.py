@@ -256,5 +256,7 @@ def test_top_k_keeps_ties_and_matches_the_masked_softmax() -> None:
     ties = torch.tensor([3.0, 1.0, 2.0, 2.0, 2.0, 0.0])  # the 2nd largest value is held by three ids
     got = target_probs(ties, SamplingParams(temperature=1.0, top_k=2))
     assert torch.nonzero(got).flatten().tolist() == [0, 2, 3, 4]
-    with pytest.raises(ValueError, match="mass"):
-        pick_token(torch.tensor([0.0, float("nan"), 1.0]), SamplingParams(temperature=1.0, top_k=1), None)
+    nan = torch.tensor([0.0, float("nan"), 1.0])
+    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.9)):
+        with pytest.raises(ValueError, match="mass"):  # NaN logits: the draw says so, top-p passes them on
+            pick_token(nan, params, None)
