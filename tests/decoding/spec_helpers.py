@@ -92,12 +92,19 @@ def prompt_of(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def exact_second_token(target, prompt: list[int], temperature: float) -> torch.Tensor:
-    """p(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1), computed from the target directly."""
+def exact_second_token(
+    target, prompt: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """p(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1), computed from the target directly (with
+    top-k / top-p: each step's distribution as ``sampling.target_probs`` filters it)."""
+    from evospec.decoding.sampling import SamplingParams, target_probs
 
     def next_probs(ids: list[int]) -> torch.Tensor:
         cache = target.new_cache(len(ids))
         logits = target(torch.tensor([ids]), torch.arange(len(ids)), cache, logits="last").logits[0, -1]
+        if top_k or top_p < 1.0:
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            return target_probs(logits, params).double()
         return torch.softmax(logits.double() / temperature, -1)
 
     p1 = next_probs(prompt)

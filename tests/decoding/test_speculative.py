@@ -193,30 +193,32 @@ def test_seeded_sampling_repeats_exactly(target, drafters):
 
 
 @pytest.mark.parametrize(
-    "fmt,chain,fused",
+    "fmt,chain,fused,filters",
     [
-        ("fp32", False, False),
-        ("int4", False, True),
-        ("int4", True, True),
-        ("int4", True, False),
-        ("int4", "stopping", True),
+        ("fp32", False, False, {}),
+        ("int4", False, True, {}),
+        ("int4", True, True, {}),
+        ("int4", True, False, {}),
+        ("int4", "stopping", True, {}),
+        ("fp32", False, False, {"top_k": 12, "top_p": 0.8}),
     ],
 )
-def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain, fused):
+def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain, fused, filters):
     """The second generated token (drafted, accepted or resampled) has the target's marginal;
     on a chain the quantised target verifies through its recorded graph; a stopping chain's
-    length depends on the draft only, so it keeps the law too."""
+    length depends on the draft only, so it keeps the law too; top-k and top-p filter the
+    accepted and the resampled tokens alike."""
     target = tiny_target(4, sharp=3.0) if fmt == "fp32" else _quantised_target(4, fmt, fused, sharp=3.0)
     drafter = perturbed_drafter(target, noise=0.3)
     stopping = TreeConfig(top_k=1, depth=3, total_tokens=3, min_prob=0.08)  # this target is less peaked
     tree = {True: CHAIN, "stopping": stopping}.get(chain, TreeConfig(top_k=3, depth=3, total_tokens=8))
     prompt = prompt_of(8, 5)
-    exact = exact_second_token(target, prompt, temperature=1.0).float()
+    exact = exact_second_token(target, prompt, temperature=1.0, **filters).float()
     n = 1500
     counts = torch.zeros(exact.numel())
     accepted, sizes = 0, set()
     for s in range(n):
-        params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=s)
+        params = SamplingParams(max_new_tokens=2, temperature=1.0, seed=s, **filters)
         evs = spec_events(target, drafter, prompt, params, tree)
         counts[[t for ev in evs for t in ev.tokens][1]] += 1
         accepted += sum(ev.accepted for ev in evs)
