@@ -80,16 +80,16 @@ def _top_k_softmax(logits: torch.Tensor, k: int, top_p: float = 1.0) -> torch.Te
     """The softmax [..., V] over each row's logits at or above its k-th largest, zero elsewhere,
     and then its nucleus (``top_p`` < 1) among those few, row by row in numpy on the host (as
     :func:`_nucleus`): a partition for the k-th value and the softmax of the kept few, ~0.1 ms a
-    row of 49,152 here against ~0.4 ms for torch's ``topk``, mask and full softmax. A row whose
-    k-th value is NaN comes out NaN (a draw from it raises)."""
+    row of 49,152 here against ~0.4 ms for torch's ``topk``, mask and full softmax. A row with a
+    NaN logit comes out NaN, as the full softmax would (a draw from it raises)."""
     host = logits.detach().cpu().reshape(-1, logits.shape[-1]).numpy()
     out = np.zeros_like(host)
     vocab = host.shape[1]
     for row, dst in zip(host, out, strict=True):
-        ids = np.flatnonzero(row >= np.partition(row, vocab - k)[vocab - k])
-        if ids.size == 0:
+        if np.isnan(row.max()):  # numpy's max propagates NaN; a partition would rank it last
             dst[:] = np.nan
             continue
+        ids = np.flatnonzero(row >= np.partition(row, vocab - k)[vocab - k])
         e = np.exp(row[ids] - row[ids].max())
         kept = e / e.sum()
         dst[ids] = _nucleus_row(kept, top_p) if top_p < 1.0 else kept  # ids ascend: ties stay lowest first

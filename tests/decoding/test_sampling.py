@@ -257,6 +257,7 @@ def test_top_k_keeps_ties_and_matches_the_masked_softmax() -> None:
     got = target_probs(ties, SamplingParams(temperature=1.0, top_k=2))
     assert torch.nonzero(got).flatten().tolist() == [0, 2, 3, 4]
     nan = torch.tensor([0.0, float("nan"), 1.0])
-    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.9)):
+    filters = ({"top_k": 1}, {"top_k": 2}, {"top_p": 0.9}, {"top_k": 2, "top_p": 0.9})
+    for params in (SamplingParams(temperature=1.0, **f) for f in filters):
         with pytest.raises(ValueError, match="mass"):  # NaN logits: the draw says so, top-p passes them on
             pick_token(nan, params, None)
