@@ -4,7 +4,8 @@ Owns: the draft cache and its bookkeeping across a round -- commit the pairs the
 verified ("catch-up"), expand tree frontiers into uncommitted slots (each node sees the
 committed prefix plus its own ancestors), and rewind those slots after verification, so draft
 KV is kept only for accepted tokens. Top-k over the draft's output vocabulary goes through a
-``DraftHeadFn`` (full LM head here; a reduced active-vocabulary head plugs in the same way).
+``DraftHeadFn`` (full LM head here; a reduced active-vocabulary head plugs in the same way),
+or what a chooser picks instead (a sampled chain's draws: ``proposal.DraftSampler``).
 
 - :class:`EagleDrafter`: an EAGLE-2 or EAGLE-3 head. Pair i = (target feature at position i,
   token i+1) sits at draft position i; a depth-d tree node's pair is (its parent's draft
@@ -26,14 +27,17 @@ from evospec.models.eagle import EagleHead
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
 from evospec.models.transformer import Transformer
-from evospec.vocab.head import FullHead
+from evospec.vocab.head import Chooser, FullHead
 
 __all__ = ["DraftHeadFn", "Drafter", "EagleDrafter", "FullHead", "TargetDrafter"]
 
 
 class DraftHeadFn(Protocol):
-    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [n, D] -> top-k (log-probs [n, k], target token ids [n, k])."""
+    def __call__(
+        self, hidden: torch.Tensor, k: int, choose: Chooser | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [n, D] -> top-k (log-probs [n, k], target token ids [n, k]); with ``choose``,
+        what it picks from the log-probs instead (a sampled chain's draws)."""
         ...
 
 
@@ -41,10 +45,10 @@ class Drafter(Protocol):
     def start(self, prompt: Sequence[int], max_len: int) -> None: ...
     def catch_up(self, features: torch.Tensor, tokens: torch.Tensor) -> None: ...
     def commit(
-        self, features: torch.Tensor, tokens: torch.Tensor, k: int
+        self, features: torch.Tensor, tokens: torch.Tensor, k: int, choose: Chooser | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def expand(
-        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int
+        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int, choose: Chooser | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def rewind(self) -> None: ...
 
@@ -110,22 +114,24 @@ class _TreeDrafterBase:
         self._last = hidden[-1:]
 
     def commit(
-        self, features: torch.Tensor, tokens: torch.Tensor, k: int
+        self, features: torch.Tensor, tokens: torch.Tensor, k: int, choose: Chooser | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append verified pairs (features [m, D], tokens [m]; m may be 0 after a
-        :meth:`catch_up`) and return the root's top-k [k]: the tree grows from the last pair."""
+        :meth:`catch_up`) and return the root's top-k [k] (or what ``choose`` picks): the tree
+        grows from the last pair."""
         if tokens.shape[0]:
             self.catch_up(features, tokens)
         self._frontier_hidden = self._last
         self._anc = torch.zeros(1, 0, dtype=torch.bool, device=tokens.device)
         self._depth = 0
-        logp, ids = self.head_fn(self._last, k)
+        logp, ids = self.head_fn(self._last, k, choose)
         return logp[0], ids[0]
 
     def expand(
-        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int
+        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int, choose: Chooser | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward frontier nodes (tokens [k']) into uncommitted slots; children's top-k [k', k]."""
+        """Forward frontier nodes (tokens [k']) into uncommitted slots; children's top-k [k', k]
+        (or what ``choose`` picks)."""
         n = tokens.shape[0]
         rows = (
             parent_rows if parent_rows is not None else torch.zeros(n, dtype=torch.long, device=tokens.device)
@@ -140,7 +146,7 @@ class _TreeDrafterBase:
         causal = self.graph is not None and n == 1 and bool(anc.all())
         hidden = self._run(parent_hidden, tokens, positions, mask, causal)  # [k', D]
         self._frontier_hidden, self._anc = hidden, anc
-        return self.head_fn(hidden, k)
+        return self.head_fn(hidden, k, choose)
 
     def rewind(self) -> None:
         """Drop the tree slots written since the last commit."""

@@ -388,8 +388,8 @@ class _NormedHead:
     def __init__(self, draft, head_fn) -> None:
         self.draft, self.head_fn = draft, head_fn
 
-    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.head_fn(self.draft.logit_input(hidden), k)
+    def __call__(self, hidden: torch.Tensor, k: int, choose=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head_fn(self.draft.logit_input(hidden), k, choose)
 
 
 _DRAFT_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> {format: its copy}

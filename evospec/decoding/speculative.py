@@ -34,6 +34,7 @@ from evospec.decoding.lookup import LookupDraft
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import NodeLogits
 from evospec.decoding.prefix import PrefixCache
+from evospec.decoding.proposal import DraftSampler
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.decoding.tree import DraftTree, TreeConfig, build_tree, chain_tree
 from evospec.decoding.verify import accept
@@ -131,7 +132,8 @@ def generate_speculative(
         if looked_up:
             tree = chain_tree(root, guess, prefix, device)
         else:
-            tree = _draft_tree(drafter, root, pending.take(), prefix, tree_cfg, vocab, adapt)
+            sampler = _sampler(tree_cfg, params, gen)
+            tree = _draft_tree(drafter, root, pending.take(), prefix, tree_cfg, vocab, adapt, sampler)
         t1 = time.perf_counter()
         vout, rows, path, bonus = _verify(target, tree, cache, params, gen, prefetch, draft_layers)
         lazy = isinstance(rows, NodeLogits)
@@ -205,17 +207,27 @@ def _draft_tree(
     tree_cfg: TreeConfig,
     vocab: ActiveVocab | None,
     adapt: OnlineAdapter | None,
+    sampler: DraftSampler | None = None,
 ) -> DraftTree:
-    """A drafted round's tree: commit the pending pairs, then expand from the root."""
+    """A drafted round's tree: commit the pending pairs, then expand from the root (a sampled
+    chain: ``sampler`` draws every token, the root's first child included)."""
     if vocab is not None:
         vocab.begin_round()
     features, tokens = pairs
     if adapt is not None:
         adapt.begin_round(features, tokens)
-    root_logp, root_ids = drafter.commit(features, tokens, tree_cfg.top_k)
-    tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg)
+    root_logp, root_ids = drafter.commit(features, tokens, tree_cfg.top_k, choose=sampler)
+    tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg, sampler)
     drafter.rewind()
     return tree
+
+
+def _sampler(tree_cfg: TreeConfig, params: SamplingParams, gen: torch.Generator) -> DraftSampler | None:
+    """A round's draws where its chain is sampled (``tree.sample_drafts``, a sampled request, a
+    chain); None: the draft proposes its most likely tokens."""
+    if params.greedy or tree_cfg.top_k != 1 or not tree_cfg.sample_drafts:
+        return None
+    return DraftSampler(params, gen)
 
 
 class _Pending:

@@ -19,7 +19,9 @@ first ``min(depth, total_tokens)`` levels, so :func:`build_tree` drafts exactly 
 takes the chain's structure (parents, depths, mask) from a table built once per length. The
 result is the tree the general path builds, marked ``chain`` so that acceptance and the KV
 cache can skip what a chain does not need (on this CPU the general path costs ~0.27 ms a
-round for a 1-token chain, most of a cheap draft).
+round for a 1-token chain, most of a cheap draft). Under sampling a chain may instead draw
+its tokens from the draft's distribution (a ``proposal.DraftSampler``); the tree then keeps
+each draw's distribution for the verify's ratio test (``DraftTree.proposals``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from evospec.decoding.proposal import DraftSampler, Proposal
 from evospec.decoding.tree_config import TreeConfig
 
 
@@ -46,6 +49,9 @@ class DraftTree:
     scores: torch.Tensor  # [N] float cumulative draft log-prob (root 0)
     max_depth: int  # upper bound on depths (the configured depth), known without a host sync
     chain: bool = False  # node i sits at depth i, its parent is node i - 1 (a top_k = 1 shape)
+    # a sampled chain: proposals[i] is the draft distribution node i + 1 was drawn from (verify.py
+    # then accepts by the ratio test); None: every node is a proposal of its own (a point mass)
+    proposals: tuple[Proposal, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -72,9 +78,10 @@ class TreeExpander(Protocol):
     """What :func:`build_tree` needs from a drafter (see ``drafter.py``)."""
 
     def expand(
-        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int
+        self, tokens: torch.Tensor, parent_rows: torch.Tensor | None, k: int, choose=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward frontier ``tokens`` [k']; return their children's top-k (logp, ids) [k', k].
+        """Forward frontier ``tokens`` [k']; return their children's top-k (logp, ids) [k', k]
+        (or what ``choose``, a ``vocab/head.py: Chooser``, picks instead).
 
         ``parent_rows`` [k'] indexes the rows of the previous ``expand`` call (None: the root).
         """
@@ -102,9 +109,14 @@ def build_tree(
     root_ids: torch.Tensor,  # [K] their token ids
     prefix_len: int,  # committed tokens in the target cache; the root sits at this position
     cfg: TreeConfig,
+    sampler: DraftSampler | None = None,
 ) -> DraftTree:
+    """``sampler``: a chain's draws (it also drew ``root_ids``, at the drafter's commit); the
+    tree keeps its proposals. Only a chain takes one."""
     if cfg.top_k == 1:
-        return _build_chain(drafter, root_token, root_logp, root_ids, prefix_len, cfg)
+        return _build_chain(drafter, root_token, root_logp, root_ids, prefix_len, cfg, sampler)
+    if sampler is not None:
+        raise ValueError("sampled drafts make chains (tree.top_k 1)")
     k = cfg.top_k
     device = root_ids.device
     scores = [root_logp[:k].float()]  # per level: candidate scores
@@ -159,11 +171,13 @@ def _build_chain(
     root_ids: torch.Tensor,  # [K >= 1]
     prefix_len: int,
     cfg: TreeConfig,
+    sampler: DraftSampler | None = None,
 ) -> DraftTree:
-    """The top_k = 1 tree: the draft's greedy chain, ``min(depth, total_tokens)`` tokens, or
-    with ``cfg.min_prob`` its longest prefix whose draft probability stays >= min_prob (possibly
-    none: the root alone). The stop reads each step's log-prob on the host: a chain decides its
-    own length as it goes, and the steps it stops before are never drafted."""
+    """The top_k = 1 tree: the draft's greedy chain (with ``sampler``: its draws),
+    ``min(depth, total_tokens)`` tokens, or with ``cfg.min_prob`` its longest prefix whose draft
+    probability stays >= min_prob (possibly none: the root alone). The stop reads each step's
+    log-prob on the host: a chain decides its own length as it goes, and the steps it stops
+    before are never drafted."""
     n = min(cfg.depth, cfg.total_tokens)
     floor = math.log(cfg.min_prob) if cfg.min_prob > 0 else None
     tokens, logps = [root_ids[:1]], [root_logp[:1].float()]
@@ -171,7 +185,7 @@ def _build_chain(
     if floor is not None and total < floor:
         tokens, logps = [], []
     while 0 < len(tokens) < n:
-        logp, ids = drafter.expand(tokens[-1], None, 1)  # [1, 1] each
+        logp, ids = drafter.expand(tokens[-1], None, 1, choose=sampler)  # [1, 1] each
         if floor is not None:
             total += float(logp[0, 0])
             if total < floor:
@@ -181,7 +195,10 @@ def _build_chain(
     device = root_ids.device
     scores = torch.cat(logps).cumsum(0) if logps else torch.zeros(0, device=device)  # [L]
     drafted = torch.cat([torch.tensor([root_token], device=device), *tokens])
-    return _chain(drafted, torch.cat([scores.new_zeros(1), scores]), prefix_len, cfg.depth)
+    tree = _chain(drafted, torch.cat([scores.new_zeros(1), scores]), prefix_len, cfg.depth)
+    if sampler is not None:  # a stop may leave the last draw undrafted
+        tree.proposals = tuple(sampler.proposals[: len(tokens)])
+    return tree
 
 
 def chain_tree(root_token: int, drafted: list[int], prefix_len: int, device: torch.device) -> DraftTree:

@@ -40,8 +40,17 @@ class TreeConfig:
         "chain so far stays at or above this, so confident rounds verify up to depth tokens and "
         "doubtful ones none (a plain step); 0: always depth tokens",
     )
+    sample_drafts: bool = setting(
+        True,
+        "chain (top-k-tree 1) under sampling: draw each drafted token from the draft's own "
+        "distribution (the request's temperature, top-k and top-p applied to it) and accept it with "
+        "probability min(1, p/q), speculative sampling; no: propose the draft's most likely token "
+        "(accepted with the target's probability of it). Lossless either way",
+    )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sample_drafts, bool):
+            raise ValueError(f"tree.sample_drafts must be true or false, got {self.sample_drafts!r}")
         for name in ("top_k", "depth", "total_tokens", "lookup", "lookup_ngram", "table_lookup"):
             v = getattr(self, name)
             least = 0 if name in ("lookup", "table_lookup") else 1

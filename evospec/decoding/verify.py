@@ -26,6 +26,14 @@ other token z, prod_i(1 - p(c_i)/m_i) * p(z)/m_end = p(z) because the remaining 
 telescope. So every emitted token is distributed exactly as p given the prefix, which by
 induction over positions gives the target's joint distribution. (Draft probabilities do not
 appear: the proposal is a point mass on each child, so its ratio p/q is p.)
+
+Sampled chains (``DraftTree.proposals``, ``proposal.py``): node i + 1's token x was drawn from
+the draft's distribution q at node i. It is accepted with probability min(1, p(x) / q(x)); at
+the first rejection the bonus is drawn from max(p - q, 0) renormalised, after the last node
+from p (speculative sampling, Leviathan et al. 2023). Lossless: the chance of emitting z at the
+node is q(z) min(1, p(z)/q(z)) + (1 - sum_y min(p(y), q(y))) (p(z) - q(z))^+ / sum_y (p(y) - q(y))^+
+= min(p(z), q(z)) + (p(z) - q(z))^+ = p(z), since sum_y (p - q)^+ = 1 - sum_y min(p, q). A chain
+is accepted by this rule with probability 1 - TV(p, q) a node, against p(x) for a point mass.
 """
 
 from __future__ import annotations
@@ -89,8 +97,10 @@ def greedy_walk(tree: DraftTree, rows: Rows) -> tuple[torch.Tensor, int]:
 def sample_accept(
     tree: DraftTree, logits: Rows, params: SamplingParams, gen: torch.Generator
 ) -> tuple[torch.Tensor, int]:
-    """Tree rejection sampling (see module docstring); reads ``logits[node]`` ([V]) only
-    for the nodes it visits."""
+    """Tree rejection sampling, or the ratio test along a sampled chain (see module docstring);
+    reads ``logits[node]`` ([V]) only for the nodes it visits."""
+    if tree.proposals is not None:
+        return _sample_chain(tree, logits, params, gen)
     children: dict[int, list[int]] = {}
     for node, par in enumerate(tree.parents.tolist()):
         if par >= 0:
@@ -114,6 +124,28 @@ def sample_accept(
         if not moved:
             bonus = draw(p, gen)
             return torch.tensor(path, device=tree.tokens.device), bonus
+
+
+def _sample_chain(
+    tree: DraftTree, logits: Rows, params: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, int]:
+    """Speculative sampling along a chain whose node i + 1 was drawn from ``tree.proposals[i]``:
+    accept it with probability min(1, p(x) / q(x)); at the first rejection the bonus is drawn
+    from max(p - q, 0), after the last accepted node from p."""
+    tokens = tree.tokens.tolist()
+    node = 0
+    while True:
+        p = target_probs(logits[node], params)  # [V]
+        if node + 1 < tree.size:
+            proposal, token = tree.proposals[node], tokens[node + 1]
+            u = float(torch.rand((), generator=gen, device=p.device))
+            if u * proposal.token_prob < float(p[token]):
+                node += 1
+                continue
+            residual = (p - proposal.dense(p)).clamp_(min=0.0)
+            # mass is left wherever the draw was rejected (p(x) < q(x)); rounding aside
+            p = residual if float(residual.sum()) > 0 else p
+        return torch.arange(node + 1, device=tree.tokens.device), draw(p, gen)
 
 
 def accept(

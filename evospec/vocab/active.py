@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from evospec.models.quant import Int8Matmul
-from evospec.vocab.head import FullHead, Projection, ReducedHead, TwoStageHead
+from evospec.vocab.head import Chooser, FullHead, Projection, ReducedHead, TwoStageHead
 from evospec.vocab.policy import RoundFeedback, VocabPolicy
 from evospec.vocab.routed import SpecVocabPolicy
 
@@ -214,7 +214,9 @@ class ActiveVocab:
         if self.per_step:
             self.head.new_round()
 
-    def draft_head(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_head(
+        self, hidden: torch.Tensor, k: int, choose: Chooser | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's :class:`~evospec.decoding.drafter.DraftHeadFn`.
 
         The first call of a round loads the policy's active ids first. That call comes after the
@@ -229,7 +231,7 @@ class ActiveVocab:
                 self._mask = self._next_mask
             else:
                 self._load(self.policy.active_mask(self._round))
-        return self.head(hidden, k)
+        return self.head(hidden, k, choose)
 
     def _load(self, raw: torch.Tensor) -> None:
         """Make ``raw | always`` the head's set, unless ``raw`` is the very mask loaded last

@@ -49,6 +49,10 @@ FREE = -1  # slot id placeholder of an unused slot
 PACK_MIN_ROWS = 8192
 PACK_BLOCK = 4096
 Projection = Callable[[torch.Tensor], torch.Tensor]  # hidden [n, D] -> logits [n, V]
+# Picks each row's proposal instead of the top-k: (log-probs [n, C] over the head's columns, the
+# columns' target ids [C] or None where column = id) -> (log-probs [n, k], target ids [n, k]).
+# Under sampling a chain draws its tokens this way (``decoding/proposal.py: DraftSampler``).
+Chooser = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -77,13 +81,18 @@ class FullHead:
     def size(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, hidden: torch.Tensor, k: int, choose: Chooser | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         logp = torch.log_softmax(self.project(hidden).float(), dim=-1)  # [n, V]
-        top = torch.topk(logp, k, dim=-1)
-        ids = top.indices if self.row_ids is None else self.row_ids[top.indices]  # target ids
+        if choose is not None:
+            out = choose(logp, self.row_ids)
+        else:
+            top = torch.topk(logp, k, dim=-1)
+            out = top.values, top.indices if self.row_ids is None else self.row_ids[top.indices]  # target ids
         self.timings.lm_head_s += time.perf_counter() - t0
-        return top.values, ids
+        return out
 
     def take_timings(self) -> HeadTimings:
         out, self.timings = self.timings, HeadTimings()
@@ -218,20 +227,26 @@ class ReducedHead:
     def clear(self) -> None:
         self.set_active(torch.zeros(self.vocab_size, dtype=torch.bool, device=self.slot_of.device))
 
-    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [n, D] -> top-k over the active ids: (log-probs [n, k'], target ids [n, k']).
+    def __call__(
+        self, hidden: torch.Tensor, k: int, choose: Chooser | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [n, D] -> top-k over the active ids: (log-probs [n, k'], target ids [n, k']),
+        or what ``choose`` picks from the log-probs over the slots.
 
-        k' = min(k, active size): a free slot is never returned.
+        k' = min(k, active size): a free slot (log-prob -inf) is never returned.
         """
         t0 = time.perf_counter()
         self._wait_staged()  # a staged load: the compute stream waits here, not earlier
         logits = self._project(hidden).float()
         logits = logits + self.bias  # [n, C]
         logp = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logp, min(k, self.size), dim=-1)
-        ids = self.slot_ids[top.indices]  # [n, k'] absolute target ids
+        if choose is not None:
+            out = choose(logp, self.slot_ids)
+        else:
+            top = torch.topk(logp, min(k, self.size), dim=-1)
+            out = top.values, self.slot_ids[top.indices]  # [n, k'] absolute target ids
         self.timings.lm_head_s += time.perf_counter() - t0
-        return top.values, ids
+        return out
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C]
         if self.tiles is not None:
@@ -332,7 +347,9 @@ class TwoStageHead:
         z = (hidden.float() @ self.selector.down).to(torch.bfloat16)  # [n, r]
         return torch.ops.aten._weight_int8pack_mm(z, *self._codes8)
 
-    def __call__(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, hidden: torch.Tensor, k: int, choose: Chooser | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         n = hidden.shape[0]
         cand = torch.topk(self._approx(hidden), self.candidates, dim=-1, sorted=False).indices  # [n, K]
@@ -341,11 +358,15 @@ class TwoStageHead:
         exact = self._exact(hidden, union).float()  # [n, u]
         logits = torch.full_like(exact, float("-inf"))
         logits.scatter_(1, slot, exact.gather(1, slot))  # each row keeps its own candidates
-        # k' = min(k, K): a row holds at least K distinct ids, so no masked slot is returned
-        top = torch.topk(torch.log_softmax(logits, dim=-1), min(k, self.candidates), dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)  # [n, u]
+        if choose is not None:
+            out = choose(logp, union)
+        else:  # k' = min(k, K): a row holds at least K distinct ids, so no masked slot is returned
+            top = torch.topk(logp, min(k, self.candidates), dim=-1)
+            out = top.values, union[top.indices]
         self.seen[union] = True
         self.timings.lm_head_s += time.perf_counter() - t0
-        return top.values, union[top.indices]
+        return out
 
     def _exact(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [n, D], [u] -> [n, u]
         if self.int8 is not None:

@@ -169,10 +169,10 @@ class _CheckingTargetDrafter:
         self.seq = list(prompt[:1])  # x_0, then the token of every committed pair
         self.inner.start(prompt, max_len)
 
-    def commit(self, features, tokens, k):
+    def commit(self, features, tokens, k, choose=None):
         if tokens.numel():
             self._check(features, tokens)
-        return self.inner.commit(features, tokens, k)
+        return self.inner.commit(features, tokens, k, choose)
 
     def catch_up(self, features, tokens):
         self._check(features, tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -106,6 +108,27 @@ def test_perturbed_drafter_accepts_some_but_not_all(target, drafters):
     assert 0 < sum(accepted) < len(accepted) * TREES[0].depth
 
 
+def test_a_perfect_draft_sampling_its_chain_is_accepted_where_proposing_is_not():
+    """Under sampling, a chain drawn from the target's own distribution passes the ratio test
+    (up to the rounding between the draft head's log-softmax and the target's logits); the same
+    draft proposing its most likely tokens is accepted only with their probability."""
+    target = tiny_target(0, sharp=1.5)
+    prompt, tree = prompt_of(5, 6), TreeConfig(top_k=1, depth=3, total_tokens=3)
+    rates = {}
+    for sample in (True, False):
+        accepted = drafted = 0
+        for seed in range(6):
+            params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed)
+            evs = spec_events(
+                target, TargetDrafter(target), prompt, params, replace(tree, sample_drafts=sample)
+            )
+            accepted += sum(ev.accepted for ev in evs if not ev.prefill)
+            drafted += sum(ev.tree_size for ev in evs if not ev.prefill)
+        rates[sample] = accepted / drafted
+    assert rates[True] > 0.97, rates
+    assert rates[False] < 0.8, rates
+
+
 @pytest.mark.parametrize("top_k,sharp", [(1, 6.0), (3, 40.0)])
 def test_perfect_draft_accepts_every_drafted_token(top_k, sharp):
     """With the target drafting for itself every round accepts ``depth`` tokens (+1 bonus).
@@ -200,18 +223,25 @@ def test_seeded_sampling_repeats_exactly(target, drafters):
         ("int4", True, True, {}),
         ("int4", True, False, {}),
         ("int4", "stopping", True, {}),
+        ("int4", "proposed", True, {}),
         ("fp32", False, False, {"top_k": 12, "top_p": 0.8}),
+        ("fp32", True, False, {"top_k": 12, "top_p": 0.8}),
     ],
 )
 def test_sampled_tokens_follow_the_target_end_to_end(fmt, chain, fused, filters):
     """The second generated token (drafted, accepted or resampled) has the target's marginal;
-    on a chain the quantised target verifies through its recorded graph; a stopping chain's
-    length depends on the draft only, so it keeps the law too; top-k and top-p filter the
-    accepted and the resampled tokens alike."""
+    on a chain the quantised target verifies through its recorded graph; a chain draws its tokens
+    from the draft (the ratio test) unless it proposes the draft's most likely ones ("proposed":
+    ``sample_drafts`` off); a stopping chain's length depends on the draft's confidence only,
+    so it keeps the law too; top-k and top-p filter the drafted, accepted and resampled tokens
+    alike."""
     target = tiny_target(4, sharp=3.0) if fmt == "fp32" else _quantised_target(4, fmt, fused, sharp=3.0)
     drafter = perturbed_drafter(target, noise=0.3)
     stopping = TreeConfig(top_k=1, depth=3, total_tokens=3, min_prob=0.08)  # this target is less peaked
-    tree = {True: CHAIN, "stopping": stopping}.get(chain, TreeConfig(top_k=3, depth=3, total_tokens=8))
+    proposed = replace(CHAIN, sample_drafts=False)
+    tree = {True: CHAIN, "stopping": stopping, "proposed": proposed}.get(
+        chain, TreeConfig(top_k=3, depth=3, total_tokens=8)
+    )
     prompt = prompt_of(8, 5)
     exact = exact_second_token(target, prompt, temperature=1.0, **filters).float()
     n = 1500
@@ -289,9 +319,9 @@ class _SpyDrafter:
         self.calls.append(("catch_up", tokens.numel(), len(self.seen)))
         self.inner.catch_up(features, tokens)
 
-    def commit(self, features, tokens, k):
+    def commit(self, features, tokens, k, choose=None):
         self.calls.append(("commit", tokens.numel(), len(self.seen)))
-        return self.inner.commit(features, tokens, k)
+        return self.inner.commit(features, tokens, k, choose)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

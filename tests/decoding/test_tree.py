@@ -19,8 +19,10 @@ class ScriptedExpander:
         self.table = torch.log_softmax(torch.randn(V, V, generator=gen) * 2, dim=-1)  # [parent, child]
         self.calls: list[tuple[list[int], list[int] | None]] = []
 
-    def expand(self, tokens, parent_rows, k):
+    def expand(self, tokens, parent_rows, k, choose=None):
         self.calls.append((tokens.tolist(), None if parent_rows is None else parent_rows.tolist()))
+        if choose is not None:
+            return choose(self.table[tokens], None)
         top = torch.topk(self.table[tokens], k, dim=-1)
         return top.values, top.indices
 
@@ -135,3 +137,51 @@ def test_a_top1_tree_is_the_drafts_greedy_chain():
         assert torch.equal(tree.positions, 20 + tree.depths)
         assert torch.allclose(tree.scores, torch.tensor(scores), atol=1e-5)
         assert not build(TreeConfig(top_k=2, depth=depth, total_tokens=total))[0].chain
+
+
+def sampled_chain(cfg: TreeConfig, seed: int = 0):
+    """A chain drawn as a sampled round draws it: the root's child from the root's row, then one
+    draw per expansion; (tree, expander, sampler)."""
+    import pytest
+
+    from evospec.decoding.proposal import DraftSampler
+    from evospec.decoding.sampling import SamplingParams
+
+    exp = ScriptedExpander(seed)
+    sampler = DraftSampler(SamplingParams(temperature=1.0), torch.Generator().manual_seed(seed))
+    logp, ids = sampler(exp.table[7][None], None)
+    tree = build_tree(exp, 7, logp[0], ids[0], prefix_len=20, cfg=cfg, sampler=sampler)
+    with pytest.raises(ValueError, match="chains"):
+        build_tree(exp, 7, logp[0], ids[0], 20, TreeConfig(top_k=2, depth=2, total_tokens=3), sampler)
+    return tree, exp, sampler
+
+
+def test_a_sampled_chain_keeps_the_distribution_of_every_drafted_token():
+    tree, exp, _ = sampled_chain(TreeConfig(top_k=1, depth=4, total_tokens=4))
+    assert tree.chain and tree.size == 5 and len(exp.calls) == 3
+    assert len(tree.proposals) == 4
+    tokens = tree.tokens.tolist()
+    for i, prop in enumerate(tree.proposals):
+        q = torch.softmax(exp.table[tokens[i]], -1)  # node i's row: its child was drawn from it
+        assert torch.allclose(prop.probs, q, atol=1e-6)
+        assert abs(prop.token_prob - float(q[tokens[i + 1]])) < 1e-6
+    # scores: each node's confidence (max q), not the draws' own probabilities
+    conf = [float(torch.softmax(exp.table[t], -1).max().log()) for t in tokens[:-1]]
+    assert torch.allclose(tree.scores[1:], torch.tensor(conf).cumsum(0), atol=1e-5)
+
+
+def test_draws_that_vary_make_other_chains_than_the_greedy_one():
+    chains = {
+        tuple(sampled_chain(TreeConfig(top_k=1, depth=3, total_tokens=3), seed)[0].tokens.tolist())
+        for seed in range(8)
+    }
+    assert len(chains) > 1
+
+
+def test_a_stopping_sampled_chain_keeps_the_proposals_of_the_tokens_it_kept():
+    sizes = set()
+    for seed in range(8):
+        tree, _, sampler = sampled_chain(TreeConfig(top_k=1, depth=4, total_tokens=4, min_prob=0.05), seed)
+        assert len(tree.proposals) == tree.size - 1 <= len(sampler.proposals)
+        sizes.add(tree.size)
+    assert len(sizes) > 1  # the stop really cut chains

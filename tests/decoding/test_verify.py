@@ -170,3 +170,85 @@ def test_a_chain_is_accepted_as_the_general_rule_accepts_it(argmaxes):
     path, bonus = greedy_accept(chain, one_hot_logits(argmaxes))
     ref_path, ref_bonus = greedy_accept(general, one_hot_logits(argmaxes))
     assert path.tolist() == ref_path.tolist() and bonus == ref_bonus
+
+
+# -- sampled chains: the ratio test against the draft's distribution ------------------------------
+Q_ROOT = torch.tensor([0.05, 0.1, 0.5, 0.05, 0.25, 0.05])  # the draft at the root: far from p
+Q_NODE1 = torch.tensor([0.3, 0.3, 0.1, 0.1, 0.1, 0.1])
+
+
+def sampled_chain(gen: torch.Generator) -> DraftTree:
+    """A 2-token chain drawn as a sampled draft draws it: x1 ~ Q_ROOT, x2 ~ Q_NODE1 (the hand-built
+    rows stand for any x1: the law below is checked given x1)."""
+    from dataclasses import replace
+
+    from evospec.decoding.proposal import Proposal
+    from evospec.decoding.tree import chain_tree
+
+    x1 = int(torch.multinomial(Q_ROOT, 1, generator=gen))
+    x2 = int(torch.multinomial(Q_NODE1, 1, generator=gen))
+    proposals = (Proposal(Q_ROOT, None, float(Q_ROOT[x1])), Proposal(Q_NODE1, None, float(Q_NODE1[x2])))
+    return replace(chain_tree(0, [x1, x2], 10, torch.device("cpu")), proposals=proposals)
+
+
+def sampled_chain_tokens(rule, n: int, seed: int = 3) -> list[tuple[list[int], int]]:
+    """(emitted tokens, accepted drafts) of ``n`` rounds of ``rule`` on fresh sampled chains."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tree = sampled_chain(gen)
+        path, bonus = rule(tree, LOGITS, PARAMS, gen)
+        out.append(([*tree.tokens[path[1:]].tolist(), bonus], path.numel() - 1))
+    return out
+
+
+def test_a_sampled_chain_emits_the_target_first_token():
+    rounds = sampled_chain_tokens(sample_accept, N)
+    counts = torch.bincount(torch.tensor([emitted[0] for emitted, _ in rounds]), minlength=V).float()
+    assert chi2_ok(counts, exact_first_token())
+    assert 0 < sum(a for _, a in rounds) < 2 * N  # drafts accepted, and rejected
+
+
+def test_a_sampled_chain_emits_the_target_second_token_after_an_accepted_draft():
+    rounds = sampled_chain_tokens(sample_accept, 3 * N // 2)
+    second = [emitted[1] for emitted, a in rounds if a >= 1 and emitted[0] == 2]  # x1 = 2 accepted
+    counts = torch.bincount(torch.tensor(second), minlength=V).float()
+    assert counts.sum() > 1000
+    assert chi2_ok(counts, target_probs(LOGITS[1], PARAMS))
+
+
+def test_the_bound_rejects_a_chain_rule_that_resamples_from_p():
+    """Accepting with min(1, p/q) but drawing the rejected node's token from p itself (not from
+    max(p - q, 0)) counts the likely tokens twice: the same check fails it."""
+
+    def resample_from_p(tree, logits, params, gen):
+        p = target_probs(logits[0], params)
+        x, q = int(tree.tokens[1]), tree.proposals[0]
+        if torch.rand((), generator=gen) * q.token_prob < p[x]:
+            return torch.tensor([0, 1]), int(
+                torch.multinomial(target_probs(logits[1], params), 1, generator=gen)
+            )
+        return torch.tensor([0]), int(torch.multinomial(p, 1, generator=gen))
+
+    counts = torch.bincount(
+        torch.tensor([emitted[0] for emitted, _ in sampled_chain_tokens(resample_from_p, N)]), minlength=V
+    ).float()
+    assert not chi2_ok(counts, exact_first_token())
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted():
+    from dataclasses import replace
+
+    from evospec.decoding.proposal import Proposal
+    from evospec.decoding.tree import chain_tree
+
+    gen = torch.Generator().manual_seed(4)
+    p0, p1 = target_probs(LOGITS[0], PARAMS), target_probs(LOGITS[1], PARAMS)
+    for _ in range(200):
+        x1, x2 = int(torch.multinomial(p0, 1, generator=gen)), int(torch.multinomial(p1, 1, generator=gen))
+        tree = replace(
+            chain_tree(0, [x1, x2], 10, torch.device("cpu")),
+            proposals=(Proposal(p0, None, float(p0[x1])), Proposal(p1, None, float(p1[x2]))),
+        )
+        path, _ = sample_accept(tree, LOGITS, PARAMS, gen)
+        assert path.tolist() == [0, 1, 2]

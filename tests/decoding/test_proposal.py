@@ -1,0 +1,71 @@
+"""Sampled draft proposals: what a draw records and the law it draws by."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from evospec.decoding.proposal import DraftSampler, Proposal
+from evospec.decoding.sampling import SamplingParams, target_probs
+
+PARAMS = SamplingParams(temperature=0.8, top_k=4)
+LOGP = torch.log_softmax(torch.tensor([[0.3, 2.0, -1.0, 1.1, 0.0, 0.7, -2.0]]), dim=-1)  # [1, 7]
+
+
+def test_a_draw_records_its_distribution_and_scores_the_node_not_the_draw():
+    sampler = DraftSampler(PARAMS, torch.Generator().manual_seed(0))
+    ids = torch.tensor([40, 41, 42, 43, 44, 45, 46])
+    q = target_probs(LOGP[0], PARAMS)
+    seen = set()
+    for _ in range(60):
+        score, token = sampler(LOGP, ids)
+        assert score.shape == token.shape == (1, 1)
+        col = int(token) - 40
+        seen.add(col)
+        assert math.isclose(float(score), math.log(float(q.max())), rel_tol=1e-6)  # same whatever was drawn
+        prop = sampler.proposals[-1]
+        assert prop.token_prob == pytest.approx(float(q[col])) and prop.token_prob > 0
+    assert seen == {1, 3, 5, 0}  # top-k 4 of the draft: nothing else is ever proposed
+    assert len(sampler.proposals) == 60
+
+
+def test_draws_follow_the_transformed_draft_distribution():
+    from scipy.stats import chisquare
+
+    sampler = DraftSampler(PARAMS, torch.Generator().manual_seed(1))
+    q = target_probs(LOGP[0], PARAMS)
+    counts = torch.zeros(7)
+    for _ in range(4000):
+        counts[int(sampler(LOGP, None)[1])] += 1
+    keep = q > 0
+    assert counts[~keep].sum() == 0
+    assert chisquare(counts[keep].numpy(), (q[keep] * 4000).numpy()).pvalue > 1e-3
+
+
+def test_dense_places_mass_on_target_ids_and_skips_free_slots():
+    probs = torch.tensor([0.5, 0.0, 0.25, 0.25])
+    prop = Proposal(probs, torch.tensor([9, -1, 2, 5]), 0.5)
+    dense = prop.dense(torch.zeros(12, dtype=torch.float64))
+    assert dense.dtype == torch.float64
+    expected = torch.zeros(12, dtype=torch.float64)
+    expected[[9, 2, 5]] = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    assert torch.equal(dense, expected)  # the free slot's -1 wrote nothing (not even id 11)
+    assert torch.equal(Proposal(probs, None, 0.5).dense(torch.zeros(4)), probs)
+
+
+def test_the_recorded_ids_do_not_follow_a_head_that_rewrites_its_slots():
+    sampler = DraftSampler(PARAMS, torch.Generator().manual_seed(2))
+    ids = torch.arange(7) + 100
+    sampler(LOGP, ids)
+    ids.fill_(0)  # a reduced head loading another active set
+    assert sampler.proposals[0].ids.tolist() == list(range(100, 107))
+
+
+def test_a_sampler_refuses_greedy_requests_and_several_rows():
+    with pytest.raises(ValueError, match="greedy"):
+        DraftSampler(SamplingParams(temperature=0.0), torch.Generator())
+    sampler = DraftSampler(PARAMS, torch.Generator())
+    with pytest.raises(ValueError, match="one token a call"):
+        sampler(LOGP.expand(2, -1), None)
