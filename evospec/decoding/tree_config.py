@@ -43,9 +43,9 @@ class TreeConfig:
     sample_drafts: bool = setting(
         True,
         "chain (top-k-tree 1) under sampling: draw each drafted token from the draft's own "
-        "distribution (the request's temperature, top-k and top-p applied to it) and accept it with "
-        "probability min(1, p/q), speculative sampling; no: propose the draft's most likely token "
-        "(accepted with the target's probability of it). Lossless either way",
+        "distribution (at the request's temperature) and accept it with probability min(1, p/q), "
+        "speculative sampling; no: propose the draft's most likely token (accepted with the "
+        "target's probability of it). Lossless either way",
     )
 
     def __post_init__(self) -> None:

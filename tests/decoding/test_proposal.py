@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from evospec.decoding.proposal import DraftSampler, Proposal
-from evospec.decoding.sampling import SamplingParams, target_probs
+from evospec.decoding.sampling import SamplingParams
 
-PARAMS = SamplingParams(temperature=0.8, top_k=4)
+PARAMS = SamplingParams(temperature=0.8, top_k=4)  # q keeps the temperature, not the top-k
 LOGP = torch.log_softmax(torch.tensor([[0.3, 2.0, -1.0, 1.1, 0.0, 0.7, -2.0]]), dim=-1)  # [1, 7]
 
 
 def test_a_draw_records_its_distribution_and_scores_the_node_not_the_draw():
     sampler = DraftSampler(PARAMS, torch.Generator().manual_seed(0))
     ids = torch.tensor([40, 41, 42, 43, 44, 45, 46])
-    q = target_probs(LOGP[0], PARAMS)
+    q = torch.softmax(LOGP[0] / 0.8, -1)
     seen = set()
     for _ in range(60):
         score, token = sampler(LOGP, ids)
@@ -27,15 +27,15 @@ def test_a_draw_records_its_distribution_and_scores_the_node_not_the_draw():
         assert math.isclose(float(score), math.log(float(q.max())), rel_tol=1e-6)  # same whatever was drawn
         prop = sampler.proposals[-1]
         assert prop.token_prob == pytest.approx(float(q[col])) and prop.token_prob > 0
-    assert seen == {1, 3, 5, 0}  # top-k 4 of the draft: nothing else is ever proposed
+    assert len(seen) >= 5  # beyond the request's top-k 4: the verify rejects what p filters out
     assert len(sampler.proposals) == 60
 
 
-def test_draws_follow_the_transformed_draft_distribution():
+def test_draws_follow_the_draft_distribution_at_the_temperature():
     from scipy.stats import chisquare
 
     sampler = DraftSampler(PARAMS, torch.Generator().manual_seed(1))
-    q = target_probs(LOGP[0], PARAMS)
+    q = torch.softmax(LOGP[0] / 0.8, -1)
     counts = torch.zeros(7)
     for _ in range(4000):
         counts[int(sampler(LOGP, None)[1])] += 1
