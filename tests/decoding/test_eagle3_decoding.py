@@ -35,9 +35,12 @@ def trained(tmp_path_factory):
     return target, head.eval()
 
 
-def _d2t_copy(target, head, size: int):
-    """The same head restricted to a draft vocabulary of ``size`` ids (its d2t / t2d)."""
+def _d2t_copy(target, head, size: int, shuffle: bool = False):
+    """The same head restricted to a draft vocabulary of ``size`` ids (its d2t / t2d): the first
+    ones, or (``shuffle``) a random choice in a random order, so a draft row is not its id."""
     ids = torch.arange(target.cfg.vocab_size)[:size]
+    if shuffle:
+        ids = torch.randperm(target.cfg.vocab_size, generator=torch.Generator().manual_seed(1))[:size]
     small = new_eagle3_for(target, aux_layers=head.aux_layers, draft_ids=ids)
     state = {k: v for k, v in head.state_dict().items() if k != "lm_head.weight"}
     small.load_state_dict(state, strict=False)
@@ -123,12 +126,18 @@ def test_int4_target_greedy_equals_ar(trained):
             assert _run(dec, prompt, params)[0] == ar_tokens(q, prompt, params)
 
 
-def test_sampled_tokens_follow_the_target(trained):
-    """The second generated token (drafted, accepted or resampled) has the target's marginal."""
+@pytest.mark.parametrize("shape", ["tree", "drawn-chain-d2t"])
+def test_sampled_tokens_follow_the_target(trained, shape):
+    """The second generated token (drafted, accepted or resampled) has the target's marginal; a
+    chain over a d2t head's draft vocabulary draws from it, mapped back to target ids."""
     from tests.decoding.spec_helpers import chi2_pvalue, exact_second_token, sampled_second_tokens
 
     target, head = trained
-    dec = make_decoder("eagle3", target, draft=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
+    if shape == "tree":
+        dec = make_decoder("eagle3", target, draft=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
+    else:  # three quarters of the ids, shuffled: each draw's row maps to another target id
+        small = _d2t_copy(target, head, target.cfg.vocab_size * 3 // 4, shuffle=True)
+        dec = make_decoder("eagle3", target, draft=small, tree=TreeConfig(top_k=1, depth=3, total_tokens=3))
     prompt = prompt_of(3, 7)  # a training prompt: the tiny head knows its continuation
     exact = exact_second_token(target, prompt, temperature=0.5).float()
     counts, accepted = sampled_second_tokens(dec, prompt, 0.5, n=600)

@@ -69,3 +69,22 @@ def test_a_sampler_refuses_greedy_requests_and_several_rows():
     sampler = DraftSampler(PARAMS, torch.Generator())
     with pytest.raises(ValueError, match="one token a call"):
         sampler(LOGP.expand(2, -1), None)
+
+
+def test_a_head_with_its_own_rows_draws_target_ids_and_maps_q_back():
+    """An EAGLE-3 d2t head's rows are draft ids: the draw returns the row's target id, and the
+    proposal's dense q sits at the target ids of the rows (what the ratio test divides by)."""
+    from evospec.vocab.head import FullHead
+
+    torch.manual_seed(0)
+    row_ids = torch.tensor([30, 2, 17, 9, 44])  # draft row -> target id
+    head = FullHead(torch.randn(5, 8), row_ids=row_ids)
+    hidden = torch.randn(1, 8)
+    sampler = DraftSampler(SamplingParams(temperature=1.0), torch.Generator().manual_seed(3))
+    tokens = [int(head(hidden, 1, sampler)[1]) for _ in range(40)]
+    assert set(tokens) <= set(row_ids.tolist()) and len(set(tokens)) > 1
+    q = torch.softmax(head.project(hidden)[0], -1)
+    dense = sampler.proposals[0].dense(torch.zeros(50))
+    assert torch.allclose(dense[row_ids], q) and float(dense.sum()) == pytest.approx(1.0)
+    for token, prop in zip(tokens, sampler.proposals, strict=True):  # q(x) sits at x's target id
+        assert prop.token_prob == pytest.approx(float(prop.dense(torch.zeros(50))[token]))

@@ -226,13 +226,17 @@ def sampling_pair(tmp_path_factory):
     return flat, trained
 
 
+@pytest.mark.parametrize("chain", [False, True], ids=["tree", "drawn-chain"])
 @pytest.mark.parametrize("method", POLICIES)
-def test_sampled_tokens_follow_the_target_at_t07_under_every_policy(sampling_pair, method):
+def test_sampled_tokens_follow_the_target_at_t07_under_every_policy(sampling_pair, method, chain):
     """EvoSpec's Table 8 setting: at T=0.7 the second generated token (drafted from the policy's
-    vocabulary, accepted or resampled) has the target's marginal."""
+    vocabulary, accepted or resampled) has the target's marginal; a chain draws its tokens from
+    the draft's distribution over the policy's slots (free slots, ids -1, hold no mass) and the
+    ratio test divides by that distribution mapped back to target ids."""
     target, head = sampling_pair
     roomy = replace(SMALL, frspec_k=40, w_max=40, cluster_budget=40, candidates=32)  # most drafts in reach
-    dec = make_decoder(method, target, draft=head, tree=TREES[1], vocab=roomy, indices=bundle(target))
+    tree = TreeConfig(top_k=1, depth=3, total_tokens=3) if chain else TREES[1]
+    dec = make_decoder(method, target, draft=head, tree=tree, vocab=roomy, indices=bundle(target))
     prompt = prompt_of(100, 6)  # a training prompt: the head knows its continuation
     exact = exact_second_token(target, prompt, temperature=0.7).float()
     counts, accepted = sampled_second_tokens(dec, prompt, 0.7, n=600)
@@ -254,6 +258,7 @@ def test_a_static_table_is_loaded_into_the_head_once_and_a_changed_mask_again():
     active = ActiveVocab(policy, weight, always_ids=[99])
     loads = []
     original = active.head.set_active
+
     def recording(mask):
         loads.append(sorted(mask.nonzero().flatten().tolist()))
         return original(mask)
