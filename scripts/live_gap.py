@@ -15,8 +15,14 @@ does, and prints per head and per category
   another hard position). These are the live bench's "acceptance by depth" and MAL with no
   timing in them: wave 21 found them equal to the live runs' within 0.005 MAL (head version 8).
 
+With ``--temperature T`` the answers are the target's samples at T (seeded), and a second table
+gives, per head, the chance that the verify accepts a first drafted token at T, averaged over
+the answer positions: proposing the draft's most likely token (p(argmax q)) against drawing it
+from the draft's distribution (sum min(p, q), speculative sampling; wave 33), p and q the
+target's and the head's step-1 softmaxes at T through the LM head's float weights.
+
     .venv/bin/python scripts/live_gap.py --data ../shared/data/spec_bench/question.jsonl \\
-        --per-category 4 --max-new-tokens 64 HEAD [HEAD ...]
+        --per-category 4 --max-new-tokens 64 HEAD [HEAD ...]    # [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -68,6 +74,12 @@ def target_answers(args: argparse.Namespace, loaded) -> list[Answer]:
     prompts = load_prompts(args.data, per_category=args.per_category)
     prompts = [p for p in prompts if not args.categories or p.category in args.categories]
     ids = [p.token_ids(codec) for p in prompts]
+    temperature = getattr(args, "temperature", 0.0)
+    gen = torch.Generator().manual_seed(0)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]: the target's samples at T
+        return torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen)[:, 0]
+
     stream = greedy_stream(
         loaded.model,
         ids,
@@ -76,6 +88,7 @@ def target_answers(args: argparse.Namespace, loaded) -> list[Answer]:
         batch_size=8,
         cache_len=max(len(i) for i in ids) + args.max_new_tokens + 8,
         features=True,
+        **({"pick": sample} if temperature > 0 else {}),
     )
     out = []
     for d in stream:  # in completion order
@@ -109,6 +122,34 @@ def score(head, lm_head: torch.Tensor, a: Answer, tally: Tally) -> None:
                 tally.accepted[depth, d] += 1
 
 
+def proposal_acceptance(
+    target_logits: torch.Tensor, draft_logits: torch.Tensor, temperature: float
+) -> tuple[float, float]:
+    """Summed over positions ([n, V] logits each): the chance the verify accepts the draft's most
+    likely token, p(argmax q), and a token drawn from q, sum min(p, q) -- p and q the softmaxes at
+    ``temperature``."""
+    p = torch.softmax(target_logits.float() / temperature, -1)
+    q = torch.softmax(draft_logits.float() / temperature, -1)
+    point = p.gather(-1, q.argmax(-1, keepdim=True)).sum()
+    return float(point), float(torch.minimum(p, q).sum())
+
+
+@torch.inference_mode()
+def sampled_row(head, lm_head: torch.Tensor, answers: list[Answer], temperature: float) -> str:
+    """One head's first-token acceptance at ``temperature`` over every answer position, as a
+    table row: positions | most likely | drawn."""
+    point = drawn = 0.0
+    n = 0
+    for a in answers:
+        feats = a.features.float()
+        out = head_unroll(head, feats[None, :-1], a.tokens[None, 1 : len(a.features)], 1)[0][0]  # [T - 1, D]
+        lo = a.prompt_len - 1  # draft row i predicts token i + 2, as the target's row i + 1 does
+        q_logits = head.logit_input(out[lo:]) @ lm_head.T
+        pt, dr = proposal_acceptance(feats[lo + 1 :] @ lm_head.T, q_logits, temperature)
+        point, drawn, n = point + pt, drawn + dr, n + q_logits.shape[0]
+    return f"{n} | {point / max(n, 1):.3f} | {drawn / max(n, 1):.3f}"
+
+
 def replay(hit: Callable[[int, int], bool], n: int, depth: int) -> list[int]:
     """Accepted drafts per round of ``depth``-token chains over an ``n``-token answer.
 
@@ -138,6 +179,13 @@ def main() -> None:
         help="keep each sequence's last N positions, as train-draft keeps max_seq_len (576) of them: "
         "is a long context itself what the head reads worse? (default: whole sequences)",
     )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="answers sampled at T (seeded), and first-token acceptance at T of the most likely and of "
+        "a drawn token (default 0: greedy answers)",
+    )
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--weights", default="int4", help="the target's weight format")
     args = ap.parse_args()
@@ -159,6 +207,14 @@ def main() -> None:
         for name in ["all", *sorted(k for k in tallies if k != "all")]:
             t = tallies[name]
             print(f"| {folder} | {name} | {t.scored[0]} | {t.row()} |")
+    if args.temperature > 0:
+        print(
+            f"\nFirst drafted token accepted at T={args.temperature}, teacher-forced, step 1:\n"
+            "| head | positions | most likely proposed | drawn from the draft |\n|---|---|---|---|"
+        )
+        for folder in args.heads:
+            head = load_eagle(folder).attach(loaded.model)
+            print(f"| {folder} | {sampled_row(head, lm_head, answers, args.temperature)} |")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ what live rounds accept (checked against live runs in docs/draft-head.md, wave 2
 
 from __future__ import annotations
 
+import pytest
+
 from tests.script_modules import load_script
 
 
@@ -36,3 +38,20 @@ def test_a_chain_stops_at_its_first_wrong_token() -> None:
     replay = _replay()
     got = replay(lambda r, s: s < 3, 9, 3)  # the third token of every chain is wrong
     assert got == [2, 2, 2]  # roots 0, 3, 6; the last round accepts 7 and 8
+
+
+def test_drawing_from_a_draft_like_the_target_is_accepted_where_its_top_token_is_not() -> None:
+    import math
+
+    import torch
+
+    accept = load_script("live_gap").proposal_acceptance
+    p = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]])  # the target at T=1
+    point, drawn = accept(p, p, 1.0)  # the draft equals the target
+    assert point == pytest.approx(0.5) and drawn == pytest.approx(1.0)
+    sure = torch.tensor([[20.0, 0.0, 0.0]])  # a draft sure of the target's top token
+    point, drawn = accept(p, sure, 1.0)
+    assert point == pytest.approx(0.5) and drawn == pytest.approx(0.5, abs=1e-6)
+    # summed over positions, at another temperature: the same softmaxes at T on both sides
+    both = torch.cat([p, p]) * 2.0
+    assert accept(both, both, 2.0) == pytest.approx((1.0, 2.0))
