@@ -7,11 +7,12 @@ that reads the proposals is ``verify.py``'s.
 
 Why: under sampling, a chain that proposes the draft's most likely token is accepted with the
 target's probability of that token, p(x) -- on text the target samples at temperature 1 that is
-~0.31 of positions for SmolLM2's head (teacher-forced on Spec-Bench answers), against 0.43 for
-greedy agreement. Drawing x from the draft's distribution q and accepting it with probability
-min(1, p(x) / q(x)) (speculative sampling: Leviathan et al., ICML 2023; Chen et al., 2023) is
-accepted with probability sum_x min(p(x), q(x)) = 1 - TV(p, q): ~0.45 on the same positions
-when q is the draft's softmax at the request's temperature.
+~0.31 of positions for SmolLM2's head (teacher-forced on Spec-Bench answers:
+``scripts/live_gap.py --temperature 1.0``), against 0.43 for greedy agreement. Drawing x from
+the draft's distribution q and accepting it with probability min(1, p(x) / q(x)) (speculative
+sampling: Leviathan et al., ICML 2023; Chen et al., 2023) is accepted with probability
+sum_x min(p(x), q(x)) = 1 - TV(p, q): ~0.45 on the same positions when q is the draft's softmax
+at the request's temperature.
 
 q leaves the request's top-k and top-p out: applied to q as well they added 0.010-0.017 to that
 acceptance (T=1 with top_p 0.95; T=0.8, top_k 40, top_p 0.95) and cost 0.1-1 ms a draw over
