@@ -185,3 +185,10 @@ def test_a_stopping_sampled_chain_keeps_the_proposals_of_the_tokens_it_kept():
         assert len(tree.proposals) == tree.size - 1 <= len(sampler.proposals)
         sizes.add(tree.size)
     assert len(sizes) > 1  # the stop really cut chains
+
+
+def test_sample_drafts_must_be_a_bool():
+    import pytest
+
+    with pytest.raises(ValueError, match="sample_drafts must be true or false"):
+        TreeConfig(sample_drafts=1)

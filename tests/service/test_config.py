@@ -149,6 +149,7 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("tree: {min_prob: 1.5, top_k: 1}\n", "tree.min_prob must be a number in [0, 1)"),
         ("tree: {min_prob: 0.3}\n", "tree.min_prob stops chains: it needs tree.top_k 1"),
         ("tree: {min_prob: high, top_k: 1}\n", "tree.min_prob must be float"),
+        ("tree: {sample_drafts: 1, top_k: 1}\n", "tree.sample_drafts must be bool"),
         ("vocab: {arc_size: 3}\n", "unknown vocab key(s) ['arc_size']"),
         ("vocab: 5\n", "vocab must be a mapping"),
         ("vocab: {w_max: '3072'}\n", "vocab.w_max must be int"),
