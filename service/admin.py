@@ -392,6 +392,8 @@ def admin_state(ctx: ServiceContext, vocab: dict[str, Any] | None) -> dict[str, 
         "engine": {
             "alive": s.alive,
             "active": s.active,
+            "running": s.running,
+            "max_batch": s.max_batch,
             "queue_depth": s.queue_depth,
             "max_queue": s.max_queue,
             "submitted": s.submitted,

@@ -63,6 +63,7 @@ def create_app(engine: Engine, model: ServedModel, config: ServeConfig) -> FastA
             "method": s.method,
             "queue_depth": s.queue_depth,
             "active": s.active,
+            "running": s.running,
         }
         return JSONResponse(body, status_code=200 if s.alive else 503)
 

@@ -57,6 +57,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
+    max_batch: int = 4  # requests generated together where the model can (engine.py); 1: one at a time
     request_timeout: float = 300.0  # seconds from arrival to the last token (queue wait included)
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (checked before reading them)
@@ -155,6 +156,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "host": (str,),
     "port": (int,),
     "max_queue": (int,),
+    "max_batch": (int,),
     "request_timeout": (int, float),
     "max_tokens_limit": (int,),
     "max_body_bytes": (int,),
@@ -181,6 +183,8 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"port {c.port} is outside 0..65535")
     if c.max_queue < 1:
         out.append(f"max_queue must be >= 1, got {c.max_queue}")
+    if c.max_batch < 1:
+        out.append(f"max_batch must be >= 1 (1: one request at a time), got {c.max_batch}")
     if not c.request_timeout > 0:
         out.append(f"request_timeout must be > 0 seconds, got {c.request_timeout}")
     if c.max_tokens_limit < 1:

@@ -1,7 +1,9 @@
 """The engine thread: the one thread that owns the model and its decoder.
 
-Owns: a bounded FIFO of typed :class:`GenerationRequest` s, the thread that serves them one at
-a time through a :class:`~evospec.decoding.methods.Decoder`, the per-request and global
+Owns: a bounded FIFO of typed :class:`GenerationRequest` s, the thread that serves them through
+a :class:`~evospec.decoding.methods.Decoder` -- one at a time, or, with ``max_batch`` > 1 where
+the model can step several sequences in one forward, as a :class:`~evospec.decoding.batch.DecodeBatch`
+while others wait (below) -- the per-request and global
 counters (:class:`~evospec.decoding.stats.RequestStats`, the one fold over step events, per
 request and summed over the engine's life; :class:`EngineSnapshot`; the last OOV events), and
 *control calls* (:meth:`Engine.call`) that read or change the decoder's state on this thread.
@@ -17,8 +19,19 @@ Rules the engine keeps:
   between rounds.
 - An exception in one request ends that request only (:attr:`Outcome.FAILED`); the thread goes on.
 - Control calls run at a *safe point*: between two rounds of the running request (the
-  decoder's generator is suspended at a ``yield``) or while the engine is idle, never in the
-  middle of a round and never on the caller's thread while the engine thread is running.
+  decoder's generator is suspended at a ``yield``), between two batched steps, or while the
+  engine is idle, never in the middle of a round and never on the caller's thread while the
+  engine thread is running.
+- Batching (``max_batch`` > 1 and ``batched_steps_apply``): a request that finds the engine
+  idle runs alone with the decoder's method. Once another request waits, the running one is
+  handed over at its next round boundary -- its committed slots copied into a cache of its own,
+  its count, budget and stop rule kept -- and from then on every running request advances one
+  token per step in one forward (plain decoding: an extra row costs a fraction of a step on a
+  memory-bound CPU, a speculative row's bet does not pay beside it). Waiting requests join
+  between steps while fewer than ``max_batch`` run; when the batch empties, the next request
+  runs alone again. Every request's tokens stay those of plain decoding (greedy: identical;
+  sampled: drawn from the target's distribution; ``decoding/batch.py``). A batched step that
+  raises ends every request in it (FAILED).
 
 Knows token ids only: no tokenizer, no web framework. :class:`AsyncSink` is the bridge from
 this thread to an asyncio handler.
@@ -41,10 +54,12 @@ from enum import StrEnum
 from typing import Any
 
 from evospec.adapt.online import OnlineAdapter
+from evospec.decoding.batch import DecodeBatch
 from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import Decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.stats import RequestStats
+from evospec.models.batch_step import batched_steps_apply
 from evospec.vocab.active import ActiveVocab
 
 log = logging.getLogger("evospec.service.engine")
@@ -133,6 +148,8 @@ class EngineSnapshot:
     method: str
     alive: bool
     active: bool  # a request is being generated right now
+    running: int  # requests being generated right now (batched ones included)
+    max_batch: int  # the most requests generated together (1: one at a time)
     queue_depth: int
     max_queue: int
     submitted: int
@@ -141,6 +158,19 @@ class EngineSnapshot:
     prompt_tokens: int
     stats: RequestStats  # every event the engine served, folded (a copy)
     recent_oov: tuple[OOVEvent, ...]  # the last RECENT_OOV OOV events, oldest first
+
+
+@dataclass
+class _Live:
+    """A request being generated: where its items go and what it has produced so far."""
+
+    request: GenerationRequest
+    sink: Sink
+    start: float  # monotonic: when the engine took it
+    stats: RequestStats = field(default_factory=RequestStats)
+    first: float | None = None  # submission -> first token
+    emitted: list[int] = field(default_factory=list)
+    running: bool = False  # counted in the engine's running requests until it finishes
 
 
 class Engine:
@@ -153,14 +183,21 @@ class Engine:
         decoder: Decoder | None = None,
         *,
         max_queue: int = 64,
+        max_batch: int = 1,
         listeners: Sequence[Callable[[Done], None]] = (),
     ) -> None:
-        """``decoder`` None: it is built on the engine thread by ``start(prepare)``."""
+        """``decoder`` None: it is built on the engine thread by ``start(prepare)``. ``max_batch``:
+        the most requests generated together where the decoder's model can (else 1)."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.decoder: Decoder | None = None
         self.vocab: ActiveVocab | None = None
         self.adapter: OnlineAdapter | None = None
+        self.max_batch = max_batch
+        self._batch: DecodeBatch | None = None
+        self._members: dict[str, _Live] = {}  # batched requests, by request id (engine thread)
         if decoder is not None:
             self._adopt(decoder)
         self.max_queue = max_queue
@@ -173,7 +210,7 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._active: GenerationRequest | None = None
+        self._running = 0  # requests being generated (alone or batched)
         self._submitted = self._rejected = self._prompt_tokens = 0
         self._outcomes: Counter[str] = Counter()
         self._stats = RequestStats()
@@ -183,6 +220,16 @@ class Engine:
         self.decoder = decoder
         self.vocab = decoder.vocab
         self.adapter = decoder.adapt
+        model = getattr(decoder, "model", None)
+        self._batch = None
+        if self.max_batch > 1 and model is not None and batched_steps_apply(model):
+            self._batch = DecodeBatch(model, getattr(decoder, "eos_ids", ()), self.max_batch)
+
+    @property
+    def batching(self) -> bool:
+        """Whether requests are generated together when several wait (``max_batch`` > 1 and a
+        model that steps several sequences in one forward)."""
+        return self._batch is not None
 
     @property
     def method(self) -> str:
@@ -269,7 +316,9 @@ class Engine:
             return EngineSnapshot(
                 method=self.method,
                 alive=self.alive,
-                active=self._active is not None,
+                active=self._running > 0,
+                running=self._running,
+                max_batch=self._batch.capacity if self._batch is not None else 1,
                 queue_depth=self._queue.qsize(),
                 max_queue=self.max_queue,
                 submitted=self._submitted,
@@ -294,6 +343,10 @@ class Engine:
         try:
             while not self._stopping.is_set():
                 self._run_controls()
+                if self._members:  # batched requests: let waiting ones join, then one step
+                    self._admit_waiting()
+                    self._batch_step()
+                    continue
                 try:
                     request, sink = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -302,6 +355,7 @@ class Engine:
                     self._serve(request, sink)
                 except Exception:  # bookkeeping or a listener broke: never let the thread die
                     log.exception("engine: unexpected error around request %s", request.request_id)
+            self._end_members(Outcome.SHUTDOWN, None)
         finally:
             with self._lock:
                 self._controls_on_thread = False
@@ -333,18 +387,45 @@ class Engine:
             except queue.Empty:
                 return
             request.cancel(Outcome.SHUTDOWN)
-            self._finish(request, sink, Outcome.SHUTDOWN, None, RequestStats(), time.monotonic(), None)
+            self._finish(_Live(request, sink, time.monotonic()), Outcome.SHUTDOWN, None)
+
+    def _take(self, request: GenerationRequest, sink: Sink) -> tuple[_Live, Outcome | None]:
+        """Start a dequeued request: its live state, and the outcome it already has (cancelled
+        while it waited, or past its deadline)."""
+        live = _Live(request, sink, time.monotonic(), running=True)
+        with self._lock:
+            self._running += 1
+        outcome = request.cancelled_by
+        if outcome is None and live.start > request.deadline:
+            outcome = Outcome.TIMEOUT
+        return live, outcome
+
+    def _deliver_event(self, live: _Live, ev: StepEvent) -> Outcome | None:
+        """Count, book and deliver one event; the outcome it leads to, if any (the request ends)."""
+        request = live.request
+        if live.first is None:
+            live.first = time.monotonic() - request.submitted_at
+        live.stats.add(ev)
+        live.emitted += ev.tokens
+        self._book(request, ev, live.stats)
+        if not _deliver(live.sink, ev):
+            request.cancel(Outcome.DISCONNECTED)
+        self._run_controls()
+        if ev.finish_reason is not None:
+            return Outcome.FINISHED
+        if request.cancelled_by is not None:
+            return request.cancelled_by
+        if time.monotonic() > request.deadline:
+            return Outcome.TIMEOUT
+        if self._stopping.is_set():
+            return Outcome.SHUTDOWN
+        return None
 
     def _serve(self, request: GenerationRequest, sink: Sink) -> None:
-        start = time.monotonic()
-        stats = RequestStats()
-        first: float | None = None
-        outcome: Outcome | None = request.cancelled_by
+        """One request alone with the decoder's method; handed over to the batch between two
+        rounds once another request waits (batching on)."""
+        live, outcome = self._take(request, sink)
         error: str | None = None
-        with self._lock:
-            self._active = request
-        if outcome is None and start > request.deadline:
-            outcome = Outcome.TIMEOUT
         events = None
         if outcome is None:
             try:
@@ -352,22 +433,15 @@ class Engine:
                     self.adapter.select(request.adapter_key)
                 events = self.decoder.generate(request.prompt_ids, request.params)
                 for ev in events:
-                    if first is None:
-                        first = time.monotonic() - request.submitted_at
-                    stats.add(ev)
-                    self._book(request, ev, stats)
-                    if not _deliver(sink, ev):
-                        request.cancel(Outcome.DISCONNECTED)
-                    self._run_controls()
-                    if ev.finish_reason is not None:
-                        outcome = Outcome.FINISHED
-                    elif request.cancelled_by is not None:
-                        outcome = request.cancelled_by
-                    elif time.monotonic() > request.deadline:
-                        outcome = Outcome.TIMEOUT
-                    elif self._stopping.is_set():
-                        outcome = Outcome.SHUTDOWN
+                    outcome = self._deliver_event(live, ev)
                     if outcome is not None:
+                        break
+                    if self._batch is not None and self._queue.qsize() > 0:
+                        events.close()  # the decoder's cache now holds the committed slots
+                        error = self._hand_over(live)
+                        if error is None:
+                            return
+                        outcome = Outcome.FAILED
                         break
                 else:
                     outcome = Outcome.FINISHED  # the decoder ended without a finish reason
@@ -381,34 +455,119 @@ class Engine:
                         close()
                     except Exception:
                         log.exception("engine: closing the decoder's generator failed")
-        self._finish(request, sink, outcome, error, stats, start, first)
+        self._finish(live, outcome, error)
 
-    def _finish(
-        self,
-        request: GenerationRequest,
-        sink: Sink,
-        outcome: Outcome,
-        error: str | None,
-        stats: RequestStats,
-        start: float,
-        first: float | None,
-    ) -> None:
+    # -- batched requests (engine thread) -------------------------------------------------------
+    def _hand_over(self, live: _Live) -> str | None:
+        """Move a request the decoder began into the batch: the slots of its prompt and emitted
+        tokens but the last, copied from the decoder's cache (which keeps them for prefix reuse),
+        then its last token fed as the batch's prefill. Returns None, or the error that kept it
+        from joining (the request then ends)."""
+        request, emitted = live.request, live.emitted
+        prompt = list(request.prompt_ids)
+        n = len(prompt) + len(emitted) - 1  # committed slots: what plain decoding has written
+        try:
+            src = getattr(self.decoder, "cache", None)
+            if src is None or src.batch != 1 or src.length < n:
+                raise RuntimeError("the decoder's cache does not hold the request's slots")
+            batch = self._batch
+            budget = batch.budget(len(prompt), request.params)
+            cache = batch.model.new_cache(budget.slots)
+            cache.k[:, :, :, :n] = src.k[:, :, :, :n]
+            cache.v[:, :, :, :n] = src.v[:, :, :, :n]
+            cache.advance(n)
+            ev = batch.join(
+                request.request_id, prompt + emitted, request.params,
+                cache=cache, reuse=n, emitted=emitted, budget=budget,
+            )  # fmt: skip
+        except Exception as exc:
+            log.exception("engine: handing request %s over to the batch failed", request.request_id)
+            return f"{type(exc).__name__}: {exc}"
+        self._enter(live, ev)
+        return None
+
+    def _admit_waiting(self) -> None:
+        """Waiting requests join the batch while it has room (none wait for them)."""
+        while not self._batch.full:
+            try:
+                request, sink = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            live, outcome = self._take(request, sink)
+            if outcome is not None:
+                self._finish(live, outcome, None)
+                continue
+            try:
+                ev = self._join(request)
+            except Exception as exc:
+                log.exception("engine: request %s failed", request.request_id)
+                self._finish(live, Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+                continue
+            self._enter(live, ev)
+
+    def _join(self, request: GenerationRequest) -> StepEvent:
+        """A waiting request into the batch: the slots its prompt shares with the decoder's live
+        cache or kept sequences copied into a cache of its own, then the rest prefilled."""
+        batch, prompt = self._batch, request.prompt_ids
+        budget = batch.budget(len(prompt), request.params)
+        cache = batch.model.new_cache(budget.slots)
+        prefix = getattr(self.decoder, "prefix", None)
+        reuse = prefix.lend(prompt, getattr(self.decoder, "cache", None), cache) if prefix is not None else 0
+        return batch.join(request.request_id, prompt, request.params, cache=cache, reuse=reuse, budget=budget)
+
+    def _enter(self, live: _Live, ev: StepEvent) -> None:
+        """Deliver a batch member's first event there; it stays unless that ended it."""
+        self._members[live.request.request_id] = live
+        self._after(live, self._deliver_event(live, ev))
+
+    def _after(self, live: _Live, outcome: Outcome | None, error: str | None = None) -> None:
+        if outcome is None:
+            return
+        key = live.request.request_id
+        member = self._batch.leave(key)
+        del self._members[key]
+        prefix = getattr(self.decoder, "prefix", None)
+        if member is not None and prefix is not None and outcome is not Outcome.FAILED and live.emitted:
+            kept = [*live.request.prompt_ids, *live.emitted[:-1]]  # what its cache holds
+            prefix.remember(kept, member.cache)  # for a chat's next turn
+        self._finish(live, outcome, error)
+
+    def _batch_step(self) -> None:
+        """One token for every batched request; a step that raises ends them all (FAILED)."""
+        try:
+            results = self._batch.step()
+        except Exception as exc:
+            log.exception("engine: a batched step failed")
+            self._end_members(Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+            return
+        for key, ev in results:
+            live = self._members.get(key)
+            if live is not None:
+                self._after(live, self._deliver_event(live, ev))
+
+    def _end_members(self, outcome: Outcome, error: str | None) -> None:
+        for live in list(self._members.values()):
+            self._after(live, outcome, error)
+
+    def _finish(self, live: _Live, outcome: Outcome, error: str | None) -> None:
+        request = live.request
         now = time.monotonic()
         done = Done(
             outcome=outcome,
             error=error,
-            stats=stats,
+            stats=live.stats,
             prompt_tokens=len(request.prompt_ids),
-            queue_s=start - request.submitted_at,
-            first_token_s=first,
+            queue_s=live.start - request.submitted_at,
+            first_token_s=live.first,
             total_s=now - request.submitted_at,
         )
         with self._lock:
             self._outcomes[outcome.value] += 1
             self._prompt_tokens += len(request.prompt_ids)
-            self._active = None
-            self._service_s = 0.8 * self._service_s + 0.2 * (now - start)
-        _deliver(sink, done)
+            if live.running:
+                self._running -= 1
+            self._service_s = 0.8 * self._service_s + 0.2 * (now - live.start)
+        _deliver(live.sink, done)
         for fn in self._listeners:
             try:
                 fn(done)

@@ -102,7 +102,10 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("evospec_queue_depth", "Requests waiting for the engine", value=s.queue_depth)
         yield GaugeMetricFamily("evospec_queue_capacity", "Maximum queued requests", value=s.max_queue)
         yield GaugeMetricFamily(
-            "evospec_active_requests", "Requests being generated now", value=int(s.active)
+            "evospec_active_requests", "Requests being generated now (batched ones included)", value=s.running
+        )
+        yield GaugeMetricFamily(
+            "evospec_max_batch", "Most requests generated together (1: one at a time)", value=s.max_batch
         )
         yield GaugeMetricFamily("evospec_engine_alive", "1 while the engine thread runs", value=int(s.alive))
         v = s.stats.vocab

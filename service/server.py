@@ -47,11 +47,12 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         stacks.append(assemble(config.stack_settings(), progress=progress))
         return stacks[0].decoder(config.method)
 
-    engine = Engine(max_queue=config.max_queue)
+    engine = Engine(max_queue=config.max_queue, max_batch=config.max_batch)
     engine.start(prepare)
     stack = stacks[0]
     for line in stack.facts:
         print(f"[evospec] {line}", file=log)
+    print(f"[evospec] {batching_fact(engine, config.max_batch)}", file=log)
     served = ServedModel(
         name=config.served_model_name or stack.loaded.name,
         codec=stack.codec,
@@ -62,6 +63,17 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     keeper = persistence.keeper_for(config, engine, served.name, stack.loaded.model, stack.draft)
     persistence.attach(app, keeper)
     return Built(app, engine, served, keeper)
+
+
+def batching_fact(engine: Engine, max_batch: int) -> str:
+    """The start-up line that says how concurrent requests are served."""
+    if engine.batching:
+        return (
+            f"concurrent requests: up to {max_batch} generated together once several wait "
+            "(plain decoding, one token each per step; a lone request runs its method)"
+        )
+    why = "--max-batch 1" if max_batch == 1 else "this model cannot step several sequences in one forward"
+    return f"concurrent requests: one at a time ({why})"
 
 
 def curl_example(host: str, port: int, model: ServedModel) -> str:

@@ -52,6 +52,20 @@ def test_serve_flags_override_only_what_they_name(tmp_path) -> None:
         serve_config(build_parser().parse_args(["serve", "--config", str(path), "--depth", "0"]))
 
 
+def test_max_batch_flag_reaches_the_serve_config(tmp_path) -> None:
+    from service.command import serve_config
+    from service.config import ServeConfig
+
+    assert serve_config(build_parser().parse_args(["serve"])).max_batch == ServeConfig().max_batch == 4
+    path = tmp_path / "c.yaml"
+    path.write_text("max_batch: 2\n")
+    assert serve_config(build_parser().parse_args(["serve", "--config", str(path)])).max_batch == 2
+    flag = build_parser().parse_args(["serve", "--config", str(path), "--max-batch", "1"])
+    assert serve_config(flag).max_batch == 1
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        serve_config(build_parser().parse_args(["serve", "--max-batch", "0"]))
+
+
 def test_defaults_agree_with_the_serve_config() -> None:
     from service.config import ServeConfig
 

@@ -141,6 +141,12 @@ class Decoder(Protocol):
     vocab: ActiveVocab | None  # the active draft vocabulary (eagle2: the full one); None for ar
     adapt: OnlineAdapter | None  # the online adapter of the adaptive methods; else None
     prefix: PrefixCache  # what its KV cache keeps between requests (prefix reuse)
+    model: Transformer  # the target
+    eos_ids: tuple[int, ...]  # its stop ids besides a request's own
+    # the target's KV cache (None before the first request): after a request's generator is
+    # closed between rounds, slots [0, P + E - 1) hold its prompt and emitted tokens but the
+    # last (the engine's handover to its batch copies them)
+    cache: KVCache | None
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StepEvent]: ...
 
@@ -204,6 +210,7 @@ class SpeculativeDecoder:
         self.eos_ids = tuple(eos_ids)
         self.cache: KVCache | None = None
         self.prefix = PrefixCache(model)  # what the cache holds between requests
+        self.prefix.needs_features = drafter is not None  # a drafted decoder reuses features too
 
     def close(self) -> None:
         if self.adapt is not None:

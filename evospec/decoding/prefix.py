@@ -20,6 +20,11 @@ What a request leaves: its prompt and every token it emitted but the last -- the
 decoding has written by then (a speculative round may have written more; those are not
 counted, so what the next request reuses does not depend on the method).
 
+Requests batched by the engine (``decoding/batch.py``) keep caches of their own: :meth:`PrefixCache.lend`
+copies a joining prompt's longest shared run of slots -- from the live cache or a snapshot, K/V
+only -- into its cache, and :meth:`PrefixCache.remember` keeps a finished member's slots as a
+snapshot (not for drafted decoders, whose snapshots must carry features the batch never computes).
+
 Several recent sequences: before a request overwrites slots the cache holds (a prompt that
 differs from the last request's), :meth:`PrefixCache.prepare` copies those slots -- K/V and
 kept features -- into a small store of snapshots (least recently used out first, within
@@ -84,6 +89,9 @@ class PrefixCache:
         self.store_bytes = STORE_MB << 20  # room for snapshots of earlier sequences; 0: none
         self.store: list[_Snapshot] = []  # least recently used first
         self.min_snapshot, self.min_gain = MIN_SNAPSHOT, MIN_GAIN
+        # a drafted decoder (SpeculativeDecoder with a drafter) reuses slots only with their
+        # features: snapshots of batched requests, which have none, are not kept for it
+        self.needs_features = False
         self.tokens: list[int] = []  # ids of the valid slots [0, len(tokens))
         # per-slot target features (drafted methods): what the draft reads, [capacity, D'], and
         # the final features, [capacity, D], where those differ (EAGLE-3; None: the same)
@@ -124,6 +132,54 @@ class PrefixCache:
         self.store.append(source)  # most recently used
         return cache, best
 
+    @torch.inference_mode()
+    def lend(self, prompt: Sequence[int], live: KVCache | None, dst: KVCache) -> int:
+        """Copy into ``dst`` (emptied first) the K/V of the longest run of slots ``prompt`` shares
+        with the live cache (``live``, holding :attr:`tokens`) or a snapshot, leaving its last
+        token to prefill; returns how many slots ``dst`` now holds. Nothing here changes but the
+        snapshots' recency."""
+        dst.reset()
+        if not self.enabled or len(prompt) < 2:
+            return 0
+        best, source = 0, None
+        if live is not None and live.length >= len(self.tokens):
+            best = self.reusable(prompt)
+        for snap in self.store:
+            n = min(common_prefix(snap.tokens, prompt), len(prompt) - 1)
+            if n > best:
+                best, source = n, snap
+        if source is not None:
+            self.store.remove(source)
+            self.store.append(source)  # most recently used
+        if best:
+            src = live if source is None else source
+            dst.k[:, :, :, :best] = src.k[:, :, :, :best]
+            dst.v[:, :, :, :best] = src.v[:, :, :, :best]
+        dst.advance(best)
+        return best
+
+    @torch.inference_mode()
+    def remember(self, tokens: Sequence[int], cache: KVCache) -> None:
+        """Keep slots [0, len(tokens)) of ``cache`` (another sequence's: a batched request's
+        prompt and emitted tokens but the last) as a K/V-only snapshot, within the store's room;
+        not for a drafted decoder (:attr:`needs_features`)."""
+        n = len(tokens)
+        if self.needs_features or not self.enabled or n < self.min_snapshot or cache.length < n:
+            return
+        k, v = cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone()
+        self._store(_Snapshot(tuple(tokens), k, v, None, None))
+
+    def _store(self, snap: _Snapshot) -> None:
+        """Add ``snap`` unless the store has it (or a longer run of it) or it cannot fit; drop
+        the snapshots it extends, then the least recently used past the store's room."""
+        tokens = snap.tokens
+        if snap.nbytes > self.store_bytes or any(s.tokens[: len(tokens)] == tokens for s in self.store):
+            return
+        self.store = [s for s in self.store if tokens[: len(s.tokens)] != s.tokens]  # prefixes of it
+        self.store.append(snap)
+        while sum(s.nbytes for s in self.store) > self.store_bytes:
+            self.store.pop(0)
+
     def _keep(self, cache: KVCache) -> None:
         """Store the live cache's valid slots as a snapshot (if long enough and room allows)."""
         n = len(self.tokens)
@@ -133,16 +189,11 @@ class PrefixCache:
             return  # a drafted decoder's features must come with its slots
         tokens = tuple(self.tokens)
         if any(snap.tokens[:n] == tokens for snap in self.store):
-            return  # already kept (or a longer run of it)
+            return  # already kept (or a longer run of it): no copy
         feats = None if self.features is None else self.features[:n].clone()
         hidden = None if self.hidden is None or feats is None else self.hidden[:n].clone()
-        snap = _Snapshot(tokens, cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone(), feats, hidden)
-        if snap.nbytes > self.store_bytes:
-            return
-        self.store = [s for s in self.store if tokens[: len(s.tokens)] != s.tokens]  # prefixes of it
-        self.store.append(snap)
-        while sum(s.nbytes for s in self.store) > self.store_bytes:
-            self.store.pop(0)
+        k, v = cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone()
+        self._store(_Snapshot(tokens, k, v, feats, hidden))
 
     def write(self, start: int, features: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Keep the target's features at slots [start, start + n): ``features`` [n, D'] (what

@@ -10,6 +10,7 @@
 //                     calls above plus attention.cpp's decode_attention and int4_matmul's, as
 //                     fused.py's loop makes them (one team of threads: llama_layer.cpp)
 //   llama_stack(...): a model's layers as one op, llama_layer's contract for each
+//   llama_stack_seqs(...): one token of each of several sequences, each in its own caches
 //   draft_step(...):  an EAGLE-2 draft head's step (fc, then its layer) as one op
 // Gemma-3's blocks (norms after each sublayer too, q/k norms, GELU, sliding windows) add:
 //   rope_qkv_normed(qkv, cos, sin, Hq, Hk, qw f32 [Dh], kw, eps)
@@ -308,6 +309,54 @@ std::tuple<at::Tensor, at::Tensor> llama_stack(
   return {xi, hi};
 }
 
+// One new token of each of B sequences through layers 0..L-1 (llama_stack_seqs; models/batch_step.py):
+// sequence i keeps its own caches (k_caches[i], v_caches[i]: [L, 1, Hk, S_i, Dh]), its row writes
+// slot ends[i] - 1 and attends to slots [0, ends[i]), and every row's bits are those of a
+// one-sequence llama_stack step at that length: the products and elementwise steps are row-exact,
+// and each sequence's attention runs on the plan its own step makes. x f32 / h bf16 [B, D]; cos,
+// sin [B, Dh]. One team of threads runs all rows (the products read each weight once for B rows);
+// where it does not apply, llama_stack for each sequence in turn (the same bits, no sharing).
+std::tuple<at::Tensor, at::Tensor> llama_stack_seqs(
+    const at::Tensor& x, const at::Tensor& h, at::TensorList qkv_ws, at::TensorList o_ws, at::TensorList gate_up_ws,
+    at::TensorList down_ws, at::TensorList post_ws, at::TensorList next_ws, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef ends, int64_t hq,
+    int64_t hk, double scale, double eps) {
+  const size_t count = qkv_ws.size();
+  const int64_t b = x.dim() == 2 ? x.size(0) : 0;
+  TORCH_CHECK(count >= 1 && o_ws.size() == count && gate_up_ws.size() == count && down_ws.size() == count &&
+                  post_ws.size() == count && next_ws.size() + 1 == count,
+              "llama_stack_seqs: L weights of each kind and L - 1 next norms");
+  TORCH_CHECK(b >= 1 && h.sizes() == x.sizes(), "llama_stack_seqs: x, h must be [B, D]");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == b && static_cast<int64_t>(v_caches.size()) == b &&
+                  static_cast<int64_t>(ends.size()) == b,
+              "llama_stack_seqs: one K cache, V cache and end per row");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == b && sin.sizes() == cos.sizes(),
+              "llama_stack_seqs: cos, sin must be [B, Dh]");
+  for (int64_t i = 0; i < b; ++i) {
+    const auto &kc = k_caches[i], &vc = v_caches[i];
+    TORCH_CHECK(kc.dim() == 5 && kc.size(1) == 1 && vc.sizes() == kc.sizes() && ends[i] >= 1 &&
+                    ends[i] <= kc.size(3) && static_cast<int64_t>(count) <= kc.size(0),
+                "llama_stack_seqs: sequence ", i, "'s cache cannot hold slot ", ends[i] - 1);
+  }
+  if (layer_team_enabled() && evospec_layer::seqs_apply(x, h, cos, sin, k_caches, v_caches)) {
+    std::vector<evospec_layer::StackLayer> layers;
+    for (size_t i = 0; i < count; ++i)
+      layers.push_back({static_cast<int64_t>(i), qkv_ws[i], o_ws[i], gate_up_ws[i], down_ws[i], post_ws[i],
+                        i + 1 < count ? std::optional<at::Tensor>(next_ws[i]) : std::nullopt});
+    return evospec_layer::stack_seqs_team(x, h, layers, cos, sin, k_caches, v_caches, ends, hq, hk, scale, eps);
+  }
+  std::vector<at::Tensor> xs, hs;
+  for (int64_t i = 0; i < b; ++i) {
+    auto slots = at::empty({ends[i]}, x.options().dtype(at::kByte));
+    auto [xi, hi] = llama_stack(x.narrow(0, i, 1), h.narrow(0, i, 1), qkv_ws, o_ws, gate_up_ws, down_ws, post_ws,
+                                next_ws, cos.narrow(0, i, 1).contiguous(), sin.narrow(0, i, 1).contiguous(),
+                                k_caches[i], v_caches[i], slots, 1, 1, hq, hk, scale, eps);
+    xs.push_back(xi);
+    hs.push_back(hi);
+  }
+  return {at::cat(xs), at::cat(hs)};
+}
+
 // An EAGLE-2 draft step (fused.py's draft heads): x = fc([embedding, feature] rows) (+ bias), then
 // the head's one layer without an input norm, as one team of threads (llama_layer.cpp: int4
 // products, the cache written and attended as llama_layer does) -> x [B n, D] float32.
@@ -365,6 +414,9 @@ TORCH_LIBRARY(evospec, m) {
   m.def("llama_stack(Tensor x, Tensor h, Tensor[] qkv_ws, Tensor[] o_ws, Tensor[] gate_up_ws, Tensor[] down_ws, "
         "Tensor[] post_ws, Tensor[] next_ws, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
+  m.def("llama_stack_seqs(Tensor x, Tensor h, Tensor[] qkv_ws, Tensor[] o_ws, Tensor[] gate_up_ws, "
+        "Tensor[] down_ws, Tensor[] post_ws, Tensor[] next_ws, Tensor cos, Tensor sin, Tensor[] k_caches, "
+        "Tensor[] v_caches, int[] ends, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
   m.def("draft_step(Tensor pairs, Tensor fc_w, Tensor? fc_b, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, "
         "Tensor down_w, Tensor post_w, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, int b, "
         "int n, int hq, int hk, float scale, float eps) -> Tensor");
@@ -388,6 +440,7 @@ TORCH_LIBRARY_IMPL(evospec, CPU, m) {
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("llama_layer", &llama_layer);
   m.impl("llama_stack", &llama_stack);
+  m.impl("llama_stack_seqs", &llama_stack_seqs);
   m.impl("draft_step", &draft_step);
   m.impl("rope_qkv_normed", &rope_qkv_normed);
   m.impl("norm_add_rms_norm_bf16", &norm_add_rms_norm_bf16);

@@ -142,6 +142,15 @@ struct LayerWeights {
   const float* next;
 };
 
+// One sequence of a stack_seqs_team forward: its own cache (batch 1), its length after the
+// forward, and the attention plan a one-sequence step of that length makes (so its bits).
+struct Seq {
+  char *kbase, *vbase;  // layer 0 of its caches
+  int64_t klayer, vlayer, end;
+  evospec_attention::AttentionJobs att;
+  int64_t first_job;  // its jobs' place in the forward's one list of attention jobs
+};
+
 // The forward's sizes and the caller's buffers (pointers: inside the parallel region a
 // thread_local would name each thread's own).
 struct Plan {
@@ -152,6 +161,7 @@ struct Plan {
   char *kbase, *vbase;  // layer 0 of the caches
   int64_t klayer, vlayer;  // bytes from one layer to the next
   evospec_attention::AttentionJobs att;  // the plan, for layer 0's keys and values
+  const std::vector<Seq>* seqs = nullptr;  // sequences in caches of their own (stack_seqs_team)
   Codes codes;
   uint16_t *qkv, *o, *gu, *act, *mlp, *h1;
   float *q, *attn, *x1;
@@ -168,6 +178,20 @@ struct Scratch {
   std::vector<uint16_t> qkv, o, gu, act, mlp, h1, hs;
 };
 
+// Thread tid's share of the attention jobs of sequences in caches of their own, one list over
+// all of them: each job runs on its sequence's plan, so a sequence gets its one-sequence bits.
+void attend_seqs(const std::vector<Seq>& seqs, int64_t li, int tid, int team) {
+  const Span jobs = share(seqs.back().first_job + seqs.back().att.jobs(), tid, team);
+  for (const Seq& s : seqs) {
+    const int64_t lo = std::max(jobs.first, s.first_job), hi = std::min(jobs.last, s.first_job + s.att.jobs());
+    if (lo >= hi) continue;
+    evospec_attention::AttentionJobs att = s.att;
+    att.keys = s.kbase + li * s.klayer;
+    att.values = s.vbase + li * s.vlayer;
+    evospec_attention::run_attention_jobs(att, lo - s.first_job, hi - s.first_job);
+  }
+}
+
 // Layer `li`'s phases on thread tid, from (x, h) to (xo, ho); the codes of h are ready (the
 // first phase of the stack, or the previous layer's last). With `codes_next`, the last phase
 // also quantises ho for the layer after.
@@ -180,8 +204,13 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
   matmul(w.qkv, p.codes, m, p.qkv, tid, team);
 #pragma omp barrier
   for (int64_t r = rows.first; r < rows.last; ++r) {  // RoPE; K/V rows into the cache
-    const int64_t bi = r / n, t = r % n, slot = p.end - n + t;
-    const float *cr = p.cos + t * dh, *sr = p.sin + t * dh;
+    const int64_t bi = r / n, t = r % n;
+    const Seq* sq = p.seqs ? &(*p.seqs)[bi] : nullptr;  // its own cache, position and RoPE row
+    const int64_t slot = (sq ? sq->end : p.end) - n + t, tab = (sq ? r : t) * dh;
+    const float *cr = p.cos + tab, *sr = p.sin + tab;
+    char* kdst = sq ? sq->kbase + li * sq->klayer : kb;
+    char* vdst = sq ? sq->vbase + li * sq->vlayer : vb;
+    const int64_t cb = sq ? 0 : bi;  // the batch entry in that cache
     float* kv = buf + dh;
     for (int64_t head = 0; head < hq + 2 * hk; ++head) {
       const uint16_t* src = p.qkv + r * w.qkv.out() + head * dh;
@@ -192,16 +221,21 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
       const bool value = head >= hq + hk;
       const int64_t g = value ? head - hq - hk : head - hq;
       evospec_rows::rope_head(src, kv, cr, sr, dh, value, nullptr, 0.0f, buf);
-      const int64_t* st = value ? p.att.vs : p.att.ks;
-      put(value ? vb : kb, p.half, bi * st[0] + g * st[1] + slot * st[2], kv, dh);
+      const evospec_attention::AttentionJobs& pa = sq ? sq->att : p.att;
+      const int64_t* st = value ? pa.vs : pa.ks;
+      put(value ? vdst : kdst, p.half, cb * st[0] + g * st[1] + slot * st[2], kv, dh);
     }
   }
 #pragma omp barrier
-  evospec_attention::AttentionJobs att = p.att;
-  att.keys = kb;
-  att.values = vb;
-  const Span jobs = share(att.jobs(), tid, team);
-  evospec_attention::run_attention_jobs(att, jobs.first, jobs.last);
+  if (p.seqs) {
+    attend_seqs(*p.seqs, li, tid, team);
+  } else {
+    evospec_attention::AttentionJobs att = p.att;
+    att.keys = kb;
+    att.values = vb;
+    const Span jobs = share(att.jobs(), tid, team);
+    evospec_attention::run_attention_jobs(att, jobs.first, jobs.last);
+  }
 #pragma omp barrier
   for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(bf16(attention)), heads side by side
     const int64_t bi = r / n, t = r % n;
@@ -326,22 +360,13 @@ float* row_buffer(int64_t floats) {
   return buf.data();
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Tensor& h,
-                                              const std::vector<StackLayer>& layers, const at::Tensor& cos,
-                                              const at::Tensor& sin, const at::Tensor& k_cache,
-                                              const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
-                                              int64_t hq, int64_t hk, double scale, double eps) {
-  const int64_t m = b * n, d = x.size(1), dh = cos.size(-1);
-  const auto ws = layer_weights(layers, d, dh, hq, hk);
-  const int team_size = at::get_num_threads();
-  thread_local Scratch sc;
-  const Plan p = make_plan(ws, layers.front().layer, d, cos, sin, k_cache, v_cache, end, b, n, d, hq, hk, scale, eps,
-                           team_size, sc);
+// The stack's parallel region: codes(h), then each layer from (x, h) to the next, ping-pong
+// buffers between them, the last layer's into (x_out, h_out).
+void run_stack(const Plan& p, const std::vector<LayerWeights>& ws, Scratch& sc, const at::Tensor& x,
+               const at::Tensor& h, at::Tensor& x_out, at::Tensor& h_out, int team_size) {
+  const int64_t m = p.m, d = p.d, dh = p.dh;
   float* xs = sc.xs.data();
   uint16_t* hs = sc.hs.data();
-  auto x_out = at::empty_like(x), h_out = at::empty_like(h);
   const float* xp = x.data_ptr<float>();
   const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>());
   float* xo_last = x_out.data_ptr<float>();
@@ -366,7 +391,74 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
       layer_phases(p, ws[li], li, xin, xo, ho, !last, tid, team, buf);
     }
   }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Tensor& h,
+                                              const std::vector<StackLayer>& layers, const at::Tensor& cos,
+                                              const at::Tensor& sin, const at::Tensor& k_cache,
+                                              const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
+                                              int64_t hq, int64_t hk, double scale, double eps) {
+  const int64_t m = b * n, d = x.size(1), dh = cos.size(-1);
+  const auto ws = layer_weights(layers, d, dh, hq, hk);
+  const int team_size = at::get_num_threads();
+  thread_local Scratch sc;
+  const Plan p = make_plan(ws, layers.front().layer, d, cos, sin, k_cache, v_cache, end, b, n, d, hq, hk, scale, eps,
+                           team_size, sc);
+  auto x_out = at::empty_like(x), h_out = at::empty_like(h);
+  run_stack(p, ws, sc, x, h, x_out, h_out, team_size);
   if (m > kKeepRows) sc = Scratch{};
+  return {x_out, h_out};
+}
+
+bool seqs_apply(const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                at::TensorList k_caches, at::TensorList v_caches) {
+  const int64_t b = x.size(0);
+  if (k_caches.empty() || !team_applies(x, h, cos.narrow(0, 0, 1), sin.narrow(0, 0, 1), k_caches[0], v_caches[0], 1))
+    return false;
+  if (cos.numel() != b * cos.size(-1) || sin.numel() != cos.numel()) return false;
+  for (size_t i = 0; i < k_caches.size(); ++i)
+    if (!tables_apply(cos.narrow(0, 0, 1), sin.narrow(0, 0, 1), k_caches[i], v_caches[i], 1) ||
+        k_caches[i].scalar_type() != k_caches[0].scalar_type())
+      return false;
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> stack_seqs_team(const at::Tensor& x, const at::Tensor& h,
+                                                   const std::vector<StackLayer>& layers, const at::Tensor& cos,
+                                                   const at::Tensor& sin, at::TensorList k_caches,
+                                                   at::TensorList v_caches, at::IntArrayRef ends, int64_t hq,
+                                                   int64_t hk, double scale, double eps) {
+  const int64_t b = x.size(0), d = x.size(1), dh = cos.size(-1);
+  const auto ws = layer_weights(layers, d, dh, hq, hk);
+  const int team_size = at::get_num_threads();
+  const int64_t l0 = layers.front().layer;
+  thread_local Scratch sc;
+  thread_local std::vector<Seq> seqs;
+  Plan p = make_plan(ws, l0, d, cos, sin, k_caches[0], v_caches[0], ends[0], b, 1, d, hq, hk, scale, eps, team_size,
+                     sc);
+  const int64_t esize = p.half ? 2 : 4;
+  seqs.clear();
+  int64_t first_job = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
+    Seq s;
+    s.kbase = static_cast<char*>(kc.data_ptr()) + l0 * kc.stride(0) * esize;
+    s.vbase = static_cast<char*>(vc.data_ptr()) + l0 * vc.stride(0) * esize;
+    s.klayer = kc.stride(0) * esize;
+    s.vlayer = vc.stride(0) * esize;
+    s.end = ends[i];
+    s.att = evospec_attention::plan_attention(p.q + i * hq * dh, p.attn + i * hq * dh, kc.select(0, l0),
+                                              vc.select(0, l0), hq, 1, s.end, nullptr, false,
+                                              static_cast<float>(scale), 0, team_size);
+    s.first_job = first_job;
+    first_job += s.att.jobs();
+    seqs.push_back(s);
+  }
+  p.seqs = &seqs;
+  auto x_out = at::empty_like(x), h_out = at::empty_like(h);
+  run_stack(p, ws, sc, x, h, x_out, h_out, team_size);
   return {x_out, h_out};
 }
 
@@ -425,6 +517,18 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor&, const at::Tenso
                                               const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
                                               double) {
   TORCH_CHECK(false, "stack_team needs the AVX2 or VNNI build of the op library");
+}
+
+bool seqs_apply(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
+                at::TensorList) {
+  return false;
+}
+
+std::tuple<at::Tensor, at::Tensor> stack_seqs_team(const at::Tensor&, const at::Tensor&,
+                                                   const std::vector<StackLayer>&, const at::Tensor&,
+                                                   const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef,
+                                                   int64_t, int64_t, double, double) {
+  TORCH_CHECK(false, "llama_stack_seqs' team needs the AVX2 or VNNI build of the op library");
 }
 
 at::Tensor draft_team(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const StackLayer&,

@@ -36,6 +36,21 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
                                               const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
                                               int64_t hq, int64_t hk, double scale, double eps);
 
+// Whether stack_seqs_team serves these rows: team_applies' terms for each sequence's cache (one
+// sequence each, all of one element type) and RoPE tables of one row per sequence, [B, Dh].
+bool seqs_apply(const at::Tensor& x, const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                at::TensorList k_caches, at::TensorList v_caches);
+
+// One new token of each of B sequences through consecutive layers, each sequence in caches of its
+// own (k_caches[i], v_caches[i]: [L, 1, Hk, S_i, Dh]), its token at slot ends[i] - 1 and attending
+// to slots [0, ends[i]) as a one-sequence step there does: row i's results are bitwise that step's.
+// x [B, D] f32, h [B, D] bf16, cos / sin [B, Dh] (row i at sequence i's position).
+std::tuple<at::Tensor, at::Tensor> stack_seqs_team(const at::Tensor& x, const at::Tensor& h,
+                                                   const std::vector<StackLayer>& layers, const at::Tensor& cos,
+                                                   const at::Tensor& sin, at::TensorList k_caches,
+                                                   at::TensorList v_caches, at::IntArrayRef ends, int64_t hq,
+                                                   int64_t hk, double scale, double eps);
+
 // An EAGLE draft step by one team of threads: x = fc(pairs) (+ bias), then `layer` (no input norm,
 // no next norm) -> its x [B n, D] float32. pairs [B n, 2 D] float32 ([embedding, feature] rows),
 // fc packed int4; chain semantics and cache as llama_layer's.

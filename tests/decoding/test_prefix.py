@@ -253,3 +253,39 @@ def test_the_store_keeps_what_fits_least_recently_used_out_first_and_can_be_off(
     for p in [*prompts, prompts[0]]:
         _, stats = _run(off, p, params)
     assert off.prefix.store == [] and stats.cached_tokens == 0
+
+
+@needs_ops
+def test_batched_sequences_lend_and_remember_slots_of_the_store():
+    """lend copies a prompt's longest shared run (the live cache's or a snapshot's) into another
+    cache and leaves the live one alone; remember keeps another cache's slots as a K/V-only
+    snapshot, not for a drafted decoder; a request reusing such a snapshot still decodes as AR."""
+    target = _target(7)
+    dec = _decoder("ar", target)
+    dec.prefix.min_snapshot = dec.prefix.min_gain = 4
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    first = prompt_of(1, 30)
+    _run(dec, first, params)  # the live cache now holds `first` and its answer but the last token
+    live_tokens = list(dec.prefix.tokens)
+    dst = target.new_cache(64)
+    assert dec.prefix.lend([*first[:20], 99, 98], dec.cache, dst) == 20
+    assert torch.equal(dst.k[:, :, :, :20], dec.cache.k[:, :, :, :20]) and dst.length == 20
+    assert dec.prefix.tokens == live_tokens  # the live cache's bookkeeping is unchanged
+    assert dec.prefix.lend([5], dec.cache, dst) == 0 and dst.length == 0
+
+    # another sequence's cache, remembered, then lent to a prompt that extends it
+    other = prompt_of(2, 12)
+    other_cache = target.new_cache(64)
+    target(torch.tensor([other]), torch.arange(12), other_cache, logits="none")
+    dec.prefix.remember(other, other_cache)
+    assert any(s.tokens == tuple(other) and s.features is None for s in dec.prefix.store)
+    assert dec.prefix.lend([*other, 7, 8], dec.cache, dst) == 12
+    assert torch.equal(dst.v[:, :, :, :12], other_cache.v[:, :, :, :12])
+    tokens, stats = _run(dec, [*other, 7, 8], params)  # the decoder's own prepare takes it too
+    assert stats.cached_tokens == 12
+    assert tokens == ar_tokens(target, [*other, 7, 8], params)
+
+    drafted = _decoder("eagle2", target)
+    assert drafted.prefix.needs_features
+    drafted.prefix.remember(other, other_cache)
+    assert not drafted.prefix.store  # its snapshots must carry features

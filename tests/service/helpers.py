@@ -49,6 +49,11 @@ class WrappedDecoder:
         self.inner = inner
         self.name = inner.name
         self.tree, self.vocab, self.adapt = inner.tree, inner.vocab, inner.adapt  # the Decoder protocol
+        self.model, self.eos_ids, self.prefix = inner.model, inner.eos_ids, inner.prefix
+
+    @property
+    def cache(self):
+        return self.inner.cache
 
     def close(self) -> None:
         self.inner.close()

@@ -135,6 +135,8 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("port: 70000\n", "port 70000 is outside"),
         ("method: medusa\n", "method 'medusa' is not one of"),
         ("max_queue: 0\n", "max_queue must be >= 1"),
+        ("max_batch: 0\n", "max_batch must be >= 1"),
+        ("max_batch: 2.5\n", "max_batch must be int"),
         ("request_timeout: 0\n", "request_timeout must be > 0"),
         ("max_tokens_limit: -1\n", "max_tokens_limit must be >= 1"),
         ("dtype: float8\n", "dtype 'float8'"),

@@ -13,12 +13,13 @@ def test_health(ar_server) -> None:
     with ar_server.http() as http:
         r = http.get("/health")
     assert r.status_code == 200
-    assert r.json() | {"queue_depth": 0, "active": False} == {
+    assert r.json() | {"queue_depth": 0, "active": False, "running": 0} == {
         "status": "ok",
         "model": MODEL_NAME,
         "method": "ar",
         "queue_depth": 0,
         "active": False,
+        "running": 0,
     }
 
 
