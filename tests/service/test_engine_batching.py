@@ -190,3 +190,12 @@ def test_batching_needs_room_for_two_and_a_model_that_steps_sequences_together(m
     assert not Engine(WrappedDecoder(make_decoder("ar", tiny_target(0))), max_batch=4).batching
     with pytest.raises(ValueError, match="max_batch"):
         Engine(make_decoder("ar", model), max_batch=0)
+
+
+def test_the_start_up_line_says_how_concurrent_requests_are_served(model):
+    from service.server import batching_fact
+
+    assert "up to 4 generated together" in batching_fact(Engine(make_decoder("ar", model), max_batch=4), 4)
+    assert "one at a time (--max-batch 1)" in batching_fact(Engine(make_decoder("ar", model), max_batch=1), 1)
+    fp32 = Engine(make_decoder("ar", tiny_target(0)), max_batch=4)
+    assert "cannot step several sequences" in batching_fact(fp32, 4)

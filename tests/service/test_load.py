@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.service.helpers import MODEL_NAME, LiveServer, wait_for
+import pytest
+
+from evospec.decoding.methods import make_decoder
+from evospec.kernels.cpu_ops import load_cpu_ops
+from evospec.models.batch_step import batched_steps_apply
+from evospec.models.fused import enable_fused_ops
+from evospec.models.quant import kernels_available, quantize_linears
+from evospec.models.step import StepGraph
+from tests.decoding.spec_helpers import tiny_target
+from tests.service.helpers import CONTEXT, MODEL_NAME, GateDecoder, LiveServer, ar_ids, start_server, wait_for
 
 CLIENTS = 16
 MAX_TOKENS = 12
@@ -35,3 +44,37 @@ def test_sixteen_concurrent_clients_match_greedy(ar_server: LiveServer, codec, r
     after = ar_server.engine.snapshot()
     assert after.outcomes["failed"] == before.outcomes["failed"] and after.rejected == before.rejected
     assert after.alive and after.queue_depth == 0
+
+
+@pytest.mark.skipif(not (load_cpu_ops() and kernels_available("int4")), reason="needs the fused CPU ops")
+def test_concurrent_clients_generated_together_get_greedy_outputs(codec) -> None:
+    """The same load on a model the engine batches (int4 on the fused ops, max_batch 4): every
+    answer, streamed or not, is plain decoding's, and requests did run together."""
+    model = tiny_target(1, ctx=CONTEXT, vocab=codec.vocab_size, eos=codec.eos_ids, head_dim=64)
+    quantize_linears(model, "int4")
+    model.exact_rows = True
+    enable_fused_ops(model)
+    if not batched_steps_apply(model):
+        pytest.skip("batched steps need every linear on our int4 kernel (AVX2 or VNNI)")
+    model.step_graph = StepGraph(model)
+    gate = GateDecoder(make_decoder("ar", model, eos_ids=codec.eos_ids))  # the first waits for the rest
+    server = start_server(gate, codec, model, max_batch=4)
+    most = []
+    server.engine.add_step_listener(lambda ev: most.append(server.engine.snapshot().running))
+    try:
+        clients = 8
+        expected = [
+            codec.decode(ar_ids(model, codec, codec.encode(f"Request number {i} asks about"), MAX_TOKENS))
+            for i in range(clients)
+        ]
+        with ThreadPoolExecutor(clients) as pool:
+            futures = [pool.submit(_ask, server, i) for i in range(clients)]
+            assert wait_for(lambda: server.engine.snapshot().queue_depth == clients - 1, timeout=30)
+            gate.gate.set()
+            got = [f.result(timeout=60) for f in futures]
+        assert got == expected
+        assert max(most) > 1 and max(most) <= 4
+        assert wait_for(lambda: server.engine.snapshot().outcomes["finished"] == clients)
+        assert server.engine.snapshot().running == 0
+    finally:
+        server.stop()
