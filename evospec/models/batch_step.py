@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from evospec.models.fused import _input_norm, _layer_op_applies
+from evospec.models.fused import _input_norm, _layer_op_applies, stack_weights
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
 
@@ -39,20 +39,11 @@ def batched_steps_apply(model: Transformer) -> bool:
 
 
 def _stack_weights(model: Transformer) -> tuple[list[torch.Tensor], ...]:
-    """The op's six weight lists (qkv, o, gate_up, down, post-attention norms, next input norms),
-    gathered once per model and kept on it (frozen weights; a requantised model is a new one)."""
+    """``stack_weights(model)``, gathered once and kept on the model (~180 attribute reads a
+    step otherwise); gathered again if its first product was replaced (requantised)."""
     cached = getattr(model, "_stack_seqs_weights", None)
-    if cached is None:
-        layers = model.layers
-        cached = (
-            [blk.self_attn.qkv.packed for blk in layers],
-            [blk.self_attn.o_proj.matmul.packed for blk in layers],
-            [blk.mlp.gate_up.packed for blk in layers],
-            [blk.mlp.down_proj.matmul.packed for blk in layers],
-            [blk.post_attention_layernorm.weight for blk in layers],
-            [_input_norm(blk) for blk in layers[1:]],
-        )
-        model._stack_seqs_weights = cached
+    if cached is None or cached[0][0] is not model.layers[0].self_attn.qkv.packed:
+        cached = model._stack_seqs_weights = stack_weights(model)
     return cached
 
 

@@ -181,21 +181,28 @@ def _layer_op(block, x, h, next_w, shape, cos, sin, cache, layer, slots, eps):
     )  # fmt: skip
 
 
-def _stack_op(model, x, h, shape, cos, sin, cache, slots, eps):
-    """Every Llama layer as one ``llama_stack`` op: layer i's output normed by layer i + 1's input
-    norm, the last layer's x and post-attention h returned (what the layer ops chain gives)."""
-    b, n = shape
+def stack_weights(model: nn.Module) -> tuple[list[torch.Tensor], ...]:
+    """What ``llama_stack`` and ``llama_stack_seqs`` take of a Llama model's layers: the packed
+    qkv, o, gate_up and down products, the post-attention norms and the next layers' input norms."""
     layers = model.layers
-    attn = layers[0].self_attn
-    return torch.ops.evospec.llama_stack(
-        x, h,
+    return (
         [blk.self_attn.qkv.packed for blk in layers],
         [blk.self_attn.o_proj.matmul.packed for blk in layers],
         [blk.mlp.gate_up.packed for blk in layers],
         [blk.mlp.down_proj.matmul.packed for blk in layers],
         [blk.post_attention_layernorm.weight for blk in layers],
         [_input_norm(blk) for blk in layers[1:]],
-        cos, sin, cache.k, cache.v, slots, b, n, attn.num_heads, attn.num_kv_heads, attn.scale, eps,
+    )
+
+
+def _stack_op(model, x, h, shape, cos, sin, cache, slots, eps):
+    """Every Llama layer as one ``llama_stack`` op: layer i's output normed by layer i + 1's input
+    norm, the last layer's x and post-attention h returned (what the layer ops chain gives)."""
+    b, n = shape
+    attn = model.layers[0].self_attn
+    return torch.ops.evospec.llama_stack(
+        x, h, *stack_weights(model), cos, sin, cache.k, cache.v, slots, b, n,
+        attn.num_heads, attn.num_kv_heads, attn.scale, eps,
     )  # fmt: skip
 
 

@@ -53,6 +53,15 @@ class Running:
         self.most = max(self.most, self.engine.snapshot().running)
 
 
+def _gated(model, max_batch: int, method: str = "ar", **kw) -> tuple[GateDecoder, Engine]:
+    """A started engine whose decoder holds each request before its first event until its gate
+    is set (so the tests decide who waits behind whom)."""
+    gate = GateDecoder(make_decoder(method, model, **kw))
+    engine = Engine(gate, max_queue=8, max_batch=max_batch)
+    engine.start()
+    return gate, engine
+
+
 def _tokens(sink: Collect) -> list[int]:
     return [t for item in sink.items[:-1] for t in item.tokens]
 
@@ -74,11 +83,9 @@ def test_waiting_requests_are_generated_together_with_plain_decodings_tokens(mod
     kw = {}
     if method != "ar":
         kw = {"draft": new_eagle_for(model, seed=5), "tree": TreeConfig(top_k=2, depth=3)}
-    gate = GateDecoder(make_decoder(method, model, **kw))
-    engine = Engine(gate, max_queue=8, max_batch=3)
+    gate, engine = _gated(model, 3, method, **kw)
     assert engine.batching and engine.snapshot().max_batch == 3
     running = Running(engine)
-    engine.start()
     try:
         requests = [_req(i, n=8 + 3 * i, length=4 + 9 * i) for i in range(5)]  # 5 requests, room for 3
         sinks = _serve_together(engine, gate, requests)
@@ -102,10 +109,8 @@ def test_waiting_requests_are_generated_together_with_plain_decodings_tokens(mod
 def test_a_batched_requests_next_turn_reuses_its_slots(model):
     """A finished batched request's slots are kept with the decoder's prefix store; the chat's
     next turn, joining a later batch, prefills only what is new, and still decodes as AR."""
-    gate = GateDecoder(make_decoder("ar", model))
+    gate, engine = _gated(model, 2)
     gate.prefix.min_snapshot = 8
-    engine = Engine(gate, max_queue=8, max_batch=2)
-    engine.start()
     try:
         first = [_req(1), _req(2, length=40)]
         sinks = _serve_together(engine, gate, first)
@@ -122,9 +127,7 @@ def test_a_batched_requests_next_turn_reuses_its_slots(model):
 
 
 def test_a_batched_request_that_disconnects_or_expires_leaves_and_the_others_finish(model):
-    gate = GateDecoder(make_decoder("ar", model))
-    engine = Engine(gate, max_queue=8, max_batch=4)
-    engine.start()
+    gate, engine = _gated(model, 4)
     try:
         gone_after = 3
 
@@ -151,9 +154,7 @@ def test_a_batched_request_that_disconnects_or_expires_leaves_and_the_others_fin
 
 
 def test_a_failing_batched_step_ends_its_requests_and_the_engine_goes_on(model, monkeypatch):
-    gate = GateDecoder(make_decoder("ar", model))
-    engine = Engine(gate, max_queue=8, max_batch=2)
-    engine.start()
+    gate, engine = _gated(model, 2)
     try:
         real_step = engine._batch.step
         monkeypatch.setattr(engine._batch, "step", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
@@ -170,9 +171,7 @@ def test_a_failing_batched_step_ends_its_requests_and_the_engine_goes_on(model, 
 
 
 def test_stop_ends_batched_requests_with_shutdown(model):
-    gate = GateDecoder(make_decoder("ar", model))
-    engine = Engine(gate, max_queue=8, max_batch=2)
-    engine.start()
+    gate, engine = _gated(model, 2)
     sinks = [Collect() for _ in range(3)]
     engine.submit(_req(1, n=200), sinks[0])
     assert wait_for(lambda: engine.snapshot().active)
