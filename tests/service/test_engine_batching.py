@@ -16,7 +16,7 @@ from evospec.models.batch_step import batched_steps_apply
 from evospec.models.eagle import new_eagle_for
 from evospec.models.fused import enable_fused_ops
 from evospec.models.quant import kernels_available, quantize_linears
-from service.engine import Engine, GenerationRequest, Outcome
+from service.engine import Done, Engine, GenerationRequest, Outcome
 from tests.decoding.spec_helpers import ar_tokens, prompt_of, tiny_target
 from tests.service.helpers import GateDecoder, WrappedDecoder, wait_for
 from tests.service.test_engine import Collect
@@ -53,11 +53,11 @@ class Running:
         self.most = max(self.most, self.engine.snapshot().running)
 
 
-def _gated(model, max_batch: int, method: str = "ar", **kw) -> tuple[GateDecoder, Engine]:
+def _gated(model, max_batch: int, method: str = "ar", max_queue: int = 8, **kw) -> tuple[GateDecoder, Engine]:
     """A started engine whose decoder holds each request before its first event until its gate
     is set (so the tests decide who waits behind whom)."""
     gate = GateDecoder(make_decoder(method, model, **kw))
-    engine = Engine(gate, max_queue=8, max_batch=max_batch)
+    engine = Engine(gate, max_queue=max_queue, max_batch=max_batch)
     engine.start()
     return gate, engine
 
@@ -198,3 +198,54 @@ def test_the_start_up_line_says_how_concurrent_requests_are_served(model):
     assert "one at a time (--max-batch 1)" in batching_fact(Engine(make_decoder("ar", model), max_batch=1), 1)
     fp32 = Engine(make_decoder("ar", tiny_target(0)), max_batch=4)
     assert "cannot step several sequences" in batching_fact(fp32, 4)
+
+
+def test_random_arrivals_cancellations_and_deadlines_lose_and_mix_up_nothing(model):
+    """40 requests from 6 threads at random times, some cancelled mid-way or given deadlines
+    that pass, through an engine that batches 3: every request ends with exactly one Done, every
+    finished one carries its own plain decoding's tokens, and the engine ends idle."""
+    import random
+    import time
+
+    rng = random.Random(7)
+    gate, engine = _gated(model, 3, max_queue=64)
+    gate.gate.set()
+    running = Running(engine)
+    plans = []
+    for i in range(40):
+        req = _req(i, n=rng.randint(1, 24), length=rng.randint(2, 60), timeout=rng.choice([30.0, 30.0, 0.05]))
+        plans.append((req, rng.random() < 0.2, rng.uniform(0, 0.02), rng.uniform(0, 0.01)))
+    sinks = [Collect() for _ in plans]
+
+    def client(k: int) -> None:
+        for j in range(k, len(plans), 6):
+            req, cancel, wait_s, cancel_after = plans[j]
+            time.sleep(wait_s)
+            engine.submit(req, sinks[j])
+            if cancel:
+                time.sleep(cancel_after)
+                req.cancel(Outcome.DISCONNECTED)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(s.done.wait(60) for s in sinks)
+        for (req, _, _, _), s in zip(plans, sinks, strict=True):
+            done = [item for item in s.items if isinstance(item, Done)]
+            assert len(done) == 1 and s.items[-1] is done[0]
+            tokens = _tokens(s)
+            expected = ar_tokens(model, req.prompt_ids, req.params)
+            if s.outcome is Outcome.FINISHED:
+                assert tokens == expected
+            else:
+                assert s.outcome in (Outcome.DISCONNECTED, Outcome.TIMEOUT)
+                assert tokens == expected[: len(tokens)]  # what it got before it ended is its own
+        snap = engine.snapshot()
+        assert snap.running == 0 and snap.queue_depth == 0
+        assert sum(snap.outcomes.values()) == len(plans) and snap.outcomes["failed"] == 0
+        assert running.most == 3  # the batch filled up
+    finally:
+        engine.stop()
