@@ -4,9 +4,9 @@ together (``--max-batch``), side by side in one run.
 Contract. This script
 
 1. starts two ``evospec serve`` processes on free 127.0.0.1 ports with the same
-   ``--evospec-args``: one with ``--max-batch 1`` (requests served one after another, the
-   engine's behaviour before batching) and one with ``--max-batch K``; waits for both to be
-   healthy and sends each a warm-up request;
+   ``--evospec-args``: one with ``--baseline-args`` (default ``--max-batch 1``: requests served
+   one after another, the engine's behaviour before batching) and one with ``--max-batch K``;
+   waits for both to be healthy and sends each a warm-up request;
 2. runs the same closed-loop workload against each, ``--rounds`` times, alternating which server
    goes first (ABBA...): ``--clients`` threads share a list of ``--requests`` prompts (Spec-Bench
    turns from ``--data``, else the calibration texts; each round its own prompts, where there
@@ -14,8 +14,9 @@ Contract. This script
    soon as its previous answer ends -- streaming greedy chat requests as
    ``scripts/serve_vs_llamacpp.py`` sends them (``stream_chat``: TTFT, per-stream decode speed);
 3. per server and round: aggregate throughput (completion tokens of all requests / wall time
-   from the first request sent to the last answer's end), mean request latency, median TTFT and
-   median per-stream decode tok/s; prints the medians over rounds, the ratios (batched / one at a
+   from the first request sent to the last answer's end), mean request latency, median TTFT,
+   median per-stream decode tok/s, and the longest wait between two chunks of a stream (median
+   over requests, and the worst); prints the medians over rounds, the ratios (batched / one at a
    time), and how many prompts got the same text from both servers (greedy: all of them -- the
    batch is lossless); writes everything to ``--out`` as JSON when given;
 4. stops both servers however it ends. Exit status 0 when every request succeeded and every text
@@ -94,6 +95,7 @@ def run_load(srv: Server, prompts: list[str], clients: int, max_tokens: int, ign
     ok = [r for r in done if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     speeds = [r.decode_tok_s for r in ok if r.decode_tok_s == r.decode_tok_s]  # not NaN
+    gaps = [r.max_gap_s for r in ok if r.max_gap_s == r.max_gap_s]
     return {
         "wall_s": wall,
         "tokens": tokens,
@@ -101,30 +103,34 @@ def run_load(srv: Server, prompts: list[str], clients: int, max_tokens: int, ign
         "mean_latency_s": statistics.fmean(r.total_s for r in ok) if ok else float("nan"),
         "median_ttft_s": statistics.median(r.ttft_s for r in ok) if ok else float("nan"),
         "median_stream_tok_s": statistics.median(speeds) if speeds else float("nan"),
+        "median_max_gap_s": statistics.median(gaps) if gaps else float("nan"),
+        "worst_gap_s": max(gaps) if gaps else float("nan"),
         "failed": len(done) - len(ok),
         "results": [asdict(r) for r in done],
     }
 
 
+COLUMNS = (  # summary key, header, format
+    ("throughput_tok_s", "aggregate tok/s", ".1f"),
+    ("mean_latency_s", "mean request latency s", ".2f"),
+    ("median_ttft_s", "median TTFT s", ".3f"),
+    ("median_stream_tok_s", "median stream tok/s", ".1f"),
+    ("median_max_gap_s", "median longest gap in a stream s", ".3f"),
+    ("worst_gap_s", "longest gap s", ".3f"),
+)
+
+
 def summary_table(names: list[str], runs: dict[str, list[dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
-    keys = ("throughput_tok_s", "mean_latency_s", "median_ttft_s", "median_stream_tok_s")
+    """Medians over rounds per server, and their ratios (the second server over the first)."""
+    keys = [k for k, _, _ in COLUMNS]
     med = {n: {k: statistics.median(r[k] for r in runs[n]) for k in keys} for n in names}
     a, b = names
-    ratio = {k: med[b][k] / med[a][k] for k in keys}
-    rows = [
-        "| server | aggregate tok/s | mean request latency s | median TTFT s | median stream tok/s |",
-        "|---|---|---|---|---|",
-    ]
+    ratio = {k: med[b][k] / med[a][k] if med[a][k] else float("nan") for k in keys}
+    rows = ["| server | " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for n in names:
-        m = med[n]
-        rows.append(
-            f"| {n} | {m['throughput_tok_s']:.1f} | {m['mean_latency_s']:.2f} | {m['median_ttft_s']:.3f} "
-            f"| {m['median_stream_tok_s']:.1f} |"
-        )
-    rows.append(
-        f"| ratio {b} / {a} | **{ratio['throughput_tok_s']:.2f}** | {ratio['mean_latency_s']:.2f} "
-        f"| {ratio['median_ttft_s']:.2f} | {ratio['median_stream_tok_s']:.2f} |"
-    )
+        rows.append(f"| {n} | " + " | ".join(format(med[n][k], f) for k, _, f in COLUMNS) + " |")
+    cells = [f"**{ratio[keys[0]]:.2f}**", *(f"{ratio[k]:.2f}" for k in keys[1:])]
+    rows.append(f"| ratio {b} / {a} | " + " | ".join(cells) + " |")
     per_round = [f"{n}: " + " / ".join(f"{r['throughput_tok_s']:.1f}" for r in runs[n]) for n in names]
     return "\n".join([*rows, "", "aggregate tok/s by round:", *per_round]), {"medians": med, "ratio": ratio}
 
@@ -144,6 +150,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="every answer exactly --max-tokens long")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Spec-Bench questions (default: shared)")
     p.add_argument("--evospec-args", default="", help='extra `evospec serve` flags, e.g. "--method ngram"')
+    p.add_argument(
+        "--baseline-args",
+        default="--max-batch 1",
+        help='the first server\'s own flags (default "--max-batch 1": one request at a time); e.g. '
+        '"--max-batch 4 --prefill-chunk 100000" for batching without chunked prefill',
+    )
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server (default 2)")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
@@ -159,12 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
     exe = [sys.executable, "-m", "evospec.cli", "serve", *shlex.split(args.evospec_args)]
-    names = ["max-batch 1", f"max-batch {args.max_batch}"]
+    flags = [shlex.split(args.baseline_args), ["--max-batch", str(args.max_batch)]]
+    names = [args.baseline_args, f"--max-batch {args.max_batch}"]
     servers = []
-    for name, k in zip(names, (1, args.max_batch), strict=True):
+    for name, extra in zip(names, flags, strict=True):
         port = free_port()
-        argv_ = [*exe, "--port", str(port), "--max-batch", str(k), "--no-progress"]
-        servers.append(Server(name, argv_, port, log_dir / f"{name.replace(' ', '_')}.log", env=env))
+        argv_ = [*exe, "--port", str(port), *extra, "--no-progress"]
+        log = "".join(c if c.isalnum() else "_" for c in name)
+        servers.append(Server(name, argv_, port, log_dir / f"{log}.log", env=env))
     pool = load_prompts(args.data, args.requests * args.rounds)
     rounds = [pool[r * args.requests : (r + 1) * args.requests] for r in range(args.rounds)]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}

@@ -188,6 +188,7 @@ class Result:
     content_chunks: int = 0
     finish_reason: str | None = None
     decode_tok_s: float = float("nan")
+    max_gap_s: float = float("nan")  # the longest wait between two content chunks
     e2e_tok_s: float = float("nan")
     text: str = ""
     server_timings: dict[str, Any] = field(default_factory=dict)
@@ -243,7 +244,9 @@ def stream_chat(
                     parts.append(text)
                     res.content_chunks += 1
                     if t_first is None:
-                        t_first = now
+                        t_first, res.max_gap_s = now, 0.0
+                    else:
+                        res.max_gap_s = max(res.max_gap_s, now - t_last)
                     t_last = now
                 if choice.get("finish_reason"):
                     res.finish_reason = choice["finish_reason"]

@@ -58,6 +58,7 @@ class ServeConfig:
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
     max_batch: int = 4  # requests generated together where the model can (engine.py); 1: one at a time
+    prefill_chunk: int = 128  # prompt tokens a joining request prefills between two batched steps
     request_timeout: float = 300.0  # seconds from arrival to the last token (queue wait included)
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413 (checked before reading them)
@@ -157,6 +158,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "port": (int,),
     "max_queue": (int,),
     "max_batch": (int,),
+    "prefill_chunk": (int,),
     "request_timeout": (int, float),
     "max_tokens_limit": (int,),
     "max_body_bytes": (int,),
@@ -185,6 +187,8 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"max_queue must be >= 1, got {c.max_queue}")
     if c.max_batch < 1:
         out.append(f"max_batch must be >= 1 (1: one request at a time), got {c.max_batch}")
+    if c.prefill_chunk < 1:
+        out.append(f"prefill_chunk must be >= 1, got {c.prefill_chunk}")
     if not c.request_timeout > 0:
         out.append(f"request_timeout must be > 0 seconds, got {c.request_timeout}")
     if c.max_tokens_limit < 1:

@@ -54,7 +54,7 @@ from enum import StrEnum
 from typing import Any
 
 from evospec.adapt.online import OnlineAdapter
-from evospec.decoding.batch import DecodeBatch
+from evospec.decoding.batch import PREFILL_CHUNK, DecodeBatch
 from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import Decoder
 from evospec.decoding.sampling import SamplingParams
@@ -184,18 +184,21 @@ class Engine:
         *,
         max_queue: int = 64,
         max_batch: int = 1,
+        prefill_chunk: int = PREFILL_CHUNK,
         listeners: Sequence[Callable[[Done], None]] = (),
     ) -> None:
         """``decoder`` None: it is built on the engine thread by ``start(prepare)``. ``max_batch``:
-        the most requests generated together where the decoder's model can (else 1)."""
+        the most requests generated together where the decoder's model can (else 1);
+        ``prefill_chunk``: prompt tokens a joining request prefills between two batched steps."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {max_batch} and {prefill_chunk}")
         self.decoder: Decoder | None = None
         self.vocab: ActiveVocab | None = None
         self.adapter: OnlineAdapter | None = None
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self._batch: DecodeBatch | None = None
         self._members: dict[str, _Live] = {}  # batched requests, by request id (engine thread)
         if decoder is not None:
@@ -223,7 +226,9 @@ class Engine:
         model = getattr(decoder, "model", None)
         self._batch = None
         if self.max_batch > 1 and model is not None and batched_steps_apply(model):
-            self._batch = DecodeBatch(model, getattr(decoder, "eos_ids", ()), self.max_batch)
+            self._batch = DecodeBatch(
+                model, getattr(decoder, "eos_ids", ()), self.max_batch, self.prefill_chunk
+            )
 
     @property
     def batching(self) -> bool:
@@ -460,9 +465,9 @@ class Engine:
     # -- batched requests (engine thread) -------------------------------------------------------
     def _hand_over(self, live: _Live) -> str | None:
         """Move a request the decoder began into the batch: the slots of its prompt and emitted
-        tokens but the last, copied from the decoder's cache (which keeps them for prefix reuse),
-        then its last token fed as the batch's prefill. Returns None, or the error that kept it
-        from joining (the request then ends)."""
+        tokens but the last, copied from the decoder's cache (which keeps them for prefix reuse);
+        the next step feeds its last token. Returns None, or the error that kept it from joining
+        (the request then ends)."""
         request, emitted = live.request, live.emitted
         prompt = list(request.prompt_ids)
         n = len(prompt) + len(emitted) - 1  # committed slots: what plain decoding has written
@@ -476,18 +481,19 @@ class Engine:
             cache.k[:, :, :, :n] = src.k[:, :, :, :n]
             cache.v[:, :, :, :n] = src.v[:, :, :, :n]
             cache.advance(n)
-            ev = batch.join(
+            batch.join(
                 request.request_id, prompt + emitted, request.params,
                 cache=cache, reuse=n, emitted=emitted, budget=budget,
             )  # fmt: skip
         except Exception as exc:
             log.exception("engine: handing request %s over to the batch failed", request.request_id)
             return f"{type(exc).__name__}: {exc}"
-        self._enter(live, ev)
+        self._members[request.request_id] = live
         return None
 
     def _admit_waiting(self) -> None:
-        """Waiting requests join the batch while it has room (none wait for them)."""
+        """Waiting requests join the batch while it has room (their prefill runs in chunks
+        between the following steps)."""
         while not self._batch.full:
             try:
                 request, sink = self._queue.get_nowait()
@@ -498,27 +504,23 @@ class Engine:
                 self._finish(live, outcome, None)
                 continue
             try:
-                ev = self._join(request)
+                self._join(request)
             except Exception as exc:
                 log.exception("engine: request %s failed", request.request_id)
                 self._finish(live, Outcome.FAILED, f"{type(exc).__name__}: {exc}")
                 continue
-            self._enter(live, ev)
+            self._members[request.request_id] = live
 
-    def _join(self, request: GenerationRequest) -> StepEvent:
+    def _join(self, request: GenerationRequest) -> None:
         """A waiting request into the batch: the slots its prompt shares with the decoder's live
-        cache or kept sequences copied into a cache of its own, then the rest prefilled."""
+        cache or kept sequences copied into a cache of its own; the rest prefills chunk by chunk
+        between the batch's steps."""
         batch, prompt = self._batch, request.prompt_ids
         budget = batch.budget(len(prompt), request.params)
         cache = batch.model.new_cache(budget.slots)
         prefix = getattr(self.decoder, "prefix", None)
         reuse = prefix.lend(prompt, getattr(self.decoder, "cache", None), cache) if prefix is not None else 0
-        return batch.join(request.request_id, prompt, request.params, cache=cache, reuse=reuse, budget=budget)
-
-    def _enter(self, live: _Live, ev: StepEvent) -> None:
-        """Deliver a batch member's first event there; it stays unless that ended it."""
-        self._members[live.request.request_id] = live
-        self._after(live, self._deliver_event(live, ev))
+        batch.join(request.request_id, prompt, request.params, cache=cache, reuse=reuse, budget=budget)
 
     def _after(self, live: _Live, outcome: Outcome | None, error: str | None = None) -> None:
         if outcome is None:
@@ -533,9 +535,10 @@ class Engine:
         self._finish(live, outcome, error)
 
     def _batch_step(self) -> None:
-        """One token for every batched request; a step that raises ends them all (FAILED)."""
+        """A prefill chunk of a joining request and one token for every batched request whose
+        prompt is in; a forward that raises ends them all (FAILED)."""
         try:
-            results = self._batch.step()
+            results = self._batch.advance()
         except Exception as exc:
             log.exception("engine: a batched step failed")
             self._end_members(Outcome.FAILED, f"{type(exc).__name__}: {exc}")

@@ -47,7 +47,9 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         stacks.append(assemble(config.stack_settings(), progress=progress))
         return stacks[0].decoder(config.method)
 
-    engine = Engine(max_queue=config.max_queue, max_batch=config.max_batch)
+    engine = Engine(
+        max_queue=config.max_queue, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk
+    )
     engine.start(prepare)
     stack = stacks[0]
     for line in stack.facts:

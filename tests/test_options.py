@@ -60,8 +60,10 @@ def test_max_batch_flag_reaches_the_serve_config(tmp_path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("max_batch: 2\n")
     assert serve_config(build_parser().parse_args(["serve", "--config", str(path)])).max_batch == 2
-    flag = build_parser().parse_args(["serve", "--config", str(path), "--max-batch", "1"])
-    assert serve_config(flag).max_batch == 1
+    flag = build_parser().parse_args(
+        ["serve", "--config", str(path), "--max-batch", "1", "--prefill-chunk", "64"]
+    )
+    assert (serve_config(flag).max_batch, serve_config(flag).prefill_chunk) == (1, 64)
     with pytest.raises(ValueError, match="max_batch must be >= 1"):
         serve_config(build_parser().parse_args(["serve", "--max-batch", "0"]))
 

@@ -4,6 +4,7 @@ decoding's, whoever joins or leaves around it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from evospec.decoding.autoregressive import generate_ar
 from evospec.decoding.batch import DecodeBatch
@@ -38,13 +39,16 @@ def _alone(model, prompt, params, eos=()) -> list[int]:
 
 def _run(batch: DecodeBatch, arrivals: dict, out: dict | None = None) -> dict[str, list[int]]:
     """Members join at the steps ``arrivals`` names ({step: [(key, prompt, params)]}); returns
-    every member's tokens (``out``: members already in the batch, and their tokens so far)."""
+    every member's tokens (``out``: members handed over to the batch, and their tokens so far)."""
     out = {} if out is None else out
+    handed = set(out)
     step = 0
     while len(batch) or any(s >= step for s in arrivals):
         for key, prompt, params in arrivals.get(step, []):
-            out[key] = list(batch.join(key, prompt, params).tokens)
-        for key, ev in batch.step():
+            batch.join(key, prompt, params)
+            out[key] = []
+        for key, ev in batch.advance():
+            assert ev.prefill == (not out[key] and key not in handed)  # a member's first event
             out[key] += ev.tokens
         step += 1
     return out
@@ -100,9 +104,9 @@ def test_a_request_handed_over_mid_way_continues_as_plain_decoding(model):
     events.close()
     assert cache.length == len(prompt) + len(emitted) - 1
     batch = DecodeBatch(model, capacity=2)
-    first = batch.join("h", prompt + emitted, params, cache=cache, reuse=cache.length, emitted=emitted)
-    assert not first.prefill and first.cached_tokens == 0
-    got = _run(batch, {0: [("o", prompt_of(10, 4), params)]}, {"h": emitted + first.tokens})
+    batch.join("h", prompt + emitted, params, cache=cache, reuse=cache.length, emitted=emitted)
+    assert batch.members["h"].ready  # nothing to prefill: its last token is the next step's row
+    got = _run(batch, {0: [("o", prompt_of(10, 4), params)]}, {"h": list(emitted)})
     assert got["h"] == _alone(model, prompt, params)
     assert got["o"] == _alone(model, prompt_of(10, 4), params)
 
@@ -118,9 +122,41 @@ def test_a_member_can_leave_and_the_batch_refuses_what_it_cannot_take(model):
     batch.leave("x")
     with pytest.raises(ValueError, match="already"):
         batch.join("y", prompt_of(3, 4), params)
-    assert [k for k, _ in batch.step()] == ["y"]
+    assert [k for k, _ in batch.advance()] == ["y"]
     batch.leave("missing")  # ignored
     with pytest.raises(ValueError, match="capacity"):
         DecodeBatch(model, capacity=0)
+    with pytest.raises(ValueError, match="chunk"):
+        DecodeBatch(model, chunk=0)
     with pytest.raises(ValueError, match="cannot step"):
         DecodeBatch(tiny_target(0))
+
+
+def test_a_long_prompt_prefills_in_chunks_while_the_others_keep_stepping(model):
+    """A 50-token prompt joins a running member with 8-token chunks: the running one gets a token
+    at every advance until the newcomer's prefill event, whose time covers its chunks; both end
+    with their own plain decoding's tokens, and the newcomer's cache holds what one prefill writes."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    batch = DecodeBatch(model, capacity=2, chunk=8)
+    batch.join("a", prompt_of(1, 5), params)
+    got = {"a": [t for _, ev in batch.advance() for t in ev.tokens]}
+    long = prompt_of(2, 50)
+    batch.join("b", long, params)
+    got["b"], during = [], 0
+    while not got["b"]:
+        events = dict(batch.advance())
+        got["a"] += events["a"].tokens
+        if "b" in events:
+            assert events["b"].prefill and events["b"].verify_s > 0
+            got["b"] += events["b"].tokens
+        else:
+            during += 1
+    assert during == 6  # 49 prompt tokens before its last one: 7 chunks of 8, the 7th with its first step
+    ref = model.new_cache(64)
+    model(torch.tensor([long[:-1]]), torch.arange(49), ref, logits="none")
+    assert torch.equal(batch.members["b"].cache.k[:, :, :, :49], ref.k[:, :, :, :49])
+    while len(batch):
+        for key, ev in batch.advance():
+            got[key] += ev.tokens
+    assert got["a"] == _alone(model, prompt_of(1, 5), params)
+    assert got["b"] == _alone(model, long, params)

@@ -46,4 +46,3 @@ def test_every_verify_length_and_draft_size_is_recorded_ahead(target):
         got = [t for ev in dec.generate(prompt, params) for t in ev.tokens]
         assert got == ar_tokens(target, prompt, params)
     assert set(target.step_graph._graphs) == recorded and len(draft_graph._graphs) == MAX_CHAIN
-

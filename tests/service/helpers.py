@@ -131,7 +131,8 @@ def start_server(
     **config: Any,
 ) -> LiveServer:
     cfg = ServeConfig(**{"max_tokens_limit": MAX_TOKENS_LIMIT, "served_model_name": MODEL_NAME, **config})
-    engine = Engine(decoder, max_queue=cfg.max_queue, max_batch=cfg.max_batch)
+    batching = {"max_batch": cfg.max_batch, "prefill_chunk": cfg.prefill_chunk}
+    engine = Engine(decoder, max_queue=cfg.max_queue, **batching)
     served = ServedModel(
         name=MODEL_NAME,
         codec=codec,

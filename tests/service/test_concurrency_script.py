@@ -28,8 +28,8 @@ def test_prompts_take_categories_in_turn_and_cycle(script, tmp_path):
 
 def test_summary_takes_medians_over_rounds_and_ratios_of_them(script):
     def run(tok_s, latency):
-        keys = ("throughput_tok_s", "mean_latency_s", "median_ttft_s", "median_stream_tok_s")
-        return dict(zip(keys, (tok_s, latency, 0.5, 9), strict=True))
+        keys = [k for k, _, _ in script.COLUMNS]
+        return dict(zip(keys, (tok_s, latency, 0.5, 9, 0.1, 0.2), strict=True))
 
     runs = {"one": [run(100, 2.0), run(120, 1.0), run(90, 3.0)], "many": [run(150, 1.0), run(210, 1.5)]}
     table, summary = script.summary_table(["one", "many"], runs)

@@ -156,12 +156,12 @@ def test_a_batched_request_that_disconnects_or_expires_leaves_and_the_others_fin
 def test_a_failing_batched_step_ends_its_requests_and_the_engine_goes_on(model, monkeypatch):
     gate, engine = _gated(model, 2)
     try:
-        real_step = engine._batch.step
-        monkeypatch.setattr(engine._batch, "step", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
+        real_advance = engine._batch.advance
+        monkeypatch.setattr(engine._batch, "advance", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
         sinks = _serve_together(engine, gate, [_req(1), _req(2)])
         assert [s.outcome for s in sinks] == [Outcome.FAILED, Outcome.FAILED]
         assert "injected" in sinks[0].items[-1].error
-        monkeypatch.setattr(engine._batch, "step", real_step)
+        monkeypatch.setattr(engine._batch, "advance", real_advance)
         ok = Collect()
         engine.submit(_req(3), ok)
         assert ok.done.wait(30) and ok.outcome is Outcome.FINISHED
@@ -189,6 +189,9 @@ def test_batching_needs_room_for_two_and_a_model_that_steps_sequences_together(m
     assert not Engine(WrappedDecoder(make_decoder("ar", tiny_target(0))), max_batch=4).batching
     with pytest.raises(ValueError, match="max_batch"):
         Engine(make_decoder("ar", model), max_batch=0)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(make_decoder("ar", model), max_batch=2, prefill_chunk=0)
+    assert Engine(make_decoder("ar", model), max_batch=2, prefill_chunk=7)._batch.chunk == 7
 
 
 def test_the_start_up_line_says_how_concurrent_requests_are_served(model):
