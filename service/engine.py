@@ -2,9 +2,9 @@
 
 Owns: a bounded FIFO of typed :class:`GenerationRequest` s, the thread that serves them through
 a :class:`~evospec.decoding.methods.Decoder` -- one at a time, or, with ``max_batch`` > 1 where
-the model can step several sequences in one forward, as a :class:`~evospec.decoding.batch.DecodeBatch`
-while others wait (below) -- the per-request and global
-counters (:class:`~evospec.decoding.stats.RequestStats`, the one fold over step events, per
+the model can step several sequences in one forward, together in a
+:class:`~evospec.decoding.batch.DecodeBatch` once others wait (below) -- the per-request and
+global counters (:class:`~evospec.decoding.stats.RequestStats`, the one fold over step events, per
 request and summed over the engine's life; :class:`EngineSnapshot`; the last OOV events), and
 *control calls* (:meth:`Engine.call`) that read or change the decoder's state on this thread.
 HTTP handlers only validate, build a request and :meth:`Engine.submit` it with a *sink*; the
@@ -29,135 +29,51 @@ Rules the engine keeps:
   token per step in one forward (plain decoding: an extra row costs a fraction of a step on a
   memory-bound CPU, a speculative row's bet does not pay beside it). Waiting requests join
   between steps while fewer than ``max_batch`` run; when the batch empties, the next request
-  runs alone again. Every request's tokens stay those of plain decoding (greedy: identical;
-  sampled: drawn from the target's distribution; ``decoding/batch.py``). A batched step that
-  raises ends every request in it (FAILED).
+  runs alone again. A joining prompt prefills in chunks between the running requests' steps.
+  Every request's tokens stay those of plain decoding (greedy: identical; sampled: drawn from
+  the target's distribution; ``decoding/batch.py``). A batched forward that raises ends every
+  request in it (FAILED).
 
-Knows token ids only: no tokenizer, no web framework. :class:`AsyncSink` is the bridge from
-this thread to an asyncio handler.
+Knows token ids only: no tokenizer, no web framework. The request, outcome, snapshot and sink
+types (:class:`AsyncSink`: the bridge from this thread to an asyncio handler) live in
+``service/requests.py`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import queue
 import threading
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.batch import PREFILL_CHUNK, DecodeBatch
 from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import Decoder
-from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.stats import RequestStats
 from evospec.models.batch_step import batched_steps_apply
 from evospec.vocab.active import ActiveVocab
+from service.requests import (  # noqa: F401 (re-exported: what flows through the engine)
+    RECENT_OOV,
+    AsyncSink,
+    Done,
+    EngineBusy,
+    EngineSnapshot,
+    EngineStopped,
+    GenerationRequest,
+    Item,
+    OOVEvent,
+    Outcome,
+    Sink,
+)
 
 log = logging.getLogger("evospec.service.engine")
-
-
-class Outcome(StrEnum):
-    """How a request ended (also the ``outcome`` label of the request metrics)."""
-
-    FINISHED = "finished"  # the decoder stopped by itself: EOS / stop id / length
-    STOP_STRING = "stop_string"  # the handler found a stop string and cancelled
-    DISCONNECTED = "disconnected"  # the client went away
-    TIMEOUT = "timeout"  # the request's deadline passed
-    FAILED = "failed"  # the decoder raised
-    SHUTDOWN = "shutdown"  # the server stopped before the request finished
-
-
-@dataclass
-class GenerationRequest:
-    """One typed unit of work for the engine thread."""
-
-    prompt_ids: list[int]  # [P] prompt token ids, already validated against the context window
-    params: SamplingParams
-    timeout_s: float  # from submission to the last token, queue wait included
-    adapter_key: str | None = None  # online adaptation scope (conversation / tenant); None: global
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    submitted_at: float = field(default_factory=time.monotonic)
-    cancelled_by: Outcome | None = field(default=None, init=False)  # set once, from any thread
-
-    @property
-    def deadline(self) -> float:
-        return self.submitted_at + self.timeout_s
-
-    def cancel(self, reason: Outcome) -> None:
-        """Ask the engine to stop this request between rounds (idempotent; first reason wins)."""
-        if self.cancelled_by is None:
-            self.cancelled_by = reason
-
-
-@dataclass(frozen=True)
-class Done:
-    """The last item of every request's stream."""
-
-    outcome: Outcome
-    error: str | None  # FAILED: the exception type and message
-    stats: RequestStats  # this request's events, folded
-    prompt_tokens: int
-    queue_s: float  # submission -> start of generation (or of the decision not to run)
-    first_token_s: float | None  # submission -> first token delivered
-    total_s: float  # submission -> done
-
-
-Item = StepEvent | Done
-Sink = Callable[[Item], None]  # called on the engine thread; must not block
-
-
-@dataclass(frozen=True)
-class OOVEvent:
-    """One round whose bonus token was outside the active vocabulary."""
-
-    request_id: str
-    round: int  # the request's round (1 = the first after the prefill)
-    token: int | None  # the bonus token id that was not active
-    time: float  # Unix time
-
-
-RECENT_OOV = 32  # OOV events kept for /admin/state
-
-
-class EngineBusy(Exception):
-    """The queue is full; try again after ``retry_after_s`` seconds."""
-
-    def __init__(self, depth: int, retry_after_s: int) -> None:
-        super().__init__(f"{depth} requests are already waiting")
-        self.depth = depth
-        self.retry_after_s = retry_after_s
-
-
-class EngineStopped(Exception):
-    """The engine thread is not running."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Counters at one instant (read by /health, /metrics and /admin/state)."""
-
-    method: str
-    alive: bool
-    active: bool  # a request is being generated right now
-    running: int  # requests being generated right now (batched ones included)
-    max_batch: int  # the most requests generated together (1: one at a time)
-    queue_depth: int
-    max_queue: int
-    submitted: int
-    rejected: int  # refused with EngineBusy
-    outcomes: dict[str, int]  # Outcome value -> requests that ended so
-    prompt_tokens: int
-    stats: RequestStats  # every event the engine served, folded (a copy)
-    recent_oov: tuple[OOVEvent, ...]  # the last RECENT_OOV OOV events, oldest first
 
 
 @dataclass
@@ -594,18 +510,3 @@ def _deliver(sink: Sink, item: Item) -> bool:
         return True
     except Exception:
         return False
-
-
-class AsyncSink:
-    """The handler's end of one request: a thread-safe :data:`Sink` feeding an asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        self._items: asyncio.Queue[Item] = asyncio.Queue()
-
-    def __call__(self, item: Item) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._items.put_nowait, item)
-
-    async def get(self, timeout: float) -> Item:
-        """Next item; raises TimeoutError after ``timeout`` seconds."""
-        return await asyncio.wait_for(self._items.get(), max(timeout, 0.0))

@@ -1,0 +1,132 @@
+"""What flows through the engine thread (``service/engine.py``) and back to the handlers.
+
+Owns: :class:`GenerationRequest` (one typed unit of work, with its cancellation flag),
+:class:`Outcome` and :class:`Done` (how a request ended: the last item of its stream),
+:data:`Sink` (the engine's per-request callback), :class:`AsyncSink` (its asyncio end),
+:class:`EngineSnapshot` (the counters /health, /metrics and /admin/state read),
+:class:`OOVEvent`, and the submission errors :class:`EngineBusy` and :class:`EngineStopped`.
+Knows token ids and decoding events only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from evospec.decoding.events import StepEvent
+from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.stats import RequestStats
+
+
+class Outcome(StrEnum):
+    """How a request ended (also the ``outcome`` label of the request metrics)."""
+
+    FINISHED = "finished"  # the decoder stopped by itself: EOS / stop id / length
+    STOP_STRING = "stop_string"  # the handler found a stop string and cancelled
+    DISCONNECTED = "disconnected"  # the client went away
+    TIMEOUT = "timeout"  # the request's deadline passed
+    FAILED = "failed"  # the decoder raised
+    SHUTDOWN = "shutdown"  # the server stopped before the request finished
+
+
+@dataclass
+class GenerationRequest:
+    """One typed unit of work for the engine thread."""
+
+    prompt_ids: list[int]  # [P] prompt token ids, already validated against the context window
+    params: SamplingParams
+    timeout_s: float  # from submission to the last token, queue wait included
+    adapter_key: str | None = None  # online adaptation scope (conversation / tenant); None: global
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    submitted_at: float = field(default_factory=time.monotonic)
+    cancelled_by: Outcome | None = field(default=None, init=False)  # set once, from any thread
+
+    @property
+    def deadline(self) -> float:
+        return self.submitted_at + self.timeout_s
+
+    def cancel(self, reason: Outcome) -> None:
+        """Ask the engine to stop this request between rounds (idempotent; first reason wins)."""
+        if self.cancelled_by is None:
+            self.cancelled_by = reason
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last item of every request's stream."""
+
+    outcome: Outcome
+    error: str | None  # FAILED: the exception type and message
+    stats: RequestStats  # this request's events, folded
+    prompt_tokens: int
+    queue_s: float  # submission -> start of generation (or of the decision not to run)
+    first_token_s: float | None  # submission -> first token delivered
+    total_s: float  # submission -> done
+
+
+Item = StepEvent | Done
+Sink = Callable[[Item], None]  # called on the engine thread; must not block
+
+
+@dataclass(frozen=True)
+class OOVEvent:
+    """One round whose bonus token was outside the active vocabulary."""
+
+    request_id: str
+    round: int  # the request's round (1 = the first after the prefill)
+    token: int | None  # the bonus token id that was not active
+    time: float  # Unix time
+
+
+RECENT_OOV = 32  # OOV events kept for /admin/state
+
+
+class EngineBusy(Exception):
+    """The queue is full; try again after ``retry_after_s`` seconds."""
+
+    def __init__(self, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"{depth} requests are already waiting")
+        self.depth = depth
+        self.retry_after_s = retry_after_s
+
+
+class EngineStopped(Exception):
+    """The engine thread is not running."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters at one instant (read by /health, /metrics and /admin/state)."""
+
+    method: str
+    alive: bool
+    active: bool  # a request is being generated right now
+    running: int  # requests being generated right now (batched ones included)
+    max_batch: int  # the most requests generated together (1: one at a time)
+    queue_depth: int
+    max_queue: int
+    submitted: int
+    rejected: int  # refused with EngineBusy
+    outcomes: dict[str, int]  # Outcome value -> requests that ended so
+    prompt_tokens: int
+    stats: RequestStats  # every event the engine served, folded (a copy)
+    recent_oov: tuple[OOVEvent, ...]  # the last RECENT_OOV OOV events, oldest first
+
+
+class AsyncSink:
+    """The handler's end of one request: a thread-safe :data:`Sink` feeding an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._items: asyncio.Queue[Item] = asyncio.Queue()
+
+    def __call__(self, item: Item) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+
+    async def get(self, timeout: float) -> Item:
+        """Next item; raises TimeoutError after ``timeout`` seconds."""
+        return await asyncio.wait_for(self._items.get(), max(timeout, 0.0))
