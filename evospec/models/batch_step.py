@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from evospec.models.fused import _input_norm, _layer_op_applies, stack_weights
+from evospec.models.fused import input_norm, int4_layers, stack_weights
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
 
@@ -32,10 +32,7 @@ from evospec.models.transformer import Transformer
 def batched_steps_apply(model: Transformer) -> bool:
     """Whether :func:`step_sequences` serves ``model``: a Llama-style model on the fused CPU ops
     whose linears all run our int4 kernel (what a one-token step runs as one ``llama_stack``)."""
-    if not getattr(model, "fused_ops", False) or model.cfg.is_gemma:
-        return False
-    probe = KVCache(1, 1, 1, 1)  # the check reads only the cache's type and the linears
-    return _layer_op_applies(model, probe, None, None)
+    return bool(getattr(model, "fused_ops", False)) and not model.cfg.is_gemma and int4_layers(model)
 
 
 def _stack_weights(model: Transformer) -> tuple[list[torch.Tensor], ...]:
@@ -67,7 +64,7 @@ def step_sequences(model: Transformer, tokens: Sequence[int], caches: Sequence[K
     ids = torch.tensor(list(tokens), dtype=torch.long, device=device)  # [B]
     positions = torch.tensor([c.length for c in caches], device=device)  # [B]
     x = model.embed_tokens(ids)  # [B, D] f32 (Llama: no embedding scale)
-    h = torch.ops.evospec.rms_norm_bf16(x, _input_norm(layers[0]), cfg.rms_norm_eps)  # [B, D] bf16
+    h = torch.ops.evospec.rms_norm_bf16(x, input_norm(layers[0]), cfg.rms_norm_eps)  # [B, D] bf16
     cos, sin = model.rope_global(positions, x.dtype)  # [B, Dh] each: row i at sequence i's position
     attn = layers[0].self_attn
     x, _ = torch.ops.evospec.llama_stack_seqs(

@@ -137,14 +137,14 @@ def run_fused_layers(
     # (``rows``): the reshapes, casts and shape reads around each product were ~50 of a
     # layer's ~80 nodes in a recorded step, and a step replays every node.
     x = x.view(b * n, dim)  # f32 residual stream
-    h = ops.rms_norm_bf16(x, _input_norm(layers[0]), eps)  # [B n, D] bf16
+    h = ops.rms_norm_bf16(x, input_norm(layers[0]), eps)  # [B n, D] bf16
     one_op = _layer_op_applies(model, cache, masks[False], rows)
     slots = _slot_tensor(cache, n) if one_op else None  # [length + n]: where this forward writes
     if one_op and not gemma and not aux_layers:  # every layer in one op: one node, one team of threads
         x, _ = _stack_op(model, x, h, (b, n), *ropes[False], cache, slots, eps)
         return x.view(b, n, dim), []
     for i, block in enumerate(layers):
-        nxt = _input_norm(layers[i + 1]) if i + 1 < len(layers) else None  # None: the last
+        nxt = input_norm(layers[i + 1]) if i + 1 < len(layers) else None  # None: the last
         sliding = cfg.is_sliding(i)
         cos, sin = cos_sin = ropes[sliding]
         if one_op:  # the same calls as the loop layer, as one node
@@ -158,7 +158,7 @@ def run_fused_layers(
     return x.view(b, n, dim), [seen[i] for i in aux_layers]
 
 
-def _input_norm(block: nn.Module) -> torch.Tensor:
+def input_norm(block: nn.Module) -> torch.Tensor:
     """The weight a block's input norm multiplies by (Gemma: 1 + w)."""
     return block.fused_norms.input if block.fused_norms is not None else block.input_layernorm.weight
 
@@ -191,7 +191,7 @@ def stack_weights(model: nn.Module) -> tuple[list[torch.Tensor], ...]:
         [blk.mlp.gate_up.packed for blk in layers],
         [blk.mlp.down_proj.matmul.packed for blk in layers],
         [blk.post_attention_layernorm.weight for blk in layers],
-        [_input_norm(blk) for blk in layers[1:]],
+        [input_norm(blk) for blk in layers[1:]],
     )
 
 
@@ -258,6 +258,12 @@ def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
             return False  # a branching tree's rows
     elif mask is not None:
         return False
+    return int4_layers(model)
+
+
+def int4_layers(model: nn.Module) -> bool:
+    """Whether every linear of ``model``'s layers runs our int4 kernel (what the one-op layers
+    and ``llama_stack_seqs`` multiply with)."""
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         mats = (attn.qkv, attn.o_proj.matmul, mlp.gate_up, mlp.down_proj.matmul)
