@@ -452,7 +452,17 @@ class Engine:
 
     def _batch_step(self) -> None:
         """A prefill chunk of a joining request and one token for every batched request whose
-        prompt is in; a forward that raises ends them all (FAILED)."""
+        prompt is in; a forward that raises ends them all (FAILED). Requests cancelled or past
+        their deadline leave first (one still prefilling has had no event to notice it by)."""
+        now = time.monotonic()
+        for live in list(self._members.values()):
+            request = live.request
+            if request.cancelled_by is not None:
+                self._after(live, request.cancelled_by)
+            elif now > request.deadline:
+                self._after(live, Outcome.TIMEOUT)
+        if not self._members:
+            return
         try:
             results = self._batch.advance()
         except Exception as exc:

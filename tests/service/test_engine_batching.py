@@ -252,3 +252,31 @@ def test_random_arrivals_cancellations_and_deadlines_lose_and_mix_up_nothing(mod
         assert running.most == 3  # the batch filled up
     finally:
         engine.stop()
+
+
+def test_a_request_cancelled_while_its_prompt_prefills_leaves_before_its_first_token(model):
+    """A long prompt prefilling 4 tokens a step behind a running request is cancelled: it ends
+    DISCONNECTED without a token and without prefilling the rest; the other one finishes."""
+    gate = GateDecoder(make_decoder("ar", model))
+    engine = Engine(gate, max_queue=8, max_batch=2, prefill_chunk=4)
+    chunks = []
+    engine.start()
+    try:
+        real = engine._batch._prefill_chunk
+        long = _req(2, n=5, length=200)
+
+        def chunk():
+            if any(m.todo for m in engine._batch.members.values()):  # a chunk to prefill
+                chunks.append(1)
+            if len(chunks) == 3:
+                long.cancel(Outcome.DISCONNECTED)
+            real()
+
+        engine._batch._prefill_chunk = chunk
+        sinks = _serve_together(engine, gate, [_req(1, n=40), long])
+        assert sinks[1].outcome is Outcome.DISCONNECTED and not _tokens(sinks[1])
+        assert len(chunks) == 3  # not the 50 its prompt needed
+        assert sinks[0].outcome is Outcome.FINISHED
+        assert _tokens(sinks[0]) == ar_tokens(model, _req(1, n=40).prompt_ids, _req(1, n=40).params)
+    finally:
+        engine.stop()
