@@ -69,7 +69,9 @@ def load_prompts(path: Path | None, count: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(count)]
 
 
-def run_load(srv: Server, prompts: list[str], clients: int, max_tokens: int, ignore_eos: bool) -> dict:
+def run_load(
+    srv: Server, prompts: list[str], clients: int, max_tokens: int, ignore_eos: bool, temperature: float = 0.0
+) -> dict:
     """The closed-loop workload against one server: results per prompt and the wall time."""
     results: list[Result | None] = [None] * len(prompts)
     lock = threading.Lock()
@@ -82,7 +84,7 @@ def run_load(srv: Server, prompts: list[str], clients: int, max_tokens: int, ign
                     return
                 i = todo.pop(0)
             where = {"prompt_index": i, "repeat": 0, "order": 0}
-            results[i] = stream_chat(srv, prompts[i], max_tokens, ignore_eos, 600.0, **where)
+            results[i] = stream_chat(srv, prompts[i], max_tokens, ignore_eos, 600.0, temperature, **where)
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     t0 = time.perf_counter()
@@ -148,6 +150,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--rounds", type=int, default=2, help="workloads per server, alternated (default 2)")
     p.add_argument("--ignore-eos", action="store_true", help="every answer exactly --max-tokens long")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="of every request (default 0: greedy, answers compared between the servers; above 0 "
+        "they are samples and are not compared -- add --ignore-eos for answers of equal length)",
+    )
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Spec-Bench questions (default: shared)")
     p.add_argument("--evospec-args", default="", help='extra `evospec serve` flags, e.g. "--method ngram"')
     p.add_argument(
@@ -192,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             order = servers if rnd % 2 == 0 else servers[::-1]
             for srv in order:
-                run = run_load(srv, rounds[rnd], args.clients, args.max_tokens, args.ignore_eos)
+                load = (args.clients, args.max_tokens, args.ignore_eos, args.temperature)
+                run = run_load(srv, rounds[rnd], *load)
                 runs[srv.name].append(run)
                 print(f"round {rnd + 1} {srv.name}: {run['throughput_tok_s']:.1f} tok/s, "
                       f"{run['failed']} failed", file=sys.stderr)  # fmt: skip
@@ -205,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(texts[0].get(key) == text for key, text in texts[1].items())
     failed = sum(r["failed"] for n in names for r in runs[n])
     print(table)
-    print(f"same text from both servers: {same}/{total} requests; failed requests: {failed}")
+    if args.temperature > 0:
+        same = total  # samples: nothing to compare
+        print(f"sampled at T={args.temperature:g}: answers not compared; failed requests: {failed}")
+    else:
+        print(f"same text from both servers: {same}/{total} requests; failed requests: {failed}")
     if args.out:
         cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         out = {"config": cfg, "summary": summary, "same_text": same, "runs": runs}

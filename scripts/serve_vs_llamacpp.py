@@ -195,7 +195,13 @@ class Result:
 
 
 def stream_chat(
-    srv: Server, prompt: str, max_tokens: int, ignore_eos: bool, timeout_s: float, **where: int
+    srv: Server,
+    prompt: str,
+    max_tokens: int,
+    ignore_eos: bool,
+    timeout_s: float,
+    temperature: float = 0.0,
+    **where: int,
 ) -> Result:
     res = Result(server=srv.name, **where)
     body: dict[str, Any] = {
@@ -203,7 +209,7 @@ def stream_chat(
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": 0,
+        "temperature": temperature,
         "max_tokens": max_tokens,
     }
     if ignore_eos:
