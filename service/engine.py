@@ -380,27 +380,13 @@ class Engine:
 
     # -- batched requests (engine thread) -------------------------------------------------------
     def _hand_over(self, live: _Live) -> str | None:
-        """Move a request the decoder began into the batch: the slots of its prompt and emitted
-        tokens but the last, copied from the decoder's cache (which keeps them for prefix reuse);
-        the next step feeds its last token. Returns None, or the error that kept it from joining
-        (the request then ends)."""
-        request, emitted = live.request, live.emitted
-        prompt = list(request.prompt_ids)
-        n = len(prompt) + len(emitted) - 1  # committed slots: what plain decoding has written
+        """Move a request the decoder began into the batch: its decoder's live cache now holds
+        its prompt and emitted tokens but the last (the prefix reuse's bookkeeping), which
+        :meth:`_join` copies like any shared prefix; the next step feeds its last token. Returns
+        None, or the error that kept it from joining (the request then ends)."""
+        request = live.request
         try:
-            src = getattr(self.decoder, "cache", None)
-            if src is None or src.batch != 1 or src.length < n:
-                raise RuntimeError("the decoder's cache does not hold the request's slots")
-            batch = self._batch
-            budget = batch.budget(len(prompt), request.params)
-            cache = batch.model.new_cache(budget.slots)
-            cache.k[:, :, :, :n] = src.k[:, :, :, :n]
-            cache.v[:, :, :, :n] = src.v[:, :, :, :n]
-            cache.advance(n)
-            batch.join(
-                request.request_id, prompt + emitted, request.params,
-                cache=cache, reuse=n, emitted=emitted, budget=budget,
-            )  # fmt: skip
+            self._join(request, live.emitted)
         except Exception as exc:
             log.exception("engine: handing request %s over to the batch failed", request.request_id)
             return f"{type(exc).__name__}: {exc}"
@@ -427,16 +413,18 @@ class Engine:
                 continue
             self._members[request.request_id] = live
 
-    def _join(self, request: GenerationRequest) -> None:
-        """A waiting request into the batch: the slots its prompt shares with the decoder's live
-        cache or kept sequences copied into a cache of its own; the rest prefills chunk by chunk
-        between the batch's steps."""
-        batch, prompt = self._batch, request.prompt_ids
-        budget = batch.budget(len(prompt), request.params)
+    def _join(self, request: GenerationRequest, emitted: Sequence[int] = ()) -> None:
+        """A request into the batch: the slots its prompt (and ``emitted``: tokens the decoder
+        produced for it alone) shares with the decoder's live cache or kept sequences copied into
+        a cache of its own; the rest prefills chunk by chunk between the batch's steps. Budget,
+        stop rule and count stay the original request's."""
+        batch, prompt = self._batch, [*request.prompt_ids, *emitted]
+        budget = batch.budget(len(request.prompt_ids), request.params)
         cache = batch.model.new_cache(budget.slots)
         prefix = getattr(self.decoder, "prefix", None)
         reuse = prefix.lend(prompt, getattr(self.decoder, "cache", None), cache) if prefix is not None else 0
-        batch.join(request.request_id, prompt, request.params, cache=cache, reuse=reuse, budget=budget)
+        key, params = request.request_id, request.params
+        batch.join(key, prompt, params, cache=cache, reuse=reuse, emitted=emitted, budget=budget)
 
     def _after(self, live: _Live, outcome: Outcome | None, error: str | None = None) -> None:
         if outcome is None:

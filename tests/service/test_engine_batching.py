@@ -86,6 +86,10 @@ def test_waiting_requests_are_generated_together_with_plain_decodings_tokens(mod
     gate, engine = _gated(model, 3, method, **kw)
     assert engine.batching and engine.snapshot().max_batch == 3
     running = Running(engine)
+    joins, join = [], engine._batch.join
+    engine._batch.join = lambda key, prompt, params, **kw: (
+        joins.append((len(prompt), kw)) or join(key, prompt, params, **kw)
+    )
     try:
         requests = [_req(i, n=8 + 3 * i, length=4 + 9 * i) for i in range(5)]  # 5 requests, room for 3
         sinks = _serve_together(engine, gate, requests)
@@ -93,6 +97,8 @@ def test_waiting_requests_are_generated_together_with_plain_decodings_tokens(mod
             assert s.outcome is Outcome.FINISHED
             assert _tokens(s) == ar_tokens(model, r.prompt_ids, r.params)
         assert running.most == 3  # the handed-over request and two that joined; never more
+        handed = [(n, kw) for n, kw in joins if kw["emitted"]]
+        assert len(handed) == 1 and handed[0][1]["reuse"] == handed[0][0] - 1  # every slot but the last
         snap = engine.snapshot()
         assert snap.running == 0 and not snap.active and snap.outcomes["finished"] == 5
         # alone again once the batch emptied: the decoder's method serves the next request
