@@ -31,6 +31,7 @@ class TextCodec:
         self.special = special  # "bos_token" / "eos_token" -> text
         self.stop_tokens = stop_tokens  # end generation besides EOS (e.g. Gemma's <end_of_turn>)
         self._template = None
+        self._pieces: _TokenPieces | None = None  # built at the first token_bytes call
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> TextCodec:
@@ -109,6 +110,55 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for -- part of a character where a byte-level BPE or a
+        byte-fallback token splits one -- and an added (special) token's own text, as the API's
+        ``logprobs`` report it."""
+        if self._pieces is None:
+            self._pieces = _TokenPieces(self.tok)
+        return self._pieces.bytes_of(token)
+
+    def token_text(self, token: int) -> str:
+        """:meth:`token_bytes` as text (a split character's bytes as U+FFFD)."""
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+
+class _TokenPieces:
+    """Token id -> bytes, by the tokenizer's decoder: byte-level BPE (GPT-2's printable
+    stand-ins for bytes, reversed), SentencePiece pieces (``<0xNN>`` byte fallback, ``▁`` for a
+    space), otherwise the token decoded alone."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
+        decoder = json.loads(tok.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        self.byte_level = "ByteLevel" in kinds
+        self.pieces = "ByteFallback" in kinds or "Metaspace" in kinds
+        self.unbyte = _byte_stand_ins() if self.byte_level else {}
+
+    def bytes_of(self, token: int) -> bytes:
+        if token in self.added:
+            return self.added[token].encode()
+        piece = self.tok.id_to_token(token)
+        if piece is None:
+            raise ValueError(f"token id {token} is outside the vocabulary")
+        if self.byte_level and all(c in self.unbyte for c in piece):
+            return bytes(self.unbyte[c] for c in piece)
+        if self.pieces:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode()
+        return self.tok.decode([token], skip_special_tokens=False).encode()
+
+
+def _byte_stand_ins() -> dict[str, int]:
+    """Byte-level BPE's vocabulary writes byte b as chr(b) where that is printable (33-126,
+    161-172, 174-255) and the others, in order, as chr(256), chr(257), ...: the reverse map."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def _token_text(v: Any) -> str | None:

@@ -6,7 +6,9 @@ checks, sampling defaults as OpenAI's: temperature 1, top_p 1, ``max_tokens`` 16
 completions and "up to the context" for chat),
 submitting it, and shaping what comes back -- one JSON body, or Server-Sent Events ending in
 ``data: [DONE]``. Every response carries ``usage`` (streams: with
-``stream_options.include_usage``) and an ``evospec`` object with the request's speculative
+``stream_options.include_usage``), ``logprobs`` where asked (the target's raw distribution at
+each token, ``decoding/logprobs.py``; chat: ``logprobs`` + ``top_logprobs``, completions: ``logprobs``
+= alternatives per token), and an ``evospec`` object with the request's speculative
 stats (method, rounds, accepted, MAL, draft coverage, mean active vocabulary size, OOV events).
 
 Handlers never touch the model: they validate, enqueue and await the engine's events. A client
@@ -16,10 +18,11 @@ that disconnects (mid-stream or while waiting) cancels its request between round
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from evospec.decoding.events import StepEvent
+from evospec.decoding.logprobs import TokenLogprob
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.stats import RequestStats
 from service.context import ServiceContext
@@ -39,6 +43,7 @@ from service.textstream import TextAssembler
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _GRACE_S = 2.0  # the handler waits this much past the deadline for the engine's own timeout
 _POLL_S = 0.5  # non-streaming handlers check for a client disconnect this often
+NO_PROBABILITY = -9999.0  # the logprob OpenAI reports for a token of no probability
 REQUEST_BODIES: dict[str, type[BaseModel]] = {  # for the OpenAPI schema (app.py)
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatRequest,
@@ -54,6 +59,18 @@ class _Job:
     text: TextAssembler
     stats: RequestStats
     ended: bool = False  # the handler saw the end (finish, stop string or error)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text was not sent yet
+    offset: int = 0  # characters of token text reported so far (completions' ``text_offset``)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Text that may be sent now, the logprobs of the tokens consumed since the last piece
+    (empty unless the request asked), and the finish reason at the end."""
+
+    text: str
+    finish: str | None
+    logprobs: list[TokenLogprob]
 
 
 def router(ctx: ServiceContext) -> APIRouter:
@@ -172,6 +189,7 @@ def _submit(
             top_k=max(body.top_k or 0, 0),
             seed=body.seed,
             ignore_eos=body.ignore_eos,
+            logprobs=body.requested_logprobs,
         )
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
@@ -194,10 +212,8 @@ def _submit(
     return _Job(request, sink, TextAssembler(ctx.model.codec, body.stops), RequestStats())
 
 
-async def _pieces(
-    ctx: ServiceContext, job: _Job, client: Request | None
-) -> AsyncIterator[tuple[str, str | None]]:
-    """(text delta, finish reason or None) until the end; engine failures raise :class:`APIError`.
+async def _pieces(ctx: ServiceContext, job: _Job, client: Request | None) -> AsyncIterator[_Piece]:
+    """Pieces until the end (the last has a finish reason); engine failures raise :class:`APIError`.
 
     ``client``: poll it for a disconnect while waiting (non-streaming requests).
     """
@@ -224,23 +240,33 @@ async def _pieces(
             job.ended = True
             _raise_for(ctx, item)
             tail = job.text.finish()  # the decoder ended without a finish reason (defensive)
-            yield tail.text, "stop"
+            yield _take(job, tail.text, "stop")
             return
         assert isinstance(item, StepEvent)
         job.stats.add(item)
+        used = job.text.tokens_used
         piece = job.text.push(item.tokens)
+        if item.logprobs is not None:  # the tokens the text took (not those past a stop string)
+            job.logprobs += item.logprobs[: job.text.tokens_used - used]
         if piece.stopped:
             req.cancel(Outcome.STOP_STRING)
             job.ended = True
-            yield piece.text, "stop"
+            yield _take(job, piece.text, "stop")
             return
         if item.finish_reason is not None:
             tail = job.text.finish()
             job.ended = True
-            yield piece.text + tail.text, "stop" if tail.stopped else item.finish_reason
+            yield _take(job, piece.text + tail.text, "stop" if tail.stopped else item.finish_reason)
             return
         if piece.text:
-            yield piece.text, None
+            yield _take(job, piece.text, None)
+
+
+def _take(job: _Job, text: str, finish: str | None) -> _Piece:
+    """A piece with the logprobs gathered since the last one."""
+    piece = _Piece(text, finish, job.logprobs)
+    job.logprobs = []
+    return piece
 
 
 def _raise_for(ctx: ServiceContext, done: Done) -> None:
@@ -280,6 +306,47 @@ def spec_fields(method: str, stats: RequestStats) -> dict[str, Any]:
     }
 
 
+def _logprobs_field(ctx: ServiceContext, job: _Job, lps: list[TokenLogprob], *, chat: bool) -> Any:
+    """A choice's ``logprobs`` for tokens ``lps`` (None when the request did not ask): chat's
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}`` or the completions' columns
+    (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's start in the
+    completion, counted in its text's characters across a stream's chunks)."""
+    top = job.request.params.logprobs
+    if top is None:
+        return None
+    codec = ctx.model.codec
+    if chat:
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            raw = codec.token_bytes(token)
+            return {
+                "token": raw.decode("utf-8", errors="replace"),
+                "logprob": _finite(logprob),
+                "bytes": list(raw),
+            }
+
+        content = [
+            {**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps
+        ]
+        return {"content": content, "refusal": None}
+    texts = [codec.token_text(t.token) for t in lps]
+    offsets = []
+    for text in texts:
+        offsets.append(job.offset)
+        job.offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [_finite(t.logprob) for t in lps],
+        "top_logprobs": [{codec.token_text(i): _finite(v) for i, v in t.top} for t in lps] if top else None,
+        "text_offset": offsets,
+    }
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no infinities or NaN: a token without probability reports OpenAI's -9999."""
+    return logprob if math.isfinite(logprob) else NO_PROBABILITY
+
+
 def _usage(job: _Job) -> dict[str, Any]:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V
     the engine reused from its last request instead of computing them (prefix reuse)."""
@@ -307,24 +374,26 @@ async def _respond(
         events = _sse(ctx, job, head, chat=chat, include_usage=include_usage)
         return _EngineStream(events, job)
     try:
-        parts, reason = [], "stop"
-        async for text, finish in _pieces(ctx, job, client):
-            parts.append(text)
-            reason = finish or reason
+        parts, lps, reason = [], [], "stop"
+        async for piece in _pieces(ctx, job, client):
+            parts.append(piece.text)
+            lps += piece.logprobs
+            reason = piece.finish or reason
     finally:
         if not job.ended:
             job.request.cancel(Outcome.DISCONNECTED)
     text = "".join(parts)
+    logprobs = _logprobs_field(ctx, job, lps, chat=chat)
     if chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": reason,
         }
         head["object"] = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     return JSONResponse(
         {
             **head,
@@ -342,12 +411,13 @@ def _sse_line(obj: dict[str, Any]) -> str:
 async def _sse(
     ctx: ServiceContext, job: _Job, head: dict[str, Any], *, chat: bool, include_usage: bool
 ) -> AsyncIterator[str]:
-    def chunk(text: str | None, reason: str | None, **extra: Any) -> str:
+    def chunk(text: str | None, reason: str | None, lps: list[TokenLogprob], **extra: Any) -> str:
+        logprobs = _logprobs_field(ctx, job, lps, chat=chat) if lps else None
         if chat:
             delta = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         return _sse_line({**head, "choices": [choice], **extra})
 
     try:
@@ -360,11 +430,11 @@ async def _sse(
                     ],
                 }
             )
-        async for text, reason in _pieces(ctx, job, None):
-            if text:
-                yield chunk(text, None)
-            if reason is not None:
-                yield chunk(None, reason, evospec=spec_fields(ctx.engine.method, job.stats))
+        async for piece in _pieces(ctx, job, None):
+            if piece.text or piece.logprobs:
+                yield chunk(piece.text, None, piece.logprobs)
+            if piece.finish is not None:
+                yield chunk(None, piece.finish, [], evospec=spec_fields(ctx.engine.method, job.stats))
         if include_usage:
             yield _sse_line({**head, "choices": [], "usage": _usage(job)})
     except APIError as exc:

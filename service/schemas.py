@@ -5,7 +5,7 @@ Owns: :func:`parse_body` (bytes -> UTF-8 -> JSON object -> schema, every failure
 integer literal past Python's digit limit and JSON nested past the parser's recursion limit
 are refused as invalid JSON), the OpenAI request schemas (:class:`CompletionRequest`,
 :class:`ChatRequest`) and their checks for fields this server does not support (``n > 1``,
-``logprobs``, penalties, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
+``echo``, penalties, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
 a number; text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is refused: the
 tokenizer cannot take it). Unknown fields are ignored, as OpenAI-compatible servers (vLLM)
 do, with one warning per request naming them. Range checks that need the server's limits
@@ -30,6 +30,7 @@ from pydantic import (
     field_validator,
 )
 
+from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
 from service.errors import APIError
 
 log = logging.getLogger("evospec.service")
@@ -196,6 +197,11 @@ class SamplingFields(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Alternatives to report with each token's logprob; None: no logprobs."""
+        return None
+
     def check_supported(self) -> None:
         """Refuse what this server cannot honour instead of silently ignoring it."""
         if self.n is not None and self.n != 1:
@@ -214,7 +220,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = Field(...)  # see _prompt
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     best_of: int | None = None
     suffix: str | None = None
 
@@ -234,13 +240,15 @@ class CompletionRequest(SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
-            raise APIError.unsupported("echo", "echo")
-        if self.logprobs is not None:
-            raise APIError.unsupported("logprobs", "logprobs")
+            raise APIError.unsupported("echo", "echo (the prompt's own tokens and logprobs)")
         if self.best_of not in (None, 1):
             raise APIError.unsupported("best_of", f"best_of={self.best_of}")
         if self.suffix:
             raise APIError.unsupported("suffix", "suffix")
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(_Strict):
@@ -279,18 +287,22 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError.unsupported("logprobs", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError.bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.tools:
             raise APIError.unsupported("tools", "tools (function calling)")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError.unsupported("response_format", "structured output (response_format)")
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -115,3 +115,29 @@ def test_incremental_decoder_flush_returns_the_incomplete_tail(codec: TextCodec)
     tail = detok.flush()
     assert text + tail == codec.decode(ids[:-1]) and tail.endswith("\ufffd")
     assert detok.flush() == "" and detok.push([ids[-1]]) == ""  # nothing pending
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_spell_the_text_token_by_token(text: str, codec: TextCodec) -> None:
+    """Byte-level BPE: a token may hold part of a character; its bytes are that part."""
+    ids = codec.encode_text(text)
+    assert b"".join(codec.token_bytes(i) for i in ids) == text.encode()
+    split = [i for i in ids if codec.token_text(i).endswith("\ufffd")]
+    if "🎉" in text:
+        assert split  # the emoji's bytes span several tokens
+    assert codec.token_text(codec.token_id("<|im_end|>")) == "<|im_end|>"  # special tokens: their text
+
+
+def test_token_bytes_of_sentencepiece_pieces_and_byte_fallback() -> None:
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
+    vocab = {"<unk>": 0, "▁hi": 1, "<0xE4>": 2, "<0xB8>": 3, "<0xAD>": 4, "a": 5}
+    tok = Tokenizer(BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    codec = TextCodec(tok, None, {})
+    assert codec.token_bytes(1) == b" hi"
+    assert b"".join(codec.token_bytes(i) for i in (2, 3, 4)) == "中".encode()
+    assert codec.token_text(2) == "\ufffd" and codec.token_text(5) == "a"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        codec.token_bytes(99)

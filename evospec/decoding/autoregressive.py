@@ -13,6 +13,7 @@ import torch
 
 from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.events import StepEvent
+from evospec.decoding.logprobs import for_tokens
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
@@ -50,7 +51,12 @@ def generate_ar(
         new, reason = rule.clip([tok], produced)
         produced += len(new)
         yield StepEvent(
-            tokens=new, verify_s=dt, finish_reason=reason, prefill=first, cached_tokens=reuse if first else 0
+            tokens=new,
+            verify_s=dt,
+            finish_reason=reason,
+            prefill=first,
+            cached_tokens=reuse if first else 0,
+            logprobs=for_tokens(params.logprobs, out.logits[0, -1:], new),
         )
         if reason is not None:
             return

@@ -29,6 +29,7 @@ import torch
 
 from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.events import StepEvent, StopRule
+from evospec.decoding.logprobs import for_tokens
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.models.batch_step import batched_steps_apply, step_sequences
 from evospec.models.kv_cache import KVCache
@@ -140,13 +141,14 @@ class DecodeBatch:
         picked = [pick_token(logits[i], m.params, m.gen) for i, m in enumerate(members)]
         dt = time.perf_counter() - t0
         events = []
-        for m, tok in zip(members, picked, strict=True):
+        for i, (m, tok) in enumerate(zip(members, picked, strict=True)):
             new, reason = m.rule.clip([tok], m.produced)
             m.produced += len(new)
             m.pending = tok
             if reason is not None:
                 self.finished[m.key] = self.members.pop(m.key)
-            ev = StepEvent(tokens=new, verify_s=dt, finish_reason=reason)
+            lp = for_tokens(m.params.logprobs, logits[i : i + 1], new)
+            ev = StepEvent(tokens=new, verify_s=dt, finish_reason=reason, logprobs=lp)
             if m.first:  # the prefill event: the prompt's chunks and its last token's row
                 ev = replace(ev, verify_s=m.prefill_s + dt, prefill=True, cached_tokens=m.cached)
                 m.first = False

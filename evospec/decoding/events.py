@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from evospec.decoding.logprobs import TokenLogprob
     from evospec.vocab.active import VocabRoundStats
 
 
@@ -33,6 +34,7 @@ class StepEvent:
     vocab: VocabRoundStats | None = None  # active-vocabulary facts of the round (speculative only)
     looked_up: bool = False  # the round verified a context lookup's tokens (or the root alone), not a draft
     cached_tokens: int = 0  # prefill event: prompt tokens whose K/V were reused, not computed
+    logprobs: list[TokenLogprob] | None = None  # one per token (``SamplingParams.logprobs`` set)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 NUCLEUS_K = 256  # top-p looks for its nucleus among this many most likely ids first (x4 until found)
 
@@ -33,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # besides the model's EOS ids
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -43,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

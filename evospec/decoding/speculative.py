@@ -30,6 +30,7 @@ from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
+from evospec.decoding.logprobs import for_tokens
 from evospec.decoding.lookup import LookupDraft
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import NodeLogits
@@ -111,7 +112,12 @@ def generate_speculative(
     if pending is not None and adapt is None and reason is None:  # the draft's prefill
         drafter.catch_up(*pending.take())  # (an adapting draft commits it at its first round, recorded)
     yield StepEvent(
-        tokens=new, verify_s=time.perf_counter() - t0, finish_reason=reason, prefill=True, cached_tokens=reuse
+        tokens=new,
+        verify_s=time.perf_counter() - t0,
+        finish_reason=reason,
+        prefill=True,
+        cached_tokens=reuse,
+        logprobs=for_tokens(params.logprobs, out.logits[0, -1:], new),
     )
     if reason is not None:
         return
@@ -141,10 +147,11 @@ def generate_speculative(
         accepted = tree.tokens[1 : path.numel()].tolist() if tree.chain else tree.tokens[path[1:]].tolist()
         new, reason = rule.clip([*accepted, bonus], produced)
         produced += len(new)
-        stats = None
+        stats, path_logits = None, None
+        if vocab is not None or adapt is not None or params.logprobs is not None:
+            path_logits = rows.stack(path.tolist()) if lazy else rows[path]  # [a + 1, V]
         if vocab is not None or adapt is not None:
             verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]
-            path_logits = rows.stack(path.tolist()) if lazy else rows[path]  # [a + 1, V]
             if vocab is not None:
                 stats = vocab.end_round(tree.tokens, path, verified, path_logits, vout.hidden[0])
             if adapt is not None and not looked_up:
@@ -164,6 +171,7 @@ def generate_speculative(
             round_s=time.perf_counter() - t0,
             vocab=stats,
             looked_up=looked_up,
+            logprobs=for_tokens(params.logprobs, path_logits, new) if path_logits is not None else None,
         )
         if reason is not None:
             return

@@ -160,3 +160,28 @@ def test_a_long_prompt_prefills_in_chunks_while_the_others_keep_stepping(model):
             got[key] += ev.tokens
     assert got["a"] == _alone(model, prompt_of(1, 5), params)
     assert got["b"] == _alone(model, long, params)
+
+
+def test_members_report_the_logprobs_their_plain_decoding_reports(model):
+    """A batched row is bitwise the member's own step: its logprobs are equal, not just close."""
+    asks = SamplingParams(temperature=0.0, max_new_tokens=8, logprobs=3)
+    quiet = SamplingParams(temperature=0.0, max_new_tokens=8)
+    batch = DecodeBatch(model, capacity=3, chunk=4)
+    arrivals = {
+        0: [("a", prompt_of(1, 9), asks), ("b", prompt_of(2, 5), quiet)],
+        2: [("c", prompt_of(3, 13), asks)],
+    }
+    logprobs: dict[str, list] = {}
+    step = 0
+    while len(batch) or step <= 2:
+        for key, prompt, params in arrivals.get(step, []):
+            batch.join(key, prompt, params)
+        for key, ev in batch.advance():
+            assert (ev.logprobs is None) == (key == "b")
+            logprobs.setdefault(key, []).extend(ev.logprobs or [])
+        step += 1
+    for key, prompt, _ in [*arrivals[0], *arrivals[2]]:
+        if key == "b":
+            continue
+        alone = [lp for ev in generate_ar(model, prompt, asks) for lp in ev.logprobs]
+        assert logprobs[key] == alone

@@ -286,3 +286,26 @@ def test_a_request_cancelled_while_its_prompt_prefills_leaves_before_its_first_t
         assert _tokens(sinks[0]) == ar_tokens(model, _req(1, n=40).prompt_ids, _req(1, n=40).params)
     finally:
         engine.stop()
+
+
+def test_logprobs_run_on_through_the_handover(model):
+    """A request begun by the speculative decoder and finished in the batch reports one logprob
+    per token, the same values plain decoding reports (verified and batched rows are bitwise
+    a step's)."""
+    from evospec.decoding.autoregressive import generate_ar
+
+    kw = {"draft": new_eagle_for(model, seed=5), "tree": TreeConfig(top_k=1, depth=2, total_tokens=2)}
+    gate, engine = _gated(model, 2, "eagle2", **kw)
+    try:
+        requests = [_req(i, n=10, length=5 + 4 * i) for i in range(3)]
+        requests = [
+            GenerationRequest(r.prompt_ids, SamplingParams(max_new_tokens=10, logprobs=2), timeout_s=30)
+            for r in requests
+        ]
+        sinks = _serve_together(engine, gate, requests)
+        for r, s in zip(requests, sinks, strict=True):
+            got = [lp for item in s.items[:-1] for lp in item.logprobs]
+            alone = [lp for ev in generate_ar(model, r.prompt_ids, r.params) for lp in ev.logprobs]
+            assert got == alone and len(got) == 10
+    finally:
+        engine.stop()

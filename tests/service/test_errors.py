@@ -92,7 +92,7 @@ CASES = [
     ("n_two", C, _with(n=2), 400, "n", "unsupported_parameter"),
     ("n_zero", C, _with(n=0), 400, "n", "invalid_value"),
     ("chat_n_two", CHAT, {"model": MODEL_NAME, "messages": MSGS, "n": 3}, 400, "n", "unsupported_parameter"),
-    ("logprobs", C, _with(logprobs=2), 400, "logprobs", "unsupported_parameter"),
+    ("echo", C, _with(echo=True, logprobs=2), 400, "echo", "unsupported_parameter"),
     ("bad_role", CHAT, _chat({"role": "wizard", "content": "x"}), 400, "messages.0.role", "invalid_value"),
     ("content_type", CHAT, _chat({"role": "user", "content": 5}), 400, "messages.0.content", "invalid_value"),
     (
