@@ -170,9 +170,22 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same output")
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted from the logit of every token generated before, -2..2 (default 0 = off)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="times how often a token was generated before, -2..2 (default 0 = off)",
+    )
 
 
 def sampling_params(args: argparse.Namespace):
+    from evospec.decoding.penalties import Penalties
     from evospec.decoding.sampling import SamplingParams
 
     return SamplingParams(
@@ -181,6 +194,7 @@ def sampling_params(args: argparse.Namespace):
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        penalties=Penalties(args.presence_penalty, args.frequency_penalty),
     )
 
 

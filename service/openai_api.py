@@ -181,6 +181,12 @@ def _submit(
             param=max_param,
             code="context_length_exceeded",
         )
+    bad = [i for i, _ in body.penalties.bias if i >= ctx.model.vocab_size]
+    if bad:
+        raise APIError.bad_request(
+            f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{ctx.model.vocab_size - 1})",
+            param="logit_bias",
+        )
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens,
@@ -190,6 +196,7 @@ def _submit(
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=body.requested_logprobs,
+            penalties=body.penalties,
         )
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None

@@ -5,7 +5,7 @@ Owns: :func:`parse_body` (bytes -> UTF-8 -> JSON object -> schema, every failure
 integer literal past Python's digit limit and JSON nested past the parser's recursion limit
 are refused as invalid JSON), the OpenAI request schemas (:class:`CompletionRequest`,
 :class:`ChatRequest`) and their checks for fields this server does not support (``n > 1``,
-``echo``, penalties, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
+``echo``, ``tools``, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
 a number; text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is refused: the
 tokenizer cannot take it). Unknown fields are ignored, as OpenAI-compatible servers (vLLM)
 do, with one warning per request naming them. Range checks that need the server's limits
@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
+from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
 from service.errors import APIError
 
 log = logging.getLogger("evospec.service")
@@ -173,9 +174,9 @@ class SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False  # extension (vLLM)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     user: Text | None = None
 
     @field_validator("stop", mode="before")
@@ -197,10 +198,26 @@ class SamplingFields(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):  # ids past the vocabulary: openai_api.py
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not BIAS_RANGE[0] <= value <= BIAS_RANGE[1]:
+                raise ValueError(f"values must be in [{BIAS_RANGE[0]:g}, {BIAS_RANGE[1]:g}], got {value}")
+        return v
+
     @property
     def requested_logprobs(self) -> int | None:
         """Alternatives to report with each token's logprob; None: no logprobs."""
         return None
+
+    @property
+    def penalties(self) -> Penalties:
+        """The presence / frequency penalties and logit_bias as decoding applies them."""
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+        return Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias)
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour instead of silently ignoring it."""
@@ -208,11 +225,6 @@ class SamplingFields(_Strict):
             if self.n < 1:
                 raise APIError.bad_request(f"n must be >= 1, got {self.n}", param="n")
             raise APIError.unsupported("n", f"n={self.n} (several choices per request)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError.unsupported(name, name)
-        if self.logit_bias:
-            raise APIError.unsupported("logit_bias", "logit_bias")
 
 
 class CompletionRequest(SamplingFields):

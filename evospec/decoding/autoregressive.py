@@ -14,6 +14,7 @@ import torch
 from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.events import StepEvent
 from evospec.decoding.logprobs import for_tokens
+from evospec.decoding.penalties import Generated
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
@@ -42,10 +43,11 @@ def generate_ar(
     tokens = torch.tensor([list(prompt[reuse:])], dtype=torch.long, device=device)
     positions = torch.arange(reuse, len(prompt), device=device)
     produced = 0
+    generated = Generated() if params.penalties.history else None
     while True:
         t0 = time.perf_counter()
         out = model(tokens, positions, cache, logits="last")
-        tok = pick_token(out.logits[0, -1], params, gen)
+        tok = pick_token(out.logits[0, -1], params, gen, generated)
         dt = time.perf_counter() - t0
         first = produced == 0
         new, reason = rule.clip([tok], produced)
@@ -60,5 +62,7 @@ def generate_ar(
         )
         if reason is not None:
             return
+        if generated is not None:
+            generated.add(new)
         tokens = torch.tensor([[tok]], dtype=torch.long, device=device)
         positions = torch.tensor([cache.length], device=device)

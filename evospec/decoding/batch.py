@@ -30,6 +30,7 @@ import torch
 from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.events import StepEvent, StopRule
 from evospec.decoding.logprobs import for_tokens
+from evospec.decoding.penalties import Generated
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.models.batch_step import batched_steps_apply, step_sequences
 from evospec.models.kv_cache import KVCache
@@ -53,6 +54,7 @@ class Member:
     cached: int  # prompt tokens whose slots it joined with (reported on its prefill event)
     prefill_s: float = 0.0  # its chunks' time so far
     first: bool = True  # its next event is the prefill event (not for a handed-over request)
+    generated: Generated | None = None  # its output so far, where its penalties count it
 
     @property
     def ready(self) -> bool:
@@ -123,6 +125,7 @@ class DecodeBatch:
         todo, last = prompt[reuse:-1], prompt[-1]  # the prompt's last token is fed by a step
         member = Member(key, cache, params, gen, budget.rule, len(emitted), last, todo, reuse)
         member.first = not emitted  # a handed-over request had its prefill event alone
+        member.generated = Generated(emitted) if params.penalties.history else None
         self.members[key] = member
 
     @torch.inference_mode()
@@ -138,13 +141,15 @@ class DecodeBatch:
         t0 = time.perf_counter()
         feed, caches = [m.pending for m in members], [m.cache for m in members]
         logits = step_sequences(self.model, feed, caches)  # [B, V]
-        picked = [pick_token(logits[i], m.params, m.gen) for i, m in enumerate(members)]
+        picked = [pick_token(logits[i], m.params, m.gen, m.generated) for i, m in enumerate(members)]
         dt = time.perf_counter() - t0
         events = []
         for i, (m, tok) in enumerate(zip(members, picked, strict=True)):
             new, reason = m.rule.clip([tok], m.produced)
             m.produced += len(new)
             m.pending = tok
+            if m.generated is not None:
+                m.generated.add(new)
             if reason is not None:
                 self.finished[m.key] = self.members.pop(m.key)
             lp = for_tokens(m.params.logprobs, logits[i : i + 1], new)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
+from evospec.decoding.penalties import Generated, Penalties, adjusted
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 NUCLEUS_K = 256  # top-p looks for its nucleus among this many most likely ids first (x4 until found)
@@ -36,6 +37,7 @@ class SamplingParams:
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # besides the model's EOS ids
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
+    penalties: Penalties = field(default_factory=Penalties)  # presence, frequency, logit_bias
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -183,8 +185,15 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from logits [V]: argmax when greedy, else a draw from :func:`target_probs`."""
+def pick_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    gen: torch.Generator | None,
+    generated: Generated | None = None,
+) -> int:
+    """One token from logits [V] adjusted by ``params.penalties`` for the ids ``generated`` so
+    far: argmax when greedy, else a draw from :func:`target_probs`."""
+    logits = adjusted(logits, params.penalties, generated)
     if params.greedy:
         return int(greedy_ids(logits))
     return draw(target_probs(logits, params), gen)

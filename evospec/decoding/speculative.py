@@ -34,6 +34,7 @@ from evospec.decoding.logprobs import for_tokens
 from evospec.decoding.lookup import LookupDraft
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import NodeLogits
+from evospec.decoding.penalties import Generated
 from evospec.decoding.prefix import PrefixCache
 from evospec.decoding.proposal import DraftSampler
 from evospec.decoding.sampling import SamplingParams, pick_token
@@ -100,6 +101,7 @@ def generate_speculative(
     positions = torch.arange(reuse, len(prompt), device=device)
     out = target(ids[:, reuse:], positions, cache, logits="last", aux_layers=draft_layers)
     root = pick_token(out.logits[0, -1], params, gen)
+    generated = Generated([root]) if params.penalties.history else None  # what penalties count
     features, hidden = _draft_features(out, draft_layers), out.hidden[0]  # [P - reuse, D'], [P - reuse, D]
     if drafter is not None and prefix_cache is not None:
         prefix_cache.write(reuse, features, hidden if draft_layers else None)
@@ -141,7 +143,7 @@ def generate_speculative(
             sampler = _sampler(tree_cfg, params, gen)
             tree = _draft_tree(drafter, root, pending.take(), prefix, tree_cfg, vocab, adapt, sampler)
         t1 = time.perf_counter()
-        vout, rows, path, bonus = _verify(target, tree, cache, params, gen, prefetch, draft_layers)
+        vout, rows, path, bonus = _verify(target, tree, cache, params, gen, prefetch, draft_layers, generated)
         lazy = isinstance(rows, NodeLogits)
         t2 = time.perf_counter()
         accepted = tree.tokens[1 : path.numel()].tolist() if tree.chain else tree.tokens[path[1:]].tolist()
@@ -175,6 +177,8 @@ def generate_speculative(
         )
         if reason is not None:
             return
+        if generated is not None:
+            generated.add(new)
         if pending is not None:
             pending.add(feats, [*accepted, bonus])
         if lookup is not None:
@@ -182,10 +186,10 @@ def generate_speculative(
         root = bonus
 
 
-def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draft_layers):
-    """One target forward over the tree, acceptance, and the cache keeping the accepted path:
-    (forward output, rows -- [N, V] logits or lazily projected ``NodeLogits`` --, path [a + 1]
-    incl. the root, bonus token)."""
+def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draft_layers, generated=None):
+    """One target forward over the tree, acceptance (``generated``: the ids penalties count,
+    the root included), and the cache keeping the accepted path: (forward output, rows -- [N, V]
+    logits or lazily projected ``NodeLogits`` --, path [a + 1] incl. the root, bonus token)."""
     prefix = cache.length
     lazy = prefetch is not None and not recorded_chain(target, tree)
     vout = target(
@@ -199,7 +203,7 @@ def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draf
         aux_layers=draft_layers,
     )
     rows = NodeLogits(tree, vout.hidden[0], target.project_logits, prefetch) if lazy else vout.logits[0]
-    path, bonus = accept(tree, rows, params, gen)
+    path, bonus = accept(tree, rows, params, gen, generated)
     if tree.chain:  # the accepted nodes already sit right behind the prefix
         cache.trim(prefix + path.numel())
     else:

@@ -27,6 +27,11 @@ telescope. So every emitted token is distributed exactly as p given the prefix, 
 induction over positions gives the target's joint distribution. (Draft probabilities do not
 appear: the proposal is a point mass on each child, so its ratio p/q is p.)
 
+Penalties (``penalties.py``: presence / frequency penalties, ``logit_bias``): p and the argmax
+are taken from each visited node's row adjusted for the node's own history -- the request's
+output so far plus the drafted tokens on the node's path -- the row plain decoding would pick
+from at that position had it produced that path; greedy acceptance then walks the tree.
+
 Sampled chains (``DraftTree.proposals``, ``proposal.py``): node i + 1's token x was drawn from
 the draft's distribution q at node i. It is accepted with probability min(1, p(x) / q(x)); at
 the first rejection the bonus is drawn from max(p - q, 0) renormalised, after the last node
@@ -41,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from evospec.decoding.node_logits import NodeLogits
+from evospec.decoding.penalties import Generated, Penalties, adjusted
 from evospec.decoding.sampling import SamplingParams, draw, greedy_ids, target_probs
 from evospec.decoding.tree import DraftTree
 
@@ -149,12 +155,38 @@ def _sample_chain(
 
 
 def accept(
-    tree: DraftTree, rows: Rows, params: SamplingParams, gen: torch.Generator
+    tree: DraftTree,
+    rows: Rows,
+    params: SamplingParams,
+    gen: torch.Generator,
+    generated: Generated | None = None,
 ) -> tuple[torch.Tensor, int]:
     """(path [a + 1] node indices incl. the root, bonus token) from every node's logits
-    ([N, V]: one vectorised greedy pass) or from :class:`NodeLogits` (a walk)."""
+    ([N, V]: one vectorised greedy pass) or from :class:`NodeLogits` (a walk). With
+    ``params.penalties`` the walk reads each visited node's row adjusted for its own history:
+    ``generated`` (the request's output so far, the root included) and the drafted tokens on
+    the node's path."""
+    if params.penalties.active:
+        rows = _Adjusted(tree, rows, params.penalties, generated or Generated())
     if not params.greedy:
         return sample_accept(tree, rows, params, gen)
-    if isinstance(rows, NodeLogits):
+    if isinstance(rows, NodeLogits | _Adjusted):
         return greedy_walk(tree, rows)
     return greedy_accept(tree, rows)
+
+
+class _Adjusted:
+    """Rows as a penalised request picks from them: ``self[node]`` is the node's row adjusted
+    (``penalties.adjusted``) for ``generated`` plus the tokens on its path below the root."""
+
+    def __init__(self, tree: DraftTree, rows: Rows, penalties: Penalties, generated: Generated) -> None:
+        self.rows, self.penalties, self.generated = rows, penalties, generated
+        self.parents, self.tokens = tree.parents.tolist(), tree.tokens.tolist()
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        path, up = [], node
+        while up > 0:  # the root's token is already in ``generated``
+            path.append(self.tokens[up])
+            up = self.parents[up]
+        history = self.generated.plus(path) if path and self.penalties.history else self.generated
+        return adjusted(self.rows[node], self.penalties, history)

@@ -185,3 +185,23 @@ def test_members_report_the_logprobs_their_plain_decoding_reports(model):
             continue
         alone = [lp for ev in generate_ar(model, prompt, asks) for lp in ev.logprobs]
         assert logprobs[key] == alone
+
+
+def test_penalised_members_pick_what_their_plain_decoding_picks(model):
+    """Each member counts its own output (and a handed-over one what it emitted before)."""
+    from evospec.decoding.penalties import Penalties
+
+    pen = SamplingParams(temperature=0.0, max_new_tokens=16, penalties=Penalties(presence=0.7, frequency=1.2))
+    plain = SamplingParams(temperature=0.0, max_new_tokens=16)
+    prompts = [prompt_of(4, 7), prompt_of(5, 12)]
+    got = _run(DecodeBatch(model, capacity=3), {0: [(0, prompts[0], pen), (1, prompts[1], plain)]})
+    assert got[0] == _alone(model, prompts[0], pen) and got[1] == _alone(model, prompts[1], plain)
+    assert got[0] != _alone(model, prompts[0], plain)  # the penalty changed something
+    # handed over after 5 tokens: the 5 count from the start
+    first = _alone(model, prompts[0], pen)
+    batch = DecodeBatch(model, capacity=2)
+    cache = model.new_cache(64)
+    ids = [*prompts[0], *first[:5]]
+    model(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1), cache, logits="none")
+    batch.join("h", ids, pen, cache=cache, reuse=len(ids) - 1, emitted=first[:5])
+    assert first[:5] + _run(batch, {}, {"h": []})["h"] == first

@@ -288,18 +288,24 @@ def test_a_request_cancelled_while_its_prompt_prefills_leaves_before_its_first_t
         engine.stop()
 
 
-def test_logprobs_run_on_through_the_handover(model):
+@pytest.mark.parametrize("penalised", [False, True])
+def test_logprobs_and_penalties_run_on_through_the_handover(model, penalised):
     """A request begun by the speculative decoder and finished in the batch reports one logprob
     per token, the same values plain decoding reports (verified and batched rows are bitwise
-    a step's)."""
+    a step's), and its penalties count what it generated before the handover too."""
     from evospec.decoding.autoregressive import generate_ar
+    from evospec.decoding.penalties import Penalties
+
+    pen = Penalties(presence=0.8, frequency=1.5) if penalised else Penalties()
 
     kw = {"draft": new_eagle_for(model, seed=5), "tree": TreeConfig(top_k=1, depth=2, total_tokens=2)}
     gate, engine = _gated(model, 2, "eagle2", **kw)
     try:
-        requests = [_req(i, n=10, length=5 + 4 * i) for i in range(3)]
+        requests = [_req(i, n=10, length=5 + 4 * i) for i in (1, 0, 2)]  # the first repeats its first token
         requests = [
-            GenerationRequest(r.prompt_ids, SamplingParams(max_new_tokens=10, logprobs=2), timeout_s=30)
+            GenerationRequest(
+                r.prompt_ids, SamplingParams(max_new_tokens=10, logprobs=2, penalties=pen), timeout_s=30
+            )
             for r in requests
         ]
         sinks = _serve_together(engine, gate, requests)
@@ -307,5 +313,6 @@ def test_logprobs_run_on_through_the_handover(model):
             got = [lp for item in s.items[:-1] for lp in item.logprobs]
             alone = [lp for ev in generate_ar(model, r.prompt_ids, r.params) for lp in ev.logprobs]
             assert got == alone and len(got) == 10
+            assert _tokens(s) == [lp.token for lp in alone]
     finally:
         engine.stop()
