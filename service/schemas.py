@@ -4,8 +4,8 @@ Owns: :func:`parse_body` (bytes -> UTF-8 -> JSON object -> schema, every failure
 :class:`~service.errors.APIError` 400 naming the offending ``param`` where there is one: an
 integer literal past Python's digit limit and JSON nested past the parser's recursion limit
 are refused as invalid JSON), the OpenAI request schemas (:class:`CompletionRequest`,
-:class:`ChatRequest`) and their checks for fields this server does not support (``n > 1``,
-``echo``, ``tools``, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
+:class:`ChatRequest`) and their checks for fields this server does not support (``echo``,
+``best_of``, ``tools``, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
 a number; text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is refused: the
 tokenizer cannot take it). Unknown fields are ignored, as OpenAI-compatible servers (vLLM)
 do, with one warning per request naming them. Range checks that need the server's limits
@@ -38,6 +38,7 @@ log = logging.getLogger("evospec.service")
 
 M = TypeVar("M", bound=BaseModel)
 MAX_STOPS = 4
+MAX_CHOICES = 16  # choices (``n``) one request may ask for: each is an engine request
 MAX_LOGGED_FIELDS = 20  # an ignored-fields warning names at most this many
 INT64 = (-(2**63), 2**63 - 1)  # the seed range (torch generators take 64 bits)
 
@@ -221,10 +222,8 @@ class SamplingFields(_Strict):
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour instead of silently ignoring it."""
-        if self.n is not None and self.n != 1:
-            if self.n < 1:
-                raise APIError.bad_request(f"n must be >= 1, got {self.n}", param="n")
-            raise APIError.unsupported("n", f"n={self.n} (several choices per request)")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise APIError.bad_request(f"n must be in 1..{MAX_CHOICES}, got {self.n}", param="n")
 
 
 class CompletionRequest(SamplingFields):
