@@ -29,7 +29,11 @@ Rules the engine keeps:
   token per step in one forward (plain decoding: an extra row costs a fraction of a step on a
   memory-bound CPU, a speculative row's bet does not pay beside it). Waiting requests join
   between steps while fewer than ``max_batch`` run; when the batch empties, the next request
-  runs alone again. A joining prompt prefills in chunks between the running requests' steps.
+  runs alone again. The last request left in the batch, with nobody waiting, goes back to the
+  decoder's method where that is more than a batch of one (``ngram``: its slots kept with the
+  prefix store, the decoder resumes it; not a drafted method, whose draft needs features the
+  batch does not compute, nor a request whose penalties count its output). A joining prompt
+  prefills in chunks between the running requests' steps.
   Every request's tokens stay those of plain decoding (greedy: identical; sampled: drawn from
   the target's distribution; ``decoding/batch.py``). A batched forward that raises ends every
   request in it (FAILED).
@@ -49,13 +53,14 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.batch import PREFILL_CHUNK, DecodeBatch
 from evospec.decoding.events import StepEvent
 from evospec.decoding.methods import Decoder
+from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.stats import RequestStats
 from evospec.models.batch_step import batched_steps_apply
 from evospec.vocab.active import ActiveVocab
@@ -74,6 +79,7 @@ from service.requests import (  # noqa: F401 (re-exported: what flows through th
 )
 
 log = logging.getLogger("evospec.service.engine")
+HAND_BACK_MIN_TOKENS = 8  # a lone batched request goes back to the method with at least this many left
 
 
 @dataclass
@@ -267,6 +273,7 @@ class Engine:
                 if self._members:  # batched requests: let waiting ones join, then one step
                     self._admit_waiting()
                     self._batch_step()
+                    self._hand_back()
                     continue
                 try:
                     request, sink = self._queue.get(timeout=0.05)
@@ -343,39 +350,53 @@ class Engine:
         return None
 
     def _serve(self, request: GenerationRequest, sink: Sink) -> None:
-        """One request alone with the decoder's method; handed over to the batch between two
-        rounds once another request waits (batching on)."""
+        """One request alone with the decoder's method (unless it already has an outcome)."""
         live, outcome = self._take(request, sink)
+        if outcome is not None:
+            self._finish(live, outcome, None)
+            return
+        self._alone(live, request.prompt_ids, request.params)
+
+    def _alone(
+        self, live: _Live, prompt: Sequence[int], params: SamplingParams, resumed: bool = False
+    ) -> None:
+        """Generate ``live``'s request with the decoder's method from ``prompt`` (``resumed``: the
+        request's prompt and the tokens it emitted in the batch, whose first event is then a
+        step, not a prefill); handed over to the batch between two rounds once another request
+        waits (batching on)."""
+        request = live.request
+        outcome: Outcome | None = None
         error: str | None = None
         events = None
-        if outcome is None:
-            try:
-                if self.adapter is not None:
-                    self.adapter.select(request.adapter_key)
-                events = self.decoder.generate(request.prompt_ids, request.params)
-                for ev in events:
-                    outcome = self._deliver_event(live, ev)
-                    if outcome is not None:
-                        break
-                    if self._batch is not None and self._queue.qsize() > 0:
-                        events.close()  # the decoder's cache now holds the committed slots
-                        error = self._hand_over(live)
-                        if error is None:
-                            return
-                        outcome = Outcome.FAILED
-                        break
-                else:
-                    outcome = Outcome.FINISHED  # the decoder ended without a finish reason
-            except Exception as exc:
-                log.exception("engine: request %s failed", request.request_id)
-                outcome, error = Outcome.FAILED, f"{type(exc).__name__}: {exc}"
-            finally:
-                close = getattr(events, "close", None)
-                if close is not None:
-                    try:
-                        close()
-                    except Exception:
-                        log.exception("engine: closing the decoder's generator failed")
+        try:
+            if self.adapter is not None:
+                self.adapter.select(request.adapter_key)
+            events = self.decoder.generate(prompt, params)
+            for ev in events:
+                if resumed and ev.prefill:  # one token after the kept slots: a plain step
+                    ev = replace(ev, prefill=False, cached_tokens=0)
+                outcome = self._deliver_event(live, ev)
+                if outcome is not None:
+                    break
+                if self._batch is not None and self._queue.qsize() > 0:
+                    events.close()  # the decoder's cache now holds the committed slots
+                    error = self._hand_over(live)
+                    if error is None:
+                        return
+                    outcome = Outcome.FAILED
+                    break
+            else:
+                outcome = Outcome.FINISHED  # the decoder ended without a finish reason
+        except Exception as exc:
+            log.exception("engine: request %s failed", request.request_id)
+            outcome, error = Outcome.FAILED, f"{type(exc).__name__}: {exc}"
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    log.exception("engine: closing the decoder's generator failed")
         self._finish(live, outcome, error)
 
     # -- batched requests (engine thread) -------------------------------------------------------
@@ -392,6 +413,35 @@ class Engine:
             return f"{type(exc).__name__}: {exc}"
         self._members[request.request_id] = live
         return None
+
+    def _hand_back(self) -> bool:
+        """The batch's last request goes back to the decoder's method when nobody waits and the
+        method is worth more than a batch of one (a speculative decoder without a draft to feed:
+        ``ngram``; a drafted one would need features the batch does not compute): its slots are
+        kept with the decoder's prefix store, and the decoder resumes it from its prompt and
+        emitted tokens with the rest of its budget. Not for a request whose penalties count its
+        output (the decoder would count from zero). Returns whether it went back."""
+        prefix = getattr(self.decoder, "prefix", None)
+        if len(self._members) != 1 or self._queue.qsize() or prefix is None or not prefix.enabled:
+            return False
+        if self.decoder.name == "ar" or prefix.needs_features:
+            return False
+        ((key, live),) = self._members.items()
+        member, params = self._batch.members.get(key), live.request.params
+        if member is None or not member.ready or params.penalties.history:
+            return False
+        left = params.max_new_tokens - member.produced
+        kept = [*live.request.prompt_ids, *live.emitted[:-1]]  # what its cache holds
+        if left < HAND_BACK_MIN_TOKENS or len(kept) < prefix.min_snapshot:
+            return False
+        self._batch.leave(key)
+        del self._members[key]
+        prefix.remember(kept, member.cache)  # the decoder's next prepare finds every slot there
+        seed = None if params.seed is None else hash((params.seed, member.produced)) & 0x7FFF_FFFF_FFFF_FFFF
+        self._alone(
+            live, [*kept, live.emitted[-1]], replace(params, max_new_tokens=left, seed=seed), resumed=True
+        )
+        return True
 
     def _admit_waiting(self) -> None:
         """Waiting requests join the batch while it has room (their prefill runs in chunks

@@ -316,3 +316,70 @@ def test_logprobs_and_penalties_run_on_through_the_handover(model, penalised):
             assert _tokens(s) == [lp.token for lp in alone]
     finally:
         engine.stop()
+
+
+class Calls(GateDecoder):
+    """A gate that also records the prompt length of every ``generate`` call."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.prompts: list[int] = []
+
+    def generate(self, prompt, params):
+        self.prompts.append(len(prompt))
+        return super().generate(prompt, params)
+
+
+def _ngram_engine(model, max_batch: int = 2, method: str = "ngram") -> tuple[Calls, Engine]:
+    tree = TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3) if method == "ngram" else None
+    gate = Calls(make_decoder(method, model, tree=tree))
+    gate.prefix.min_snapshot = 4
+    engine = Engine(gate, max_queue=8, max_batch=max_batch)
+    engine.start()
+    return gate, engine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_last_batched_request_goes_back_to_the_method(model, temperature):
+    """A long request handed over to the batch, then alone in it once a short one ends: the
+    decoder resumes it from its prompt and emitted tokens (every slot kept), greedy output
+    still plain decoding's; a sampled one keeps its length and draws fresh numbers."""
+    gate, engine = _ngram_engine(model)
+    try:
+        params = SamplingParams(temperature=temperature, max_new_tokens=40, seed=3)
+        long = GenerationRequest(prompt_of(21, 9), params, timeout_s=30)
+        short = _req(22, n=3, length=5)
+        steps = []
+        engine.add_step_listener(lambda ev: steps.append(ev.prefill))
+        sinks = _serve_together(engine, gate, [long, short])
+        assert all(s.outcome is Outcome.FINISHED for s in sinks)
+        assert len(_tokens(sinks[0])) == 40
+        if temperature == 0.0:
+            assert _tokens(sinks[0]) == ar_tokens(model, long.prompt_ids, params)
+            assert _tokens(sinks[1]) == ar_tokens(model, short.prompt_ids, short.params)
+        resumed = gate.prompts[-1]
+        assert len(gate.prompts) == 2 and 9 < resumed < 9 + 40  # alone, handed over, back again
+        assert sinks[0].items[-1].stats.cached_tokens == 0  # the resumption is not a prefill
+        assert steps.count(True) == 2  # one prefill event per request
+        assert engine.snapshot().running == 0
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("case", ["penalised", "ar"])
+def test_a_penalised_or_ar_request_stays_in_the_batch(model, case):
+    """Penalties count the output from its start, which a resumed decoder would not: such a
+    request finishes in the batch; so does every request of an ``ar`` engine (a batch of one
+    is its method)."""
+    from evospec.decoding.penalties import Penalties
+
+    gate, engine = _ngram_engine(model, method="ngram" if case == "penalised" else "ar")
+    try:
+        pen = Penalties(presence=0.5, frequency=1.0) if case == "penalised" else Penalties()
+        params = SamplingParams(max_new_tokens=30, penalties=pen)
+        long = GenerationRequest(prompt_of(23, 9), params, timeout_s=30)
+        sinks = _serve_together(engine, gate, [long, _req(24, n=3, length=5)])
+        assert _tokens(sinks[0]) == ar_tokens(model, long.prompt_ids, params)
+        assert gate.prompts == [9]  # the long one's start; the short one joined the batch at once
+    finally:
+        engine.stop()
