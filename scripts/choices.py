@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import statistics
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from concurrency import DEFAULT_DATA, load_prompts
-from serve_vs_llamacpp import Server, free_port, model_id, wait_healthy
+from concurrency import add_server_args, evospec_servers, load_prompts
+from serve_vs_llamacpp import Server, model_id, wait_healthy
 
 
 def ask(
@@ -82,16 +79,12 @@ def summary(times: dict[str, dict[int, list[float]]], n: int) -> tuple[str, dict
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=4, help="choices of the several-choice requests (default 4)")
-    p.add_argument("--max-batch", type=int, default=4, help="the batched server's --max-batch (default 4)")
     p.add_argument("--prompts", type=int, default=6, help="prompts (default 6)")
     p.add_argument("--rounds", type=int, default=2, help="passes over the prompts, alternated (default 2)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="of every request (default 1)")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Spec-Bench questions (default: shared)")
-    p.add_argument("--evospec-args", default="", help='extra `evospec serve` flags, e.g. "--method ngram"')
-    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server (default 2)")
-    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None, help="write the timings JSON here")
+    add_server_args(p)
     args = p.parse_args(argv)
     if min(args.n, args.max_batch, args.prompts, args.rounds, args.max_tokens) < 1 or args.n == 1:
         p.error("--n must be >= 2; --max-batch, --prompts, --rounds and --max-tokens >= 1")
@@ -100,15 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="evospec-choices-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
-    exe = [sys.executable, "-m", "evospec.cli", "serve", *shlex.split(args.evospec_args)]
-    servers = []
-    for k in (1, args.max_batch):
-        port = free_port()
-        argv_ = [*exe, "--port", str(port), "--max-batch", str(k), "--no-progress"]
-        servers.append(Server(f"--max-batch {k}", argv_, port, log_dir / f"max_batch_{k}.log", env=env))
+    servers = evospec_servers(args, [f"--max-batch {k}" for k in (1, args.max_batch)], "evospec-choices-")
     prompts = load_prompts(args.data, args.prompts)
     times: dict[str, dict[int, list[float]]] = {s.name: {1: [], args.n: []} for s in servers}
     try:

@@ -142,10 +142,18 @@ def _texts(runs: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
     return {(k, r["prompt_index"]): r["text"] for k, run in enumerate(runs) for r in run["results"]}
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the servers :func:`evospec_servers` starts and of the prompts they get."""
+    p.add_argument("--max-batch", type=int, default=4, help="the batched server's --max-batch (default 4)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Spec-Bench questions (default: shared)")
+    p.add_argument("--evospec-args", default="", help='extra `evospec serve` flags, e.g. "--method ngram"')
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server (default 2)")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
-    p.add_argument("--max-batch", type=int, default=4, help="the batched server's --max-batch (default 4)")
     p.add_argument("--requests", type=int, default=16, help="requests per workload (default 16)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default 64)")
     p.add_argument("--rounds", type=int, default=2, help="workloads per server, alternated (default 2)")
@@ -157,37 +165,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="of every request (default 0: greedy, answers compared between the servers; above 0 "
         "they are samples and are not compared -- add --ignore-eos for answers of equal length)",
     )
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Spec-Bench questions (default: shared)")
-    p.add_argument("--evospec-args", default="", help='extra `evospec serve` flags, e.g. "--method ngram"')
     p.add_argument(
         "--baseline-args",
         default="--max-batch 1",
         help='the first server\'s own flags (default "--max-batch 1": one request at a time); e.g. '
         '"--max-batch 4 --prefill-chunk 100000" for batching without chunked prefill',
     )
-    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each server (default 2)")
-    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    add_server_args(p)
     args = p.parse_args(argv)
     if min(args.clients, args.max_batch, args.requests, args.max_tokens, args.rounds) < 1:
         p.error("--clients, --max-batch, --requests, --max-tokens and --rounds must be >= 1")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="evospec-concurrency-"))
+def evospec_servers(args: argparse.Namespace, names: list[str], prefix: str) -> list[Server]:
+    """One ``evospec serve`` (not started) per name, each with ``args.evospec_args`` and the
+    name's own flags, on a free port, logging to ``args.log_dir`` (default: a new temporary
+    folder starting with ``prefix``), ``args.threads`` OpenMP threads each."""
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=prefix))
     log_dir.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
     exe = [sys.executable, "-m", "evospec.cli", "serve", *shlex.split(args.evospec_args)]
-    flags = [shlex.split(args.baseline_args), ["--max-batch", str(args.max_batch)]]
-    names = [args.baseline_args, f"--max-batch {args.max_batch}"]
     servers = []
-    for name, extra in zip(names, flags, strict=True):
+    for name in names:
         port = free_port()
-        argv_ = [*exe, "--port", str(port), *extra, "--no-progress"]
+        argv_ = [*exe, "--port", str(port), *shlex.split(name), "--no-progress"]
         log = "".join(c if c.isalnum() else "_" for c in name)
         servers.append(Server(name, argv_, port, log_dir / f"{log}.log", env=env))
+    return servers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = [args.baseline_args, f"--max-batch {args.max_batch}"]
+    servers = evospec_servers(args, names, "evospec-concurrency-")
     pool = load_prompts(args.data, args.requests * args.rounds)
     rounds = [pool[r * args.requests : (r + 1) * args.requests] for r in range(args.rounds)]
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}

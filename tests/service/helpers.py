@@ -172,13 +172,52 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     return cond()
 
 
-def complete(live: LiveServer, prompt: str, n: int = 20, **extra: Any) -> dict:
-    """A greedy ``/v1/completions`` call that must succeed; the parsed response."""
+def post_ok(live: LiveServer, path: str, body: dict[str, Any]) -> dict:
+    """A JSON POST that must succeed (the served model's name added); the parsed response."""
     with live.http() as http:
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": n, "temperature": 0, **extra}
-        r = http.post("/v1/completions", json=body)
+        r = http.post(path, json={"model": MODEL_NAME, **body})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def complete(live: LiveServer, prompt: str, n: int = 20, **extra: Any) -> dict:
+    """A greedy ``/v1/completions`` call that must succeed; the parsed response."""
+    return post_ok(live, "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0, **extra})
+
+
+def perfect_draft_decoder(model: Transformer, codec: TextCodec) -> Decoder:
+    """A speculative decoder whose draft is ``model`` itself on a 3-token chain: every drafted
+    token is accepted, so each round commits four tokens."""
+    from evospec.decoding.drafter import TargetDrafter
+    from evospec.decoding.methods import SpeculativeDecoder
+    from evospec.decoding.tree import TreeConfig
+
+    chain = TreeConfig(top_k=1, depth=3, total_tokens=3)
+    return SpeculativeDecoder("eagle2", model, TargetDrafter(model), chain, eos_ids=codec.eos_ids)
+
+
+def batching_target(codec: TextCodec, seed: int = 1) -> Transformer:
+    """A tiny target over the real vocabulary that the engine batches (int4 linears on the
+    fused ops, recorded steps); skips the test where this CPU cannot step sequences together."""
+    import pytest
+
+    from evospec.kernels.cpu_ops import load_cpu_ops
+    from evospec.models.batch_step import batched_steps_apply
+    from evospec.models.fused import enable_fused_ops
+    from evospec.models.quant import kernels_available, quantize_linears
+    from evospec.models.step import StepGraph
+    from tests.decoding.spec_helpers import tiny_target
+
+    if not (load_cpu_ops() and kernels_available("int4")):
+        pytest.skip("needs the fused CPU ops and int4 kernels")
+    model = tiny_target(seed, ctx=CONTEXT, vocab=codec.vocab_size, eos=codec.eos_ids, head_dim=64)
+    quantize_linears(model, "int4")
+    model.exact_rows = True
+    enable_fused_ops(model)
+    if not batched_steps_apply(model):
+        pytest.skip("batched steps need every linear on our int4 kernel (AVX2 or VNNI)")
+    model.step_graph = StepGraph(model)
+    return model
 
 
 def api_error(r: httpx.Response, status: int, code: str) -> dict:

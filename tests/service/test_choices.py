@@ -11,13 +11,15 @@ import httpx
 import pytest
 
 from evospec.decoding.methods import make_decoder
-from evospec.kernels.cpu_ops import load_cpu_ops
-from evospec.models.batch_step import batched_steps_apply
-from evospec.models.fused import enable_fused_ops
-from evospec.models.quant import kernels_available, quantize_linears
-from evospec.models.step import StepGraph
-from tests.decoding.spec_helpers import tiny_target
-from tests.service.helpers import CONTEXT, MODEL_NAME, GateDecoder, LiveServer, ar_ids, start_server, wait_for
+from tests.service.helpers import (
+    MODEL_NAME,
+    GateDecoder,
+    LiveServer,
+    ar_ids,
+    batching_target,
+    start_server,
+    wait_for,
+)
 
 PROMPT = "Tell me about the sea"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -102,15 +104,8 @@ def test_a_request_whose_choices_do_not_fit_the_queue_gets_none(serve, tiny, cod
     assert [c["text"] for c in ok.json()["choices"]] == [reference(codec.encode(PROMPT), 3)] * 2
 
 
-@pytest.mark.skipif(not (load_cpu_ops() and kernels_available("int4")), reason="needs the fused CPU ops")
 def test_choices_are_generated_together_on_a_batching_engine(codec) -> None:
-    model = tiny_target(1, ctx=CONTEXT, vocab=codec.vocab_size, eos=codec.eos_ids, head_dim=64)
-    quantize_linears(model, "int4")
-    model.exact_rows = True
-    enable_fused_ops(model)
-    if not batched_steps_apply(model):
-        pytest.skip("batched steps need every linear on our int4 kernel (AVX2 or VNNI)")
-    model.step_graph = StepGraph(model)
+    model = batching_target(codec)
     server = start_server(make_decoder("ar", model, eos_ids=codec.eos_ids), codec, model, max_batch=4)
     most = []
     server.engine.add_step_listener(lambda ev: most.append(server.engine.snapshot().running))

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from evospec.decoding.methods import make_decoder
-from evospec.kernels.cpu_ops import load_cpu_ops
-from evospec.models.batch_step import batched_steps_apply
-from evospec.models.fused import enable_fused_ops
-from evospec.models.quant import kernels_available, quantize_linears
-from evospec.models.step import StepGraph
-from tests.decoding.spec_helpers import tiny_target
-from tests.service.helpers import CONTEXT, MODEL_NAME, GateDecoder, LiveServer, ar_ids, start_server, wait_for
+from tests.service.helpers import (
+    MODEL_NAME,
+    GateDecoder,
+    LiveServer,
+    ar_ids,
+    batching_target,
+    start_server,
+    wait_for,
+)
 
 CLIENTS = 16
 MAX_TOKENS = 12
@@ -46,17 +46,10 @@ def test_sixteen_concurrent_clients_match_greedy(ar_server: LiveServer, codec, r
     assert after.alive and after.queue_depth == 0
 
 
-@pytest.mark.skipif(not (load_cpu_ops() and kernels_available("int4")), reason="needs the fused CPU ops")
 def test_concurrent_clients_generated_together_get_greedy_outputs(codec) -> None:
     """The same load on a model the engine batches (int4 on the fused ops, max_batch 4): every
     answer, streamed or not, is plain decoding's, and requests did run together."""
-    model = tiny_target(1, ctx=CONTEXT, vocab=codec.vocab_size, eos=codec.eos_ids, head_dim=64)
-    quantize_linears(model, "int4")
-    model.exact_rows = True
-    enable_fused_ops(model)
-    if not batched_steps_apply(model):
-        pytest.skip("batched steps need every linear on our int4 kernel (AVX2 or VNNI)")
-    model.step_graph = StepGraph(model)
+    model = batching_target(codec)
     gate = GateDecoder(make_decoder("ar", model, eos_ids=codec.eos_ids))  # the first waits for the rest
     server = start_server(gate, codec, model, max_batch=4)
     most = []

@@ -9,11 +9,10 @@ import json
 import pytest
 import torch
 
-from evospec.decoding.drafter import TargetDrafter
 from evospec.decoding.logprobs import row_logprobs
-from evospec.decoding.methods import SpeculativeDecoder, make_decoder
+from evospec.decoding.methods import make_decoder
 from evospec.decoding.tree import TreeConfig
-from tests.service.helpers import MODEL_NAME, LiveServer, api_error, ar_ids
+from tests.service.helpers import MODEL_NAME, LiveServer, api_error, ar_ids, perfect_draft_decoder, post_ok
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 PROMPT = "Colours: red,"
@@ -28,11 +27,7 @@ def _expected(tiny, prompt: list[int], tokens: list[int], top: int):
 
 
 def _chat(live: LiveServer, **kw) -> dict:
-    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 9, "temperature": 0, **kw}
-    with live.http() as http:
-        r = http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return post_ok(live, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 9, "temperature": 0, **kw})
 
 
 def test_chat_logprobs_are_the_targets_at_each_token(ar_server: LiveServer, codec, tiny) -> None:
@@ -104,11 +99,7 @@ def test_streamed_completion_offsets_run_across_chunks(ar_server: LiveServer) ->
 def test_a_stop_string_cuts_the_logprobs_with_the_text(serve, codec, tiny, method: str) -> None:
     """A draft that is always right commits four tokens a round: the logprobs of those past
     the stop string go with them."""
-    if method == "ar":
-        live = serve()
-    else:
-        chain = TreeConfig(top_k=1, depth=3, total_tokens=3)
-        live = serve(SpeculativeDecoder("eagle2", tiny, TargetDrafter(tiny), chain, eos_ids=codec.eos_ids))
+    live = serve() if method == "ar" else serve(perfect_draft_decoder(tiny, codec))
     prompt = codec.encode(PROMPT)
     tokens = ar_ids(tiny, codec, prompt, 40)
     texts = [codec.decode(tokens[: i + 1]) for i in range(len(tokens))]

@@ -5,40 +5,25 @@ from __future__ import annotations
 
 import pytest
 
-from evospec.decoding.drafter import TargetDrafter
-from evospec.decoding.methods import SpeculativeDecoder
 from evospec.decoding.penalties import Penalties
 from evospec.decoding.sampling import SamplingParams
-from evospec.decoding.tree import TreeConfig
 from tests.decoding.spec_helpers import ar_tokens
-from tests.service.helpers import MODEL_NAME, LiveServer, api_error
+from tests.service.helpers import MODEL_NAME, LiveServer, api_error, complete, perfect_draft_decoder
 
 PROMPT = "Once upon a time"
 
 
-def _complete(live: LiveServer, **kw) -> dict:
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, **kw}
-    with live.http() as http:
-        r = http.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 @pytest.mark.parametrize("method", ["ar", "perfect-draft"])
 def test_penalties_and_bias_follow_plain_decoding_with_them(serve, codec, tiny, method: str) -> None:
-    if method == "ar":
-        live = serve()
-    else:
-        chain = TreeConfig(top_k=1, depth=3, total_tokens=3)
-        live = serve(SpeculativeDecoder("eagle2", tiny, TargetDrafter(tiny), chain, eos_ids=codec.eos_ids))
+    live = serve() if method == "ar" else serve(perfect_draft_decoder(tiny, codec))
     ids = codec.encode(PROMPT)
     pen = Penalties(presence=0.6, frequency=1.1, bias=((198, 20.0),))  # newlines, until they count
     want = ar_tokens(tiny, ids, SamplingParams(max_new_tokens=24, penalties=pen), codec.eos_ids)
-    body = _complete(live, presence_penalty=0.6, frequency_penalty=1.1, logit_bias={"198": 20.0})
+    body = complete(live, PROMPT, 24, presence_penalty=0.6, frequency_penalty=1.1, logit_bias={"198": 20.0})
     assert body["choices"][0]["text"] == codec.decode(want)
-    biased = _complete(live, logit_bias={"198": 20.0})["choices"][0]["text"]
+    biased = complete(live, PROMPT, 24, logit_bias={"198": 20.0})["choices"][0]["text"]
     assert 1 < body["choices"][0]["text"].count("\n") < biased.count("\n")  # the penalties bite
-    forced = _complete(live, max_tokens=4, logit_bias={"34": 100})
+    forced = complete(live, PROMPT, 4, logit_bias={"34": 100})
     assert forced["choices"][0]["text"] == codec.decode([34] * 4)
 
 
