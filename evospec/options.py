@@ -177,6 +177,13 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
         help="subtracted from the logit of every token generated before, -2..2 (default 0 = off)",
     )
     p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divides the positive logits (multiplies the negative ones) of every token in the prompt "
+        "or generated before, in (0, 2] (vLLM's; default 1 = off)",
+    )
+    p.add_argument(
         "--frequency-penalty",
         type=float,
         default=0.0,
@@ -188,13 +195,14 @@ def sampling_params(args: argparse.Namespace):
     from evospec.decoding.penalties import Penalties
     from evospec.decoding.sampling import SamplingParams
 
+    penalties = Penalties(args.presence_penalty, args.frequency_penalty, repetition=args.repetition_penalty)
     return SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        penalties=Penalties(args.presence_penalty, args.frequency_penalty),
+        penalties=penalties,
     )
 
 

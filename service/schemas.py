@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
-from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
+from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, REPETITION_MAX, Penalties
 from service.errors import APIError
 
 log = logging.getLogger("evospec.service")
@@ -178,6 +178,7 @@ class SamplingFields(_Strict):
     presence_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=REPETITION_MAX)  # extension (vLLM)
     user: Text | None = None
 
     @field_validator("stop", mode="before")
@@ -216,9 +217,10 @@ class SamplingFields(_Strict):
 
     @property
     def penalties(self) -> Penalties:
-        """The presence / frequency penalties and logit_bias as decoding applies them."""
+        """The presence / frequency / repetition penalties and logit_bias as decoding applies them."""
         bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
-        return Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias)
+        repetition = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        return Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias, repetition)
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour instead of silently ignoring it."""

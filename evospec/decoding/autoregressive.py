@@ -43,7 +43,7 @@ def generate_ar(
     tokens = torch.tensor([list(prompt[reuse:])], dtype=torch.long, device=device)
     positions = torch.arange(reuse, len(prompt), device=device)
     produced = 0
-    generated = Generated() if params.penalties.history else None
+    generated = Generated(prompt=prompt) if params.penalties.history else None
     while True:
         t0 = time.perf_counter()
         out = model(tokens, positions, cache, logits="last")

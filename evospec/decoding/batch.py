@@ -125,7 +125,8 @@ class DecodeBatch:
         todo, last = prompt[reuse:-1], prompt[-1]  # the prompt's last token is fed by a step
         member = Member(key, cache, params, gen, budget.rule, len(emitted), last, todo, reuse)
         member.first = not emitted  # a handed-over request had its prefill event alone
-        member.generated = Generated(emitted) if params.penalties.history else None
+        if params.penalties.history:  # its output so far, and the request's own prompt
+            member.generated = Generated(emitted, prompt[: len(prompt) - len(emitted)])
         self.members[key] = member
 
     @torch.inference_mode()

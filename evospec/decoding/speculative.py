@@ -100,8 +100,10 @@ def generate_speculative(
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     positions = torch.arange(reuse, len(prompt), device=device)
     out = target(ids[:, reuse:], positions, cache, logits="last", aux_layers=draft_layers)
-    root = pick_token(out.logits[0, -1], params, gen)
-    generated = Generated([root]) if params.penalties.history else None  # what penalties count
+    generated = Generated(prompt=prompt) if params.penalties.history else None  # what penalties count
+    root = pick_token(out.logits[0, -1], params, gen, generated)
+    if generated is not None:
+        generated.add([root])
     features, hidden = _draft_features(out, draft_layers), out.hidden[0]  # [P - reuse, D'], [P - reuse, D]
     if drafter is not None and prefix_cache is not None:
         prefix_cache.write(reuse, features, hidden if draft_layers else None)

@@ -27,7 +27,7 @@ telescope. So every emitted token is distributed exactly as p given the prefix, 
 induction over positions gives the target's joint distribution. (Draft probabilities do not
 appear: the proposal is a point mass on each child, so its ratio p/q is p.)
 
-Penalties (``penalties.py``: presence / frequency penalties, ``logit_bias``): p and the argmax
+Penalties (``penalties.py``: presence, frequency, repetition penalties, ``logit_bias``): p and the argmax
 are taken from each visited node's row adjusted for the node's own history -- the request's
 output so far plus the drafted tokens on the node's path -- the row plain decoding would pick
 from at that position had it produced that path; greedy acceptance then walks the tree.

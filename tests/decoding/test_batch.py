@@ -191,7 +191,7 @@ def test_penalised_members_pick_what_their_plain_decoding_picks(model):
     """Each member counts its own output (and a handed-over one what it emitted before)."""
     from evospec.decoding.penalties import Penalties
 
-    pen = SamplingParams(temperature=0.0, max_new_tokens=16, penalties=Penalties(presence=0.7, frequency=1.2))
+    pen = SamplingParams(temperature=0.0, max_new_tokens=16, penalties=Penalties(0.7, 1.2, repetition=2.0))
     plain = SamplingParams(temperature=0.0, max_new_tokens=16)
     prompts = [prompt_of(4, 7), prompt_of(5, 12)]
     got = _run(DecodeBatch(model, capacity=3), {0: [(0, prompts[0], pen), (1, prompts[1], plain)]})

@@ -27,6 +27,14 @@ CHAIN = TreeConfig(top_k=1, depth=3, total_tokens=3)
 REPEAT = Penalties(presence=0.5, frequency=1.5)
 
 
+def test_repetition_scales_every_seen_logit_toward_zero_side():
+    row = torch.tensor([2.0, -2.0, 4.0, -4.0, 1.0])
+    out = adjusted(row, Penalties(repetition=2.0), Generated([2, 3], prompt=[0, 1]))
+    assert out.tolist() == [1.0, -4.0, 2.0, -8.0, 1.0]  # id 4 was never seen
+    both = adjusted(row, Penalties(repetition=2.0, presence=1.0), Generated([2], prompt=[0]))
+    assert both.tolist() == [1.0, -2.0, 1.0, -4.0, 1.0]  # repetition first, then the presence penalty
+
+
 def test_adjusted_subtracts_penalties_by_count_and_adds_the_bias():
     row = torch.zeros(6)
     out = adjusted(
@@ -48,6 +56,8 @@ def test_adjusted_subtracts_penalties_by_count_and_adds_the_bias():
         {"bias": ((1, 1.0), (1, 2.0))},
         {"bias": ((-1, 1.0),)},
         {"bias": ((0, 101.0),)},
+        {"repetition": 0.0},
+        {"repetition": 2.5},
     ],
 )
 def test_penalties_refuse_what_openai_refuses(kw):
@@ -82,6 +92,16 @@ def test_plain_decoding_picks_the_best_adjusted_logit_at_each_step(target):
     for i, tok in enumerate(tokens):
         row = adjusted(logits[len(prompt) - 1 + i], REPEAT, Generated(tokens[:i]))
         assert int(greedy_ids(row)) == tok
+    repeat = Penalties(repetition=1.8)
+    tokens = ar_tokens(target, prompt, SamplingParams(max_new_tokens=24, penalties=repeat))
+    assert tokens != ar_tokens(target, prompt, SamplingParams(max_new_tokens=24))
+    ids = [*prompt, *tokens]
+    logits = target(
+        torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(len(ids)), logits="all"
+    ).logits[0]
+    for i, tok in enumerate(tokens):  # the prompt's ids count too
+        row = adjusted(logits[len(prompt) - 1 + i], repeat, Generated(tokens[:i], prompt))
+        assert int(greedy_ids(row)) == tok
     forced = SamplingParams(max_new_tokens=5, penalties=Penalties(bias=((7, 100.0),)))
     assert ar_tokens(target, prompt, forced) == [7] * 5
 
@@ -92,7 +112,7 @@ def test_plain_decoding_picks_the_best_adjusted_logit_at_each_step(target):
 def test_speculative_greedy_with_penalties_equals_plain_decoding(target, tree, prefetch, drafter):
     """The draft proposes the unpenalised tokens; verification picks each node's adjusted best."""
     prompt = _looping_prompt(target)
-    params = SamplingParams(max_new_tokens=30, penalties=replace(REPEAT, bias=((3, 1.5),)))
+    params = SamplingParams(max_new_tokens=30, penalties=replace(REPEAT, bias=((3, 1.5),), repetition=1.3))
     cfg = replace(tree, lookup=2) if drafter == "lookup" else tree
     drafters = {"perfect": TargetDrafter(target), "perturbed": perturbed_drafter(target, 0.6), "lookup": None}
     events = spec_events(target, drafters[drafter], [*prompt, *prompt], params, cfg, prefetch=prefetch)

@@ -23,6 +23,9 @@ def test_penalties_and_bias_follow_plain_decoding_with_them(serve, codec, tiny, 
     assert body["choices"][0]["text"] == codec.decode(want)
     biased = complete(live, PROMPT, 24, logit_bias={"198": 20.0})["choices"][0]["text"]
     assert 1 < body["choices"][0]["text"].count("\n") < biased.count("\n")  # the penalties bite
+    rep = Penalties(repetition=1.5)
+    want = ar_tokens(tiny, ids, SamplingParams(max_new_tokens=24, penalties=rep), codec.eos_ids)
+    assert complete(live, PROMPT, 24, repetition_penalty=1.5)["choices"][0]["text"] == codec.decode(want)
     forced = complete(live, PROMPT, 4, logit_bias={"34": 100})
     assert forced["choices"][0]["text"] == codec.decode([34] * 4)
 
@@ -36,6 +39,8 @@ def test_penalties_and_bias_follow_plain_decoding_with_them(serve, codec, tiny, 
         ({"logit_bias": {"²": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 150}}, "logit_bias"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
     ],
 )
 def test_bad_penalties_are_refused(ar_server: LiveServer, extra: dict, param: str) -> None:
