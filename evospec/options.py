@@ -181,7 +181,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
         type=float,
         default=1.0,
         help="divides the positive logits (multiplies the negative ones) of every token in the prompt "
-        "or generated before, in (0, 2] (vLLM's; default 1 = off)",
+        "or generated before, 0.01..2 (vLLM's; default 1 = off)",
     )
     p.add_argument(
         "--frequency-penalty",

@@ -29,7 +29,7 @@ from evospec.decoding.logprobs import TokenLogprob
 from evospec.decoding.stats import RequestStats
 from service.context import ServiceContext
 from service.errors import SERVER_ERROR, APIError
-from service.requests import AsyncSink, Done, GenerationRequest, Outcome
+from service.requests import AsyncSink, Done, GenerationRequest, Outcome, PromptLogprobs
 from service.schemas import SamplingFields
 from service.textstream import TextAssembler
 
@@ -49,6 +49,7 @@ class Job:
     ended: bool = False  # the handler saw the end (finish, stop string or error)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text was not sent yet
     offset: int = 0  # characters of token text reported so far (completions' ``text_offset``)
+    echo: str | None = None  # the prompt's text, sent before the completion (completions' ``echo``)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Piece:
     text: str
     finish: str | None
     logprobs: list[TokenLogprob]
+    prompt: list[TokenLogprob] | None = None  # the echoed prompt's logprobs (tokens 1..P-1)
 
 
 def cancel_running(jobs: Sequence[Job]) -> None:
@@ -74,6 +76,8 @@ async def pieces(ctx: ServiceContext, job: Job, client: Request | None) -> Async
     ``client``: poll it for a disconnect while waiting (non-streaming requests).
     """
     req = job.request
+    if job.echo is not None and req.prompt_logprobs is None:
+        yield Piece(job.echo, None, [])  # echoed as it is; with logprobs, once they come
     next_check = time.monotonic() + _POLL_S
     while True:
         now = time.monotonic()
@@ -96,8 +100,11 @@ async def pieces(ctx: ServiceContext, job: Job, client: Request | None) -> Async
             job.ended = True
             _raise_for(ctx, item)
             tail = job.text.finish()  # the decoder ended without a finish reason (defensive)
-            yield _take(job, tail.text, "stop")
+            yield _take(job, tail.text, "stop" if req.generate else "length")  # max_tokens 0
             return
+        if isinstance(item, PromptLogprobs):
+            yield Piece(job.echo or "", None, [], prompt=item.entries)
+            continue
         assert isinstance(item, StepEvent)
         job.stats.add(item)
         used = job.text.tokens_used
@@ -162,14 +169,33 @@ def spec_fields(method: str, stats: RequestStats) -> dict[str, Any]:
     }
 
 
-def _logprobs_field(ctx: ServiceContext, job: Job, lps: list[TokenLogprob], *, chat: bool) -> Any:
+def _logprobs_field(
+    ctx: ServiceContext,
+    job: Job,
+    lps: list[TokenLogprob],
+    *,
+    chat: bool,
+    prompt: list[TokenLogprob] | None = None,
+) -> Any:
     """A choice's ``logprobs`` for tokens ``lps`` (None when the request did not ask): chat's
     ``{"content": [{token, logprob, bytes, top_logprobs}]}`` or the completions' columns
     (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``: each token's start in the
-    completion, counted in its text's characters across a stream's chunks)."""
+    returned text, counted in its text's characters across a stream's chunks), the echoed
+    ``prompt``'s first (its first token has no logprob: null)."""
     top = job.request.params.logprobs
     if top is None:
         return None
+    if prompt is not None and not chat:  # the echoed prompt comes first: its first token at 0
+        head = ctx.model.codec.token_text(job.request.prompt_ids[0])
+        start, job.offset = job.offset, job.offset + len(head)
+        rest = _completion_columns(ctx, job, [*prompt, *lps], top)
+        tops = rest["top_logprobs"]
+        return {
+            "tokens": [head, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": None if tops is None else [None, *tops],
+            "text_offset": [start, *rest["text_offset"]],
+        }
     codec = ctx.model.codec
     if chat:
 
@@ -185,6 +211,13 @@ def _logprobs_field(ctx: ServiceContext, job: Job, lps: list[TokenLogprob], *, c
             {**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps
         ]
         return {"content": content, "refusal": None}
+    return _completion_columns(ctx, job, lps, top)
+
+
+def _completion_columns(ctx: ServiceContext, job: Job, lps: list[TokenLogprob], top: int) -> dict[str, Any]:
+    """The completions' ``logprobs`` columns for ``lps``, their offsets counted on from the
+    job's characters so far."""
+    codec = ctx.model.codec
     texts = [codec.token_text(t.token) for t in lps]
     offsets = []
     for text in texts:
@@ -249,12 +282,13 @@ async def respond(
 
 async def _choice(ctx: ServiceContext, index: int, job: Job, client: Request, chat: bool) -> dict[str, Any]:
     """One whole choice of a JSON response."""
-    parts, lps, reason = [], [], "stop"
+    parts, lps, reason, prompt = [], [], "stop", None
     async for piece in pieces(ctx, job, client):
         parts.append(piece.text)
         lps += piece.logprobs
         reason = piece.finish or reason
-    text, logprobs = "".join(parts), _logprobs_field(ctx, job, lps, chat=chat)
+        prompt = piece.prompt if piece.prompt is not None else prompt
+    text, logprobs = "".join(parts), _logprobs_field(ctx, job, lps, chat=chat, prompt=prompt)
     if chat:
         message = {"role": "assistant", "content": text}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
@@ -268,8 +302,9 @@ def _sse_line(obj: dict[str, Any]) -> str:
 async def _sse(
     ctx: ServiceContext, jobs: Sequence[Job], head: dict[str, Any], *, chat: bool, include_usage: bool
 ) -> AsyncIterator[str]:
-    def chunk(i: int, text: str | None, reason: str | None, lps: list[TokenLogprob], **extra: Any) -> str:
-        logprobs = _logprobs_field(ctx, jobs[i], lps, chat=chat) if lps else None
+    def chunk(i: int, text: str | None, reason: str | None, piece: Piece | None = None, **extra: Any) -> str:
+        lps, prompt = (piece.logprobs, piece.prompt) if piece is not None else ([], None)
+        logprobs = _logprobs_field(ctx, jobs[i], lps, chat=chat, prompt=prompt) if lps or prompt else None
         if chat:
             delta = {} if text is None else {"content": text}
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -283,10 +318,10 @@ async def _sse(
                 role = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield _sse_line({**head, "choices": [role]})
         async for i, piece in _interleaved(ctx, jobs):
-            if piece.text or piece.logprobs:
-                yield chunk(i, piece.text, None, piece.logprobs)
+            if piece.text or piece.logprobs or piece.prompt is not None:
+                yield chunk(i, piece.text, None, piece)
             if piece.finish is not None:
-                yield chunk(i, None, piece.finish, [], evospec=spec_fields(ctx.engine.method, jobs[i].stats))
+                yield chunk(i, None, piece.finish, evospec=spec_fields(ctx.engine.method, jobs[i].stats))
         if include_usage:
             yield _sse_line({**head, "choices": [], "usage": _usage(jobs)})
     except APIError as exc:

@@ -59,6 +59,7 @@ from typing import Any
 from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.batch import PREFILL_CHUNK, DecodeBatch
 from evospec.decoding.events import StepEvent
+from evospec.decoding.logprobs import prompt_logprobs
 from evospec.decoding.methods import Decoder
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.stats import RequestStats
@@ -75,6 +76,7 @@ from service.requests import (  # noqa: F401 (re-exported: what flows through th
     Item,
     OOVEvent,
     Outcome,
+    PromptLogprobs,
     Sink,
 )
 
@@ -355,7 +357,27 @@ class Engine:
         if outcome is not None:
             self._finish(live, outcome, None)
             return
-        self._alone(live, request.prompt_ids, request.params)
+        if self._score(live):
+            self._alone(live, request.prompt_ids, request.params)
+
+    def _score(self, live: _Live) -> bool:
+        """Deliver the prompt's logprobs where the request asks (``echo``: a prefill of its own,
+        every row's logits kept); whether it goes on to generate (a failure, or a request that
+        only scores, ends here)."""
+        request = live.request
+        if request.prompt_logprobs is not None:
+            try:
+                entries = prompt_logprobs(self.decoder.model, request.prompt_ids, request.prompt_logprobs)
+            except Exception as exc:
+                log.exception("engine: scoring request %s's prompt failed", request.request_id)
+                self._finish(live, Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+                return False
+            if not _deliver(live.sink, PromptLogprobs(entries)):
+                request.cancel(Outcome.DISCONNECTED)
+        if not request.generate or request.cancelled_by is not None:
+            self._finish(live, request.cancelled_by or Outcome.FINISHED, None)
+            return False
+        return True
 
     def _alone(
         self, live: _Live, prompt: Sequence[int], params: SamplingParams, resumed: bool = False
@@ -454,6 +476,8 @@ class Engine:
             live, outcome = self._take(request, sink)
             if outcome is not None:
                 self._finish(live, outcome, None)
+                continue
+            if not self._score(live):
                 continue
             try:
                 self._join(request)

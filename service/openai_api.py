@@ -69,8 +69,14 @@ def router(ctx: ServiceContext) -> APIRouter:
                     f"token id {bad[0]} is outside the vocabulary (0..{ctx.model.vocab_size - 1})",
                     param="prompt",
                 )
+        echo = None  # the prompt's text, returned before the completion
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else ctx.model.codec.decode(ids)
+        score_only = echo is not None and body.max_tokens == 0  # scoring the prompt (lm-eval's way)
+        max_tokens = 1 if score_only else body.max_tokens
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS
         jobs = _submit(
-            ctx, body, ids, body.max_tokens, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt"
+            ctx, body, ids, max_tokens, "max_tokens", default, "prompt", echo=echo, generate=not score_only
         )
         return await respond(ctx, jobs, body, request, chat=False)
 
@@ -124,6 +130,9 @@ def _submit(
     max_param: str,
     default_max: int | None,
     prompt_param: str,
+    *,
+    echo: str | None = None,
+    generate: bool = True,
 ) -> list[Job]:
     window, limit = ctx.model.context_window, ctx.config.max_tokens_limit
     if not ids:
@@ -175,10 +184,17 @@ def _submit(
     try:
         for i in range(body.n or 1):
             choice = replace(params, seed=_choice_seed(params.seed, i))
-            request = GenerationRequest(ids, choice, timeout_s=ctx.config.request_timeout, adapter_key=key)
+            request = GenerationRequest(
+                ids,
+                choice,
+                timeout_s=ctx.config.request_timeout,
+                adapter_key=key,
+                prompt_logprobs=params.logprobs if echo is not None else None,
+                generate=generate,
+            )
             sink = AsyncSink()
             ctx.engine.submit(request, sink)
-            jobs.append(Job(request, sink, TextAssembler(ctx.model.codec, body.stops)))
+            jobs.append(Job(request, sink, TextAssembler(ctx.model.codec, body.stops), echo=echo))
     except EngineBusy as exc:
         cancel_running(jobs)  # a request is all its choices or none
         raise APIError(

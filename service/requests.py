@@ -2,6 +2,7 @@
 
 Owns: :class:`GenerationRequest` (one typed unit of work, with its cancellation flag),
 :class:`Outcome` and :class:`Done` (how a request ended: the last item of its stream),
+:class:`PromptLogprobs` (a scored prompt, before its tokens),
 :data:`Sink` (the engine's per-request callback), :class:`AsyncSink` (its asyncio end),
 :class:`EngineSnapshot` (the counters /health, /metrics and /admin/state read),
 :class:`OOVEvent`, and the submission errors :class:`EngineBusy` and :class:`EngineStopped`.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from evospec.decoding.events import StepEvent
+from evospec.decoding.logprobs import TokenLogprob
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.stats import RequestStats
 
@@ -41,6 +43,8 @@ class GenerationRequest:
     params: SamplingParams
     timeout_s: float  # from submission to the last token, queue wait included
     adapter_key: str | None = None  # online adaptation scope (conversation / tenant); None: global
+    prompt_logprobs: int | None = None  # score the prompt first, with this many alternatives (echo)
+    generate: bool = True  # False: score the prompt only (``max_tokens`` 0 with echo)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     submitted_at: float = field(default_factory=time.monotonic)
     cancelled_by: Outcome | None = field(default=None, init=False)  # set once, from any thread
@@ -68,7 +72,15 @@ class Done:
     total_s: float  # submission -> done
 
 
-Item = StepEvent | Done
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own logprobs (``GenerationRequest.prompt_logprobs``), before any token:
+    entry i is prompt token i + 1's."""
+
+    entries: list[TokenLogprob]
+
+
+Item = StepEvent | PromptLogprobs | Done
 Sink = Callable[[Item], None]  # called on the engine thread; must not block
 
 

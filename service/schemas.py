@@ -4,8 +4,8 @@ Owns: :func:`parse_body` (bytes -> UTF-8 -> JSON object -> schema, every failure
 :class:`~service.errors.APIError` 400 naming the offending ``param`` where there is one: an
 integer literal past Python's digit limit and JSON nested past the parser's recursion limit
 are refused as invalid JSON), the OpenAI request schemas (:class:`CompletionRequest`,
-:class:`ChatRequest`) and their checks for fields this server does not support (``echo``,
-``best_of``, ``tools``, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
+:class:`ChatRequest`) and their checks for fields this server does not support (``best_of``,
+``tools``, ``echo`` with ``n > 1``, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
 a number; text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is refused: the
 tokenizer cannot take it). Unknown fields are ignored, as OpenAI-compatible servers (vLLM)
 do, with one warning per request naming them. Range checks that need the server's limits
@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
-from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, REPETITION_MAX, Penalties
+from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE, Penalties
 from service.errors import APIError
 
 log = logging.getLogger("evospec.service")
@@ -178,7 +178,7 @@ class SamplingFields(_Strict):
     presence_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=REPETITION_MAX)  # extension (vLLM)
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1])
     user: Text | None = None
 
     @field_validator("stop", mode="before")
@@ -252,8 +252,8 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError.unsupported("echo", "echo (the prompt's own tokens and logprobs)")
+        if self.echo and (self.n or 1) > 1:
+            raise APIError.unsupported("echo", "echo with several choices")
         if self.best_of not in (None, 1):
             raise APIError.unsupported("best_of", f"best_of={self.best_of}")
         if self.suffix:

@@ -69,3 +69,23 @@ def for_tokens(top: int | None, rows: torch.Tensor, tokens: Sequence[int]) -> li
     if top is None:
         return None
     return row_logprobs(rows[: len(tokens)], tokens, top)
+
+
+PROMPT_CHUNK = 128  # prompt rows scored per forward: [128, V] float32 logits (~25 MB at 49,152 ids)
+
+
+@torch.inference_mode()
+def prompt_logprobs(model, prompt: Sequence[int], top: int, chunk: int = PROMPT_CHUNK) -> list[TokenLogprob]:
+    """The logprob of each prompt token after the first under the target (``echo`` with
+    ``logprobs``): one prefill of ``prompt`` into a cache of its own, ``chunk`` rows at a time,
+    every row's logits kept -> [len(prompt) - 1] entries (token i + 1 from row i)."""
+    ids = list(prompt)
+    device = model.embed_tokens.weight.device
+    cache = model.new_cache(len(ids))
+    out: list[TokenLogprob] = []
+    for start in range(0, len(ids) - 1, chunk):
+        end = min(start + chunk, len(ids) - 1)  # rows [start, end) predict tokens [start + 1, end + 1)
+        tokens = torch.tensor([ids[start:end]], dtype=torch.long, device=device)
+        logits = model(tokens, torch.arange(start, end, device=device), cache, logits="all").logits[0]
+        out += row_logprobs(logits, ids[start + 1 : end + 1], top)
+    return out

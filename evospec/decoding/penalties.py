@@ -27,7 +27,9 @@ import torch
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's bounds for presence and frequency penalties
 BIAS_RANGE = (-100.0, 100.0)  # and for a logit_bias value
-REPETITION_MAX = 2.0  # vLLM's bound for repetition_penalty, in (0, 2]
+# repetition_penalty's bounds: vLLM's (0, 2], the low end raised so that no logit divided by it
+# overflows float32 (a penalty of 1e-300 turned every seen logit into inf and the row into NaN)
+REPETITION_RANGE = (0.01, 2.0)
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,9 @@ class Penalties:
             raise ValueError("logit_bias needs distinct non-negative token ids")
         if any(not BIAS_RANGE[0] <= v <= BIAS_RANGE[1] for _, v in self.bias):
             raise ValueError(f"logit_bias values must be in [{BIAS_RANGE[0]:g}, {BIAS_RANGE[1]:g}]")
-        if not 0.0 < self.repetition <= REPETITION_MAX:
-            raise ValueError(f"repetition_penalty must be in (0, {REPETITION_MAX:g}], got {self.repetition}")
+        lo, hi = REPETITION_RANGE
+        if not lo <= self.repetition <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition}")
 
     @property
     def active(self) -> bool:

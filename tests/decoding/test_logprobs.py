@@ -136,3 +136,14 @@ def test_logprobs_stop_where_the_tokens_stop(target):
     tokens, lps = _flat(events)
     assert tokens == free[: free.index(stop) + 1] and len(lps) == len(tokens)
     assert all(lp.top == () for lp in lps)
+
+
+@pytest.mark.parametrize("chunk", [3, 128])
+def test_prompt_logprobs_score_every_token_after_the_first(target, chunk):
+    from evospec.decoding.logprobs import prompt_logprobs
+
+    prompt = prompt_of(6, 11)
+    got = prompt_logprobs(target, prompt, 2, chunk=chunk)
+    assert [lp.token for lp in got] == prompt[1:]
+    _close(got, _teacher_forced(target, prompt[:1], prompt[1:], 2))
+    assert prompt_logprobs(target, prompt[:1], 2) == []

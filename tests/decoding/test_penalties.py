@@ -56,7 +56,7 @@ def test_adjusted_subtracts_penalties_by_count_and_adds_the_bias():
         {"bias": ((1, 1.0), (1, 2.0))},
         {"bias": ((-1, 1.0),)},
         {"bias": ((0, 101.0),)},
-        {"repetition": 0.0},
+        {"repetition": 0.001},
         {"repetition": 2.5},
     ],
 )

@@ -383,3 +383,29 @@ def test_a_penalised_or_ar_request_stays_in_the_batch(model, case):
         assert gate.prompts == [9]  # the long one's start; the short one joined the batch at once
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("generate", [False, True])
+def test_a_prompt_scored_while_others_run(model, generate):
+    """``echo`` with logprobs: a waiting request's prompt is scored when it is taken (here: as
+    it joins the batch), delivered before its tokens; one that only scores ends there."""
+    from evospec.decoding.logprobs import prompt_logprobs
+    from service.engine import PromptLogprobs
+
+    gate, engine = _gated(model, 3)
+    try:
+        params = SamplingParams(max_new_tokens=5)
+        scored = GenerationRequest(
+            prompt_of(30, 12), params, timeout_s=30, prompt_logprobs=1, generate=generate
+        )
+        requests = [_req(31, n=10, length=6), scored, _req(32, n=6, length=7)]
+        sinks = _serve_together(engine, gate, requests)
+        items = sinks[1].items
+        assert isinstance(items[0], PromptLogprobs) and sinks[1].outcome is Outcome.FINISHED
+        assert items[0].entries == prompt_logprobs(model, scored.prompt_ids, 1)
+        tokens = [t for item in items[1:-1] for t in item.tokens]
+        assert tokens == (ar_tokens(model, scored.prompt_ids, params) if generate else [])
+        for r, s in ((requests[0], sinks[0]), (requests[2], sinks[2])):
+            assert _tokens(s) == ar_tokens(model, r.prompt_ids, r.params)
+    finally:
+        engine.stop()

@@ -92,7 +92,7 @@ CASES = [
     ("n_too_many", C, _with(n=17), 400, "n", "invalid_value"),
     ("n_zero", C, _with(n=0), 400, "n", "invalid_value"),
     ("best_of", C, _with(best_of=3), 400, "best_of", "unsupported_parameter"),
-    ("echo", C, _with(echo=True, logprobs=2), 400, "echo", "unsupported_parameter"),
+    ("echo_choices", C, _with(echo=True, n=2), 400, "echo", "unsupported_parameter"),
     ("bad_role", CHAT, _chat({"role": "wizard", "content": "x"}), 400, "messages.0.role", "invalid_value"),
     ("content_type", CHAT, _chat({"role": "user", "content": 5}), 400, "messages.0.content", "invalid_value"),
     (

@@ -150,3 +150,75 @@ def test_bad_logprobs_requests_are_refused(ar_server: LiveServer, path: str, ext
         r = http.post(path, json=body)
     err = api_error(r, 400, "invalid_value")
     assert err["param"] == param
+
+
+def _teacher(tiny, ids: list[int], top: int):
+    return _expected(tiny, ids[:1], ids[1:], top)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(
+    ar_server: LiveServer, codec, tiny
+) -> None:
+    ids = codec.encode(PROMPT)
+    tokens = ar_ids(tiny, codec, ids, 3)
+    plain = ar_server.openai().completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, echo=True
+    )
+    assert plain.choices[0].text == PROMPT + codec.decode(tokens) and plain.choices[0].logprobs is None
+    r = ar_server.openai().completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPT + codec.decode(tokens)
+    assert lp.tokens == [codec.token_text(t) for t in [*ids, *tokens]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [*_teacher(tiny, ids, 2), *_expected(tiny, ids, tokens, 2)]
+    assert lp.token_logprobs[1:] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    assert [list(d) for d in lp.top_logprobs[1:]] == [[codec.token_text(i) for i, _ in w.top] for w in want]
+    starts = [0]
+    for text in lp.tokens[:-1]:
+        starts.append(starts[-1] + len(text))
+    assert lp.text_offset == starts
+    assert r.usage.completion_tokens == 3 and r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(
+    ar_server: LiveServer, codec, tiny, stream: bool
+) -> None:
+    """What lm-evaluation-harness sends for loglikelihood: the prompt's logprobs, no tokens."""
+    ids = codec.encode(PROMPT)
+    body = {
+        "model": MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 1,
+        "stream": stream,
+    }
+    with ar_server.http() as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            choices = [c["choices"][0] for c in lines if c["choices"]]
+            text = "".join(c["text"] for c in choices)
+            lps = [c["logprobs"] for c in choices if c["logprobs"]]
+            assert len(lps) == 1
+            lp, reason = lps[0], choices[-1]["finish_reason"]
+        else:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            text, lp, reason = choice["text"], choice["logprobs"], choice["finish_reason"]
+            assert r.json()["usage"]["completion_tokens"] == 0
+    assert text == PROMPT and reason == "length"
+    assert lp["tokens"] == [codec.token_text(t) for t in ids]
+    assert lp["token_logprobs"][1:] == pytest.approx([w.logprob for w in _teacher(tiny, ids, 1)], abs=1e-4)
+
+
+def test_echo_refuses_several_choices_and_max_tokens_zero_needs_echo(ar_server: LiveServer) -> None:
+    with ar_server.http() as http:
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "echo": True, "n": 2})
+        assert api_error(r, 400, "unsupported_parameter")["param"] == "echo"
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 0})
+        assert api_error(r, 400, "invalid_value")["param"] == "max_tokens"
