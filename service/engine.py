@@ -61,7 +61,7 @@ from evospec.decoding.batch import PREFILL_CHUNK, DecodeBatch
 from evospec.decoding.events import StepEvent
 from evospec.decoding.logprobs import prompt_logprobs
 from evospec.decoding.methods import Decoder
-from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.sampling import SamplingParams, derived_seed
 from evospec.decoding.stats import RequestStats
 from evospec.models.batch_step import batched_steps_apply
 from evospec.vocab.active import ActiveVocab
@@ -459,10 +459,8 @@ class Engine:
         self._batch.leave(key)
         del self._members[key]
         prefix.remember(kept, member.cache)  # the decoder's next prepare finds every slot there
-        seed = None if params.seed is None else hash((params.seed, member.produced)) & 0x7FFF_FFFF_FFFF_FFFF
-        self._alone(
-            live, [*kept, live.emitted[-1]], replace(params, max_new_tokens=left, seed=seed), resumed=True
-        )
+        rest = replace(params, max_new_tokens=left, seed=derived_seed(params.seed, member.produced))
+        self._alone(live, [*kept, live.emitted[-1]], rest, resumed=True)  # fresh draws for a seeded one
         return True
 
     def _admit_waiting(self) -> None:

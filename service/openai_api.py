@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from evospec.decoding.sampling import SamplingParams
+from evospec.decoding.sampling import SamplingParams, derived_seed
 from service.completions import Job, cancel_running, respond
 from service.context import ServiceContext
 from service.engine import AsyncSink, EngineBusy, EngineStopped, GenerationRequest
@@ -183,7 +183,7 @@ def _submit(
     jobs: list[Job] = []
     try:
         for i in range(body.n or 1):
-            choice = replace(params, seed=_choice_seed(params.seed, i))
+            choice = replace(params, seed=params.seed if i == 0 else derived_seed(params.seed, i))
             request = GenerationRequest(
                 ids,
                 choice,
@@ -209,11 +209,3 @@ def _submit(
         cancel_running(jobs)
         raise APIError(503, "the engine is not running", type=SERVER_ERROR, code="engine_stopped") from None
     return jobs
-
-
-def _choice_seed(seed: int | None, index: int) -> int | None:
-    """Choice 0 draws from the request's seed (as a one-choice request does); choice i > 0 from
-    a seed of its own, the same for the same (seed, i)."""
-    if seed is None or index == 0:
-        return seed
-    return hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF

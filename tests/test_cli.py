@@ -135,6 +135,17 @@ def test_invalid_sampling_value_exits_2(capsys: pytest.CaptureFixture[str]) -> N
     assert "top_p" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "name"),
+    [("--presence-penalty", "3", "presence_penalty"), ("--repetition-penalty", "0", "repetition_penalty")],
+)
+def test_invalid_penalty_exits_2(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, name: str
+) -> None:
+    assert main(["generate", "hi", flag, value, "--no-progress"]) == 2
+    assert name in capsys.readouterr().err
+
+
 def test_models_list(capsys: pytest.CaptureFixture[str], default_model: LoadedModel) -> None:
     assert main(["models", "list"]) == 0
     line = capsys.readouterr().out.strip()

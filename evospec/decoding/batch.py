@@ -31,7 +31,7 @@ from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.events import StepEvent, StopRule
 from evospec.decoding.logprobs import for_tokens
 from evospec.decoding.penalties import Generated
-from evospec.decoding.sampling import SamplingParams, pick_token
+from evospec.decoding.sampling import SamplingParams, derived_seed, pick_token
 from evospec.models.batch_step import batched_steps_apply, step_sequences
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
@@ -121,7 +121,7 @@ class DecodeBatch:
         # re-reading the uniforms its first tokens were drawn with
         gen = params.make_generator(self.model.embed_tokens.weight.device)
         if emitted and params.seed is not None:
-            gen.manual_seed(hash((params.seed, len(emitted))) & 0x7FFF_FFFF_FFFF_FFFF)
+            gen.manual_seed(derived_seed(params.seed, len(emitted)))
         todo, last = prompt[reuse:-1], prompt[-1]  # the prompt's last token is fed by a step
         member = Member(key, cache, params, gen, budget.rule, len(emitted), last, todo, reuse)
         member.first = not emitted  # a handed-over request had its prefill event alone

@@ -65,6 +65,15 @@ class SamplingParams:
         return gen
 
 
+def derived_seed(seed: int | None, index: int) -> int | None:
+    """A seed of its own for part ``index`` of a seeded request -- a request's choice i > 0, the
+    rest of a request that changed hands after ``index`` tokens -- so it never re-reads the draws
+    ``seed`` gave; the same for the same (seed, index). None stays None."""
+    if seed is None:
+        return None
+    return hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering.
 
