@@ -13,6 +13,7 @@ method (``decoding/methods.py: make_decoder``). What a method needs is read off 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,13 @@ class Stack:
     @property
     def codec(self):
         return self.loaded.codec
+
+    @cached_property
+    def json_grammar(self):
+        """JSON mode's token table for this model (``decoding/json_grammar.py``; built on first use)."""
+        from evospec.decoding.json_grammar import JsonGrammar
+
+        return JsonGrammar.for_codec(self.codec, self.eos_ids, self.loaded.model.cfg.vocab_size)
 
     def decoder(self, name: str) -> Decoder:
         """The decoder of ``name`` ("auto": the method it resolved to)."""

@@ -43,6 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = options.sampling_params(args)
     stack = assemble(options.stack_settings(args, [args.method]), progress=not args.no_progress)
+    params = options.json_mode(args, params, stack)
     codec = stack.codec
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = codec.encode_chat([{"role": "user", "content": text}]) if args.chat else codec.encode(text)

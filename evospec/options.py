@@ -12,6 +12,7 @@ sub-parsers and call these.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from evospec.adapt.config import AdaptConfig
 from evospec.common import non_negative_int, positive_int
@@ -189,6 +190,11 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
         default=0.0,
         help="times how often a token was generated before, -2..2 (default 0 = off)",
     )
+    p.add_argument(
+        "--json-mode",
+        action="store_true",
+        help="JSON mode: the output is one JSON object (the API's response_format json_object)",
+    )
 
 
 def sampling_params(args: argparse.Namespace):
@@ -204,6 +210,14 @@ def sampling_params(args: argparse.Namespace):
         seed=args.seed,
         penalties=penalties,
     )
+
+
+def json_mode(args: argparse.Namespace, params, stack):
+    """``params`` with the model's JSON grammar where ``--json-mode`` asks for it (the grammar
+    needs the assembled ``stack``'s tokenizer, so it joins after :func:`sampling_params`)."""
+    if not args.json_mode:
+        return params
+    return replace(params, penalties=replace(params.penalties, grammar=stack.json_grammar))
 
 
 def vocab_config(args: argparse.Namespace) -> VocabConfig:

@@ -119,6 +119,11 @@ class TextCodec:
             self._pieces = _TokenPieces(self.tok)
         return self._pieces.bytes_of(token)
 
+    @property
+    def added_ids(self) -> tuple[int, ...]:
+        """The added tokens' ids (the chat template's and the model's special tokens)."""
+        return tuple(self.tok.get_added_tokens_decoder())
+
     def token_text(self, token: int) -> str:
         """:meth:`token_bytes` as text (a split character's bytes as U+FFFD)."""
         return self.token_bytes(token).decode("utf-8", errors="replace")

@@ -179,6 +179,8 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     repetition_penalty: float | None = Field(default=None, ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1])
+    # {"type": "text"} or {"type": "json_object"} (JSON mode; on completions: vLLM's extension)
+    response_format: dict[str, Any] | None = None
     user: Text | None = None
 
     @field_validator("stop", mode="before")
@@ -222,10 +224,22 @@ class SamplingFields(_Strict):
         repetition = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         return Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias, repetition)
 
+    @property
+    def json_mode(self) -> bool:
+        """Whether the output must be one JSON object (``response_format`` ``json_object``)."""
+        return bool(self.response_format) and self.response_format.get("type") == "json_object"
+
     def check_supported(self) -> None:
         """Refuse what this server cannot honour instead of silently ignoring it."""
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise APIError.bad_request(f"n must be in 1..{MAX_CHOICES}, got {self.n}", param="n")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_schema":
+            raise APIError.unsupported("response_format", "response_format json_schema")
+        if kind not in ("text", "json_object"):
+            raise APIError.bad_request(
+                f"response_format type must be 'text' or 'json_object', got {kind!r}", param="response_format"
+            )
 
 
 class CompletionRequest(SamplingFields):
@@ -302,7 +316,6 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -310,8 +323,6 @@ class ChatRequest(SamplingFields):
             raise APIError.bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.tools:
             raise APIError.unsupported("tools", "tools (function calling)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError.unsupported("response_format", "structured output (response_format)")
 
     @property
     def requested_logprobs(self) -> int | None:

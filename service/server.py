@@ -60,6 +60,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         codec=stack.codec,
         context_window=stack.loaded.model.cfg.max_position_embeddings,
         vocab_size=stack.loaded.model.cfg.vocab_size,
+        eos_ids=stack.eos_ids,
     )
     app = create_app(engine, served, config)
     keeper = persistence.keeper_for(config, engine, served.name, stack.loaded.model, stack.draft)

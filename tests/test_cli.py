@@ -70,6 +70,19 @@ def test_no_pack_gives_the_same_text(default_model: LoadedModel, capsys: pytest.
     assert outs[0] == outs[1] == _expected(default_model, default_model.codec.encode(PROMPT), 12) + "\n"
 
 
+def test_generate_json_mode_writes_a_json_object(
+    default_model: LoadedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from evospec.decoding.json_grammar import JsonState, walk
+
+    argv = ["generate", "Describe a cat as JSON.", "--chat", "--max-new-tokens", "24", "--no-progress"]
+    assert main([*argv, "--weights", "fp32", "--json-mode"]) == 0
+    text = capsys.readouterr().out[:-1]
+    assert text.startswith("{") and walk(JsonState(), text.encode()) is not None
+    assert main([*argv, "--weights", "fp32"]) == 0
+    assert not capsys.readouterr().out.startswith("{")  # the model alone fences its JSON
+
+
 def test_serve_no_pack_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     import service.server
 

@@ -133,10 +133,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not prompts:
         raise SystemExit(f"error: no prompts selected from {', '.join(map(str, args.data))}")
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.json_mode and "hf" in names:
+        raise SystemExit("error: --json-mode: the hf baseline has no JSON mode")
     stack = assemble(
         options.stack_settings(args, [n for n in names if n != "hf"]), progress=not args.no_progress
     )
     loaded, codec, eos = stack.loaded, stack.codec, stack.eos_ids
+    params = options.json_mode(args, params, stack)
     decoders = {}
     for name in names:
         if name == "hf":
@@ -231,7 +234,7 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
             return codec.encode_chat([{"role": "user", "content": p.text}])
         return codec.encode(p.text)
 
-    params = options.sampling_params(args)
+    params = options.json_mode(args, options.sampling_params(args), stack)
     keyed = args.adapt_key == "category"
     if args.replay:
         from evospec.bench.replay import record_requests
@@ -309,7 +312,11 @@ def _bench_conversation(args: argparse.Namespace) -> int:
         raise SystemExit("error: the conversation scenario needs a model with a chat template")
     decoders = {stack.resolved.get(name, name): stack.decoder(name) for name in names}
     records, mismatches = run_conversations(
-        decoders, conversations, stack.codec, options.sampling_params(args), progress=not args.no_progress
+        decoders,
+        conversations,
+        stack.codec,
+        options.json_mode(args, options.sampling_params(args), stack),
+        progress=not args.no_progress,
     )
     config = {
         "scenario": "conversation",

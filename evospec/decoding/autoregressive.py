@@ -14,7 +14,6 @@ import torch
 from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.events import StepEvent
 from evospec.decoding.logprobs import for_tokens
-from evospec.decoding.penalties import Generated
 from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
@@ -43,7 +42,7 @@ def generate_ar(
     tokens = torch.tensor([list(prompt[reuse:])], dtype=torch.long, device=device)
     positions = torch.arange(reuse, len(prompt), device=device)
     produced = 0
-    generated = Generated(prompt=prompt) if params.penalties.history else None
+    generated = params.penalties.start(prompt)
     while True:
         t0 = time.perf_counter()
         out = model(tokens, positions, cache, logits="last")

@@ -125,8 +125,7 @@ class DecodeBatch:
         todo, last = prompt[reuse:-1], prompt[-1]  # the prompt's last token is fed by a step
         member = Member(key, cache, params, gen, budget.rule, len(emitted), last, todo, reuse)
         member.first = not emitted  # a handed-over request had its prefill event alone
-        if params.penalties.history:  # its output so far, and the request's own prompt
-            member.generated = Generated(emitted, prompt[: len(prompt) - len(emitted)])
+        member.generated = params.penalties.start(prompt, emitted)  # its output so far
         self.members[key] = member
 
     @torch.inference_mode()

@@ -34,7 +34,6 @@ from evospec.decoding.logprobs import for_tokens
 from evospec.decoding.lookup import LookupDraft
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import NodeLogits
-from evospec.decoding.penalties import Generated
 from evospec.decoding.prefix import PrefixCache
 from evospec.decoding.proposal import DraftSampler
 from evospec.decoding.sampling import SamplingParams, pick_token
@@ -100,7 +99,7 @@ def generate_speculative(
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     positions = torch.arange(reuse, len(prompt), device=device)
     out = target(ids[:, reuse:], positions, cache, logits="last", aux_layers=draft_layers)
-    generated = Generated(prompt=prompt) if params.penalties.history else None  # what penalties count
+    generated = params.penalties.start(prompt)  # what penalties count
     root = pick_token(out.logits[0, -1], params, gen, generated)
     if generated is not None:
         generated.add([root])

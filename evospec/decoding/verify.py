@@ -188,5 +188,6 @@ class _Adjusted:
         while up > 0:  # the root's token is already in ``generated``
             path.append(self.tokens[up])
             up = self.parents[up]
+        path.reverse()  # root first: the JSON grammar reads the tokens in order
         history = self.generated.plus(path) if path and self.penalties.history else self.generated
         return adjusted(self.rows[node], self.penalties, history)

@@ -205,3 +205,24 @@ def test_penalised_members_pick_what_their_plain_decoding_picks(model):
     model(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1), cache, logits="none")
     batch.join("h", ids, pen, cache=cache, reuse=len(ids) - 1, emitted=first[:5])
     assert first[:5] + _run(batch, {}, {"h": []})["h"] == first
+
+
+def test_json_mode_members_pick_what_their_plain_decoding_picks(model):
+    """Each member walks the grammar with its own output (a handed-over one from the start)."""
+    from evospec.decoding.json_grammar import JsonGrammar
+    from evospec.decoding.penalties import Penalties
+    from tests.decoding.test_json_mode import EOS, TOKENS
+
+    js = SamplingParams(max_new_tokens=16, penalties=Penalties(grammar=JsonGrammar(TOKENS, [EOS], EOS + 1)))
+    plain = SamplingParams(max_new_tokens=16)
+    prompts = [prompt_of(4, 7), prompt_of(5, 12)]
+    got = _run(DecodeBatch(model, capacity=3), {0: [(0, prompts[0], js), (1, prompts[1], plain)]})
+    assert got[0] == _alone(model, prompts[0], js) and got[1] == _alone(model, prompts[1], plain)
+    assert got[0] != _alone(model, prompts[0], plain)  # the grammar changed something
+    first = _alone(model, prompts[0], js)
+    batch = DecodeBatch(model, capacity=2)
+    cache = model.new_cache(64)
+    ids = [*prompts[0], *first[:5]]
+    model(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1), cache, logits="none")
+    batch.join("h", ids, js, cache=cache, reuse=len(ids) - 1, emitted=first[:5])
+    assert first[:5] + _run(batch, {}, {"h": []})["h"] == first

@@ -138,6 +138,7 @@ def start_server(
         codec=codec,
         context_window=model.cfg.max_position_embeddings,
         vocab_size=model.cfg.vocab_size,
+        eos_ids=tuple(getattr(decoder, "eos_ids", ())),
     )
     saved = os.environ.pop(ADMIN_TOKEN_ENV, None)
     try:

@@ -1,0 +1,86 @@
+"""``response_format: {"type": "json_object"}`` through the OpenAI API: the text is one JSON
+object (or its beginning, where ``max_tokens`` cut it), as plain decoding in JSON mode writes
+it, under every method; other formats are clear 400s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evospec.decoding.json_grammar import DONE, JsonGrammar, JsonState, walk
+from evospec.decoding.penalties import Penalties
+from evospec.decoding.sampling import SamplingParams
+from tests.decoding.spec_helpers import ar_tokens
+from tests.service.helpers import MODEL_NAME, api_error, complete, perfect_draft_decoder, post_ok
+
+JSON = {"type": "json_object"}
+MESSAGES = [{"role": "user", "content": "Describe a cat as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def grammar(codec, tiny) -> JsonGrammar:
+    return JsonGrammar.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size)
+
+
+def _want(tiny, codec, grammar, ids: list[int], n: int) -> str:
+    params = SamplingParams(max_new_tokens=n, penalties=Penalties(grammar=grammar))
+    return codec.decode(ar_tokens(tiny, ids, params, codec.eos_ids))
+
+
+@pytest.mark.parametrize("method", ["ar", "perfect-draft"])
+def test_chat_in_json_mode_writes_what_plain_decoding_in_json_mode_writes(
+    serve, codec, tiny, grammar, method
+):
+    live = serve() if method == "ar" else serve(perfect_draft_decoder(tiny, codec))
+    ids = codec.encode_chat(MESSAGES)
+    body = post_ok(
+        live, "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "response_format": JSON},
+    )  # fmt: skip
+    text = body["choices"][0]["message"]["content"]
+    assert text == _want(tiny, codec, grammar, ids, 60)
+    state = walk(JsonState(), text.encode())
+    assert state is not None  # an object's beginning at least
+    if body["choices"][0]["finish_reason"] == "stop":
+        assert state.mode == DONE and isinstance(json.loads(text), dict)
+    free = post_ok(live, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "temperature": 0})
+    assert walk(JsonState(), free["choices"][0]["message"]["content"].encode()) is None  # the mode bites
+
+
+def test_completions_and_streams_take_json_mode_too(serve, codec, tiny, grammar):
+    live = serve()
+    prompt = "The answer, as JSON:"
+    body = complete(live, prompt, 40, response_format=JSON)
+    assert body["choices"][0]["text"] == _want(tiny, codec, grammar, codec.encode(prompt), 40)
+    with live.http() as http:
+        r = http.post(
+            "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+                  "response_format": JSON, "stream": True},
+        )  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
+    plain = complete(live, prompt, 8, response_format={"type": "text"})["choices"][0]["text"]
+    assert plain == complete(live, prompt, 8)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "status", "code"),
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, 400, "unsupported_parameter"),
+        ({"type": "xml"}, 400, "invalid_value"),
+        ({}, 200, None),  # no type: text
+    ],
+)
+def test_other_response_formats_are_clear_errors(serve, fmt, status, code):
+    live = serve()
+    with live.http() as http:
+        r = http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, "response_format": fmt},
+        )
+    if code is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert api_error(r, status, code)["param"] == "response_format"
