@@ -90,11 +90,11 @@ class Stack:
         return self.loaded.codec
 
     @cached_property
-    def json_grammar(self):
-        """JSON mode's token table for this model (``decoding/json_grammar.py``; built on first use)."""
-        from evospec.decoding.json_grammar import JsonGrammar
+    def json_tokens(self):
+        """The model's tokens as bytes, for JSON grammars (``decoding/json_grammar.py``)."""
+        from evospec.decoding.json_grammar import TokenTable
 
-        return JsonGrammar.for_codec(self.codec, self.eos_ids, self.loaded.model.cfg.vocab_size)
+        return TokenTable.for_codec(self.codec, self.eos_ids, self.loaded.model.cfg.vocab_size)
 
     def decoder(self, name: str) -> Decoder:
         """The decoder of ``name`` ("auto": the method it resolved to)."""

@@ -12,7 +12,9 @@ sub-parsers and call these.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from evospec.adapt.config import AdaptConfig
 from evospec.common import non_negative_int, positive_int
@@ -195,6 +197,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
         action="store_true",
         help="JSON mode: the output is one JSON object (the API's response_format json_object)",
     )
+    p.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="PATH",
+        help="the output follows the JSON schema in PATH (the API's response_format json_schema)",
+    )
 
 
 def sampling_params(args: argparse.Namespace):
@@ -213,11 +221,25 @@ def sampling_params(args: argparse.Namespace):
 
 
 def json_mode(args: argparse.Namespace, params, stack):
-    """``params`` with the model's JSON grammar where ``--json-mode`` asks for it (the grammar
-    needs the assembled ``stack``'s tokenizer, so it joins after :func:`sampling_params`)."""
-    if not args.json_mode:
+    """``params`` with the JSON grammar ``--json-mode`` or ``--json-schema`` asks for (a
+    grammar needs the assembled ``stack``'s tokenizer, so it joins after :func:`sampling_params`);
+    a schema file that cannot be read or honoured is a ValueError saying why."""
+    from evospec.decoding.json_grammar import JsonGrammar
+    from evospec.decoding.json_schema import OBJECT, SchemaError, compile_schema
+
+    if args.json_schema is None and not args.json_mode:
         return params
-    return replace(params, penalties=replace(params.penalties, grammar=stack.json_grammar))
+    schema = OBJECT
+    if args.json_schema is not None:
+        try:
+            schema = compile_schema(json.loads(args.json_schema.read_text(encoding="utf-8")))
+        except (OSError, ValueError) as exc:  # SchemaError and JSONDecodeError are ValueErrors
+            kind = (
+                "unsupported JSON schema" if isinstance(exc, SchemaError) else "cannot read the JSON schema"
+            )
+            raise ValueError(f"--json-schema {args.json_schema}: {kind}: {exc}") from None
+    grammar = JsonGrammar(stack.json_tokens, schema)
+    return replace(params, penalties=replace(params.penalties, grammar=grammar))
 
 
 def vocab_config(args: argparse.Namespace) -> VocabConfig:

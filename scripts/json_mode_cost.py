@@ -22,6 +22,7 @@ import time
 import torch
 
 from evospec.assembly import StackSettings, assemble
+from evospec.decoding.json_grammar import JsonGrammar
 from evospec.decoding.penalties import Penalties
 from evospec.decoding.sampling import SamplingParams
 
@@ -77,7 +78,7 @@ def main() -> None:
     stack = assemble(StackSettings(methods=("ar", "ngram"), weights="int4"), progress=False)
     codec = stack.codec
     t0 = time.perf_counter()
-    grammar = stack.json_grammar
+    grammar = JsonGrammar(stack.json_tokens)
     print(f"grammar built in {time.perf_counter() - t0:.2f} s ({codec.vocab_size} tokens)")
     masks_s = 0.0
     blocked = grammar.blocked

@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from evospec.decoding.json_grammar import JsonGrammar
 from evospec.decoding.sampling import SamplingParams, derived_seed
 from service.completions import Job, cancel_running, respond
 from service.context import ServiceContext
@@ -76,9 +77,18 @@ def router(ctx: ServiceContext) -> APIRouter:
         score_only = echo is not None and body.max_tokens == 0  # scoring the prompt (lm-eval's way)
         max_tokens = 1 if score_only else body.max_tokens
         default = COMPLETIONS_DEFAULT_MAX_TOKENS
-        await _grammar_ready(ctx, body)
+        grammar = await _grammar(ctx, body)
         jobs = _submit(
-            ctx, body, ids, max_tokens, "max_tokens", default, "prompt", echo=echo, generate=not score_only
+            ctx,
+            body,
+            ids,
+            max_tokens,
+            "max_tokens",
+            default,
+            "prompt",
+            grammar,
+            echo=echo,
+            generate=not score_only,
         )
         return await respond(ctx, jobs, body, request, chat=False)
 
@@ -96,8 +106,8 @@ def router(ctx: ServiceContext) -> APIRouter:
             )
         ids = await encoder.chat(body.template_messages())
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        await _grammar_ready(ctx, body)
-        jobs = _submit(ctx, body, ids, body.requested_max_tokens, param, None, "messages")
+        grammar = await _grammar(ctx, body)
+        jobs = _submit(ctx, body, ids, body.requested_max_tokens, param, None, "messages", grammar)
         return await respond(ctx, jobs, body, request, chat=True)
 
     return r
@@ -125,11 +135,14 @@ def _check_model(ctx: ServiceContext, name: str) -> None:
 
 
 # -- request -> engine ----------------------------------------------------------------------------
-async def _grammar_ready(ctx: ServiceContext, body: SamplingFields) -> None:
-    """JSON mode's token table, built by the first request that needs it off the event loop
-    (~0.6 s for 49k tokens: the other streams keep flowing)."""
-    if body.json_mode:
-        await asyncio.to_thread(lambda: ctx.model.json_grammar)
+async def _grammar(ctx: ServiceContext, body: SamplingFields) -> JsonGrammar | None:
+    """The JSON grammar ``response_format`` asks for (None: text), fetched off the event loop:
+    the first JSON request builds the token table (~0.6 s for 49k tokens) while other streams
+    keep flowing."""
+    schema = body.output_schema()
+    if schema is None:
+        return None
+    return await asyncio.to_thread(ctx.model.json_grammar, *schema)
 
 
 def _submit(
@@ -140,6 +153,7 @@ def _submit(
     max_param: str,
     default_max: int | None,
     prompt_param: str,
+    grammar: JsonGrammar | None = None,
     *,
     echo: str | None = None,
     generate: bool = True,
@@ -185,7 +199,7 @@ def _submit(
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             logprobs=body.requested_logprobs,
-            penalties=replace(body.penalties, grammar=ctx.model.json_grammar if body.json_mode else None),
+            penalties=replace(body.penalties, grammar=grammar),
         )
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None

@@ -30,6 +30,7 @@ from pydantic import (
     field_validator,
 )
 
+from evospec.decoding.json_schema import OBJECT, Schema, SchemaError, compile_schema
 from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
 from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE, Penalties
 from service.errors import APIError
@@ -179,7 +180,7 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     repetition_penalty: float | None = Field(default=None, ge=REPETITION_RANGE[0], le=REPETITION_RANGE[1])
-    # {"type": "text"} or {"type": "json_object"} (JSON mode; on completions: vLLM's extension)
+    # {"type": "text" | "json_object" | "json_schema"} (on completions: vLLM's extension)
     response_format: dict[str, Any] | None = None
     user: Text | None = None
 
@@ -224,22 +225,39 @@ class SamplingFields(_Strict):
         repetition = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         return Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias, repetition)
 
-    @property
-    def json_mode(self) -> bool:
-        """Whether the output must be one JSON object (``response_format`` ``json_object``)."""
-        return bool(self.response_format) and self.response_format.get("type") == "json_object"
+    def output_schema(self) -> tuple[str, Schema] | None:
+        """The schema the output follows -- JSON mode: ("", any object); ``json_schema``: (its
+        canonical text, compiled) -- or None for text. 400 where the format is not one of those
+        or the schema goes past what the grammar supports (``decoding/json_schema.py``)."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return "", OBJECT
+        if kind != "json_schema":
+            raise APIError.bad_request(
+                f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                param="response_format",
+            )
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError.bad_request(
+                "response_format json_schema needs a json_schema object with a schema",
+                param="response_format",
+            )
+        try:
+            return json.dumps(spec["schema"], sort_keys=True), compile_schema(spec["schema"])
+        except SchemaError as exc:
+            raise APIError(
+                400, f"response_format: {exc}", param="response_format", code="unsupported_schema"
+            ) from None
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour instead of silently ignoring it."""
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise APIError.bad_request(f"n must be in 1..{MAX_CHOICES}, got {self.n}", param="n")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind == "json_schema":
-            raise APIError.unsupported("response_format", "response_format json_schema")
-        if kind not in ("text", "json_object"):
-            raise APIError.bad_request(
-                f"response_format type must be 'text' or 'json_object', got {kind!r}", param="response_format"
-            )
+        self.output_schema()
 
 
 class CompletionRequest(SamplingFields):

@@ -73,14 +73,44 @@ def test_no_pack_gives_the_same_text(default_model: LoadedModel, capsys: pytest.
 def test_generate_json_mode_writes_a_json_object(
     default_model: LoadedModel, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from evospec.decoding.json_grammar import JsonState, walk
+    from tests.decoding.test_json_grammar import walk
 
     argv = ["generate", "Describe a cat as JSON.", "--chat", "--max-new-tokens", "24", "--no-progress"]
     assert main([*argv, "--weights", "fp32", "--json-mode"]) == 0
     text = capsys.readouterr().out[:-1]
-    assert text.startswith("{") and walk(JsonState(), text.encode()) is not None
+    assert text.startswith("{") and walk(text.encode()) is not None
     assert main([*argv, "--weights", "fp32"]) == 0
     assert not capsys.readouterr().out.startswith("{")  # the model alone fences its JSON
+
+
+def test_generate_follows_a_json_schema_file(
+    default_model: LoadedModel, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    schema = tmp_path / "pet.json"
+    schema.write_text(
+        json.dumps({"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"]})
+    )
+    argv = [
+        "generate",
+        "Name a pet.",
+        "--chat",
+        "--max-new-tokens",
+        "24",
+        "--no-progress",
+        "--weights",
+        "fp32",
+    ]
+    assert main([*argv, "--json-schema", str(schema)]) == 0
+    text = capsys.readouterr().out[:-1]
+    assert json.loads(text)["pet"] in ("cat", "dog")
+    schema.write_text(
+        json.dumps({"type": "object", "properties": {"pet": {"type": "string", "pattern": "c.t"}}})
+    )
+    assert main([*argv, "--json-schema", str(schema)]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported JSON schema" in err and "'pattern'" in err
+    assert main([*argv, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read the JSON schema" in capsys.readouterr().err
 
 
 def test_serve_no_pack_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:

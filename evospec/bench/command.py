@@ -133,8 +133,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not prompts:
         raise SystemExit(f"error: no prompts selected from {', '.join(map(str, args.data))}")
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.json_mode and "hf" in names:
-        raise SystemExit("error: --json-mode: the hf baseline has no JSON mode")
+    if (args.json_mode or args.json_schema) and "hf" in names:
+        raise SystemExit("error: --json-mode / --json-schema: the hf baseline has no JSON grammar")
     stack = assemble(
         options.stack_settings(args, [n for n in names if n != "hf"]), progress=not args.no_progress
     )

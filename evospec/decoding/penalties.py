@@ -1,5 +1,5 @@
 """OpenAI's presence and frequency penalties, ``logit_bias``, vLLM's ``repetition_penalty`` and
-JSON mode: the target's logits adjusted by what came before a token is picked.
+JSON mode / JSON schemas: the target's logits adjusted by what came before a token is picked.
 
 Owns: :class:`Penalties` (the settings, part of ``SamplingParams``), :class:`Generated` (how
 often each id was generated so far: the only history they read) and :func:`adjusted` (one row
@@ -13,9 +13,9 @@ The rule, in this order: for each id j in the prompt or generated so far, the re
 penalty r divides a positive logit by r and multiplies a negative one by r (vLLM's and
 transformers' ``repetition_penalty``, from CTRL); for each id j generated c_j > 0 times so far
 (the prompt does not count), ``logit_j -= frequency * c_j + presence`` (OpenAI's); then
-``logit_j += bias_j`` for the ids ``logit_bias`` names; then, in JSON mode, every token that
-would leave the JSON grammar gets -inf (``json_grammar.py``). Temperature, top-k and top-p then act on
-the adjusted logits. Reported logprobs stay the raw model's (``logprobs.py``).
+``logit_j += bias_j`` for the ids ``logit_bias`` names; then, in JSON mode or under a JSON
+schema, every token that would leave the grammar gets -inf (``json_grammar.py``). Temperature,
+top-k and top-p then act on the adjusted logits. Reported logprobs stay the raw model's (``logprobs.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Penalties:
     frequency: float = 0.0
     bias: tuple[tuple[int, float], ...] = ()
     repetition: float = 1.0  # 1: off
-    # JSON mode: tokens that would leave the grammar get -inf (json_grammar.py); one per model
+    # JSON mode / a JSON schema: tokens that would leave it get -inf (json_grammar.py)
     grammar: JsonGrammar | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

@@ -209,11 +209,13 @@ def test_penalised_members_pick_what_their_plain_decoding_picks(model):
 
 def test_json_mode_members_pick_what_their_plain_decoding_picks(model):
     """Each member walks the grammar with its own output (a handed-over one from the start)."""
-    from evospec.decoding.json_grammar import JsonGrammar
+    from evospec.decoding.json_grammar import JsonGrammar, TokenTable
     from evospec.decoding.penalties import Penalties
     from tests.decoding.test_json_mode import EOS, TOKENS
 
-    js = SamplingParams(max_new_tokens=16, penalties=Penalties(grammar=JsonGrammar(TOKENS, [EOS], EOS + 1)))
+    js = SamplingParams(
+        max_new_tokens=16, penalties=Penalties(grammar=JsonGrammar(TokenTable(TOKENS, [EOS], EOS + 1)))
+    )
     plain = SamplingParams(max_new_tokens=16)
     prompts = [prompt_of(4, 7), prompt_of(5, 12)]
     got = _run(DecodeBatch(model, capacity=3), {0: [(0, prompts[0], js), (1, prompts[1], plain)]})

@@ -9,15 +9,16 @@ import random
 import pytest
 import torch
 
-from evospec.decoding.json_grammar import (
-    DONE,
-    MAX_DEPTH,
-    MAX_WS,
-    STR,
-    JsonGrammar,
-    JsonState,
-    walk,
-)
+from evospec.decoding.json_grammar import DONE, MAX_DEPTH, MAX_WS, STR, JsonGrammar, JsonMachine, TokenTable
+from evospec.decoding.json_schema import OBJECT
+
+MACHINE = JsonMachine(OBJECT)
+
+
+def walk(data: bytes, state=None):
+    """The JSON-mode state after ``data`` (from the start, or from ``state``)."""
+    return MACHINE.walk(MACHINE.start() if state is None else state, data)
+
 
 VALID = [
     "{}",
@@ -30,7 +31,7 @@ VALID = [
     '{"a": ' * (MAX_DEPTH - 1) + "{}" + "}" * (MAX_DEPTH - 1),  # as deep as containers go
 ]
 INVALID = [
-    "[]",  # the top level is an object
+    "[]",  # JSON mode's top level is an object
     '"s"',
     "1",
     "{,}",
@@ -58,7 +59,7 @@ INVALID = [
 
 
 def _done(text: str) -> bool:
-    state = walk(JsonState(), text.encode())
+    state = walk(text.encode())
     return state is not None and state.mode == DONE
 
 
@@ -67,7 +68,7 @@ def test_json_objects_and_every_prefix_of_them_are_accepted(text):
     data = text.rstrip().encode()
     assert json.loads(data) is not None
     for i in range(len(data)):
-        state = walk(JsonState(), data[:i])
+        state = walk(data[:i])
         assert state is not None and state.mode != DONE, data[:i]
     assert _done(text.rstrip())
 
@@ -140,14 +141,14 @@ VOCAB = EOS + 2
 
 @pytest.fixture(scope="module")
 def grammar() -> JsonGrammar:
-    return JsonGrammar(PIECES, [EOS], VOCAB)
+    return JsonGrammar(TokenTable(PIECES, [EOS], VOCAB))
 
 
-def _states() -> list[JsonState]:
+def _states() -> list:
     out = []
     for text in VALID:
         data = text.rstrip().encode()
-        out += [walk(JsonState(), data[:i]) for i in range(len(data) + 1)]
+        out += [walk(data[:i]) for i in range(len(data) + 1)]
     return list(dict.fromkeys(out))
 
 
@@ -157,7 +158,7 @@ def test_a_mask_allows_exactly_the_tokens_whose_bytes_the_state_takes(grammar):
     for state in states:
         mask = grammar.allowed(state)
         assert mask.shape == (VOCAB,) and mask.dtype == torch.bool
-        want = [p is not None and p != b"" and walk(state, p) is not None for p in PIECES]
+        want = [p is not None and p != b"" and walk(p, state) is not None for p in PIECES]
         want += [state.mode == DONE, False]
         if state.mode == DONE:
             want = [False] * len(PIECES) + [True, False]  # only EOS
@@ -173,9 +174,9 @@ def test_advance_follows_picked_tokens_and_leaves_the_state_where_a_token_does_n
     inside = grammar.advance(grammar.start(), ids[:3])
     assert grammar.advance(inside, [PIECES.index(b"\x01")]) == inside  # a control byte does not fit
     with pytest.raises(ValueError):
-        JsonGrammar(PIECES, [EOS], len(PIECES) - 1)
+        TokenTable(PIECES, [EOS], len(PIECES) - 1)
     with pytest.raises(ValueError):
-        JsonGrammar(PIECES, [], VOCAB)  # nothing could end the text
+        TokenTable(PIECES, [], VOCAB)  # nothing could end the text
 
 
 def test_the_real_tokenizers_masks_match_walking_every_token():
@@ -183,17 +184,17 @@ def test_the_real_tokenizers_masks_match_walking_every_token():
     from evospec.tokenizer import TextCodec
 
     codec = TextCodec.from_folder(ensure_converted(REGISTRY[DEFAULT_MODEL], progress=False))
-    grammar = JsonGrammar.for_codec(codec, codec.eos_ids, codec.vocab_size + 3)
+    grammar = JsonGrammar(TokenTable.for_codec(codec, codec.eos_ids, codec.vocab_size + 3))
     added = set(codec.added_ids)
     assert set(codec.eos_ids) <= added
     for text in (b"", b'{"name": "Ad', b'{"a": [1, 2', b'{"a": -1.5', b'{"a": {"b": tr', b"{}"):
-        state = walk(JsonState(), text)
+        state = walk(text)
         mask = grammar.allowed(state)
         for i in range(codec.vocab_size):
             piece = codec.token_bytes(i)
-            want = i not in added and walk(state, piece) is not None
+            want = i not in added and walk(piece, state) is not None
             if state.mode == DONE:
                 want = i in codec.eos_ids
             assert bool(mask[i]) == want, (text, i, piece)
         assert not mask[codec.vocab_size :].any()
-    assert grammar.allowed(walk(JsonState(), b'{"a": "')).sum() > 40_000  # most tokens fit in a string
+    assert grammar.allowed(walk(b'{"a": "')).sum() > 40_000  # most tokens fit in a string

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from evospec.decoding.drafter import TargetDrafter
-from evospec.decoding.json_grammar import DONE, JsonGrammar, JsonState, walk
+from evospec.decoding.json_grammar import DONE, JsonGrammar, TokenTable
 from evospec.decoding.penalties import Generated, Penalties, adjusted
 from evospec.decoding.sampling import SamplingParams, greedy_ids, target_probs
 from evospec.decoding.tree import TreeConfig
@@ -23,7 +23,7 @@ from tests.decoding.spec_helpers import (
     spec_events,
     tiny_target,
 )
-from tests.decoding.test_json_grammar import PIECES
+from tests.decoding.test_json_grammar import PIECES, walk
 
 EOS = VOCAB - 1
 # the grammar test's pieces, single letters up to the tiny vocabulary, then EOS
@@ -35,7 +35,7 @@ CHAIN = TreeConfig(top_k=1, depth=3, total_tokens=3)
 @pytest.fixture(scope="module")
 def grammar() -> JsonGrammar:
     assert len(TOKENS) == VOCAB - 1
-    return JsonGrammar(TOKENS, [EOS], VOCAB)
+    return JsonGrammar(TokenTable(TOKENS, [EOS], VOCAB))
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def test_plain_decoding_picks_the_best_allowed_token_and_ends_once_the_object_cl
         prompt = prompt_of(seed, 6)
         free = ar_tokens(target, prompt, SamplingParams(max_new_tokens=40), eos=(EOS,))
         tokens = ar_tokens(target, prompt, _params(grammar), eos=(EOS,))
-        assert walk(JsonState(), _text(free)) is None  # the model alone writes no JSON
-        state = walk(JsonState(), _text(tokens))
+        assert walk(_text(free)) is None  # the model alone writes no JSON
+        state = walk(_text(tokens))
         assert state is not None
         if tokens[-1] == EOS:
             assert state.mode == DONE and EOS not in tokens[:-1]
@@ -136,7 +136,7 @@ def test_sampled_json_mode_follows_the_masked_distribution(grammar):
     for s in range(n):
         evs = spec_events(sharp, drafter, prompt, replace(params, seed=s), CHAIN, (EOS,))
         x1, x2 = [t for ev in evs for t in ev.tokens]
-        assert walk(JsonState(), TOKENS[x1] + TOKENS[x2]) is not None
+        assert walk(TOKENS[x1] + TOKENS[x2]) is not None
         counts[x2] += 1
         accepted += sum(ev.accepted for ev in evs)
     assert accepted > n // 10

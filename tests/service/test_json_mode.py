@@ -8,10 +8,12 @@ import json
 
 import pytest
 
-from evospec.decoding.json_grammar import DONE, JsonGrammar, JsonState, walk
+from evospec.decoding.json_grammar import DONE, JsonGrammar, TokenTable
+from evospec.decoding.json_schema import compile_schema
 from evospec.decoding.penalties import Penalties
 from evospec.decoding.sampling import SamplingParams
 from tests.decoding.spec_helpers import ar_tokens
+from tests.decoding.test_json_grammar import walk
 from tests.service.helpers import MODEL_NAME, api_error, complete, perfect_draft_decoder, post_ok
 
 JSON = {"type": "json_object"}
@@ -20,7 +22,7 @@ MESSAGES = [{"role": "user", "content": "Describe a cat as JSON."}]
 
 @pytest.fixture(scope="module")
 def grammar(codec, tiny) -> JsonGrammar:
-    return JsonGrammar.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size)
+    return JsonGrammar(TokenTable.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size))
 
 
 def _want(tiny, codec, grammar, ids: list[int], n: int) -> str:
@@ -40,12 +42,12 @@ def test_chat_in_json_mode_writes_what_plain_decoding_in_json_mode_writes(
     )  # fmt: skip
     text = body["choices"][0]["message"]["content"]
     assert text == _want(tiny, codec, grammar, ids, 60)
-    state = walk(JsonState(), text.encode())
+    state = walk(text.encode())
     assert state is not None  # an object's beginning at least
     if body["choices"][0]["finish_reason"] == "stop":
         assert state.mode == DONE and isinstance(json.loads(text), dict)
     free = post_ok(live, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 60, "temperature": 0})
-    assert walk(JsonState(), free["choices"][0]["message"]["content"].encode()) is None  # the mode bites
+    assert walk(free["choices"][0]["message"]["content"].encode()) is None  # the mode bites
 
 
 def test_completions_and_streams_take_json_mode_too(serve, codec, tiny, grammar):
@@ -65,10 +67,59 @@ def test_completions_and_streams_take_json_mode_too(serve, codec, tiny, grammar)
     assert plain == complete(live, prompt, 8)["choices"][0]["text"]
 
 
+def test_a_json_schema_shapes_the_output_under_every_method(serve, codec, tiny):
+    """The schema's keys in its order, its types and enums: the tiny random model writes them
+    because nothing else is allowed; a speculative server writes the same text."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "kind": {"enum": ["cat", "dog"]},
+            "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+        },
+        "required": ["name", "age", "kind", "tags"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}}
+    grammar = JsonGrammar(
+        TokenTable.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size), compile_schema(schema)
+    )
+    want = codec.decode(
+        ar_tokens(
+            tiny,
+            codec.encode_chat(MESSAGES),
+            SamplingParams(max_new_tokens=80, penalties=Penalties(grammar=grammar)),
+            codec.eos_ids,
+        )
+    )
+    texts = []
+    for live in (serve(), serve(perfect_draft_decoder(tiny, codec))):
+        request = {"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "response_format": fmt}
+        body = post_ok(live, "/v1/chat/completions", request)
+        texts.append(body["choices"][0]["message"]["content"])
+    assert texts == [want, want]
+    state = grammar.machine.walk(grammar.start(), want.encode())
+    assert state is not None and want.lstrip().startswith("{")
+    assert '"name":' in want  # the first key is forced
+    if state.mode == DONE:
+        data = json.loads(want)
+        assert list(data) == ["name", "age", "kind", "tags"] and data["kind"] in ("cat", "dog")
+
+
+PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}
+
+
 @pytest.mark.parametrize(
     ("fmt", "status", "code"),
     [
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, 400, "unsupported_parameter"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}},
+            400,
+            "unsupported_schema",
+        ),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": PATTERN}}, 400, "unsupported_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, 400, "invalid_value"),
+        ({"type": "json_schema", "json_schema": "x"}, 400, "invalid_value"),
         ({"type": "xml"}, 400, "invalid_value"),
         ({}, 200, None),  # no type: text
     ],

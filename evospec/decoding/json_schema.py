@@ -1,0 +1,241 @@
+"""JSON schemas compiled into the nodes the JSON grammar walks (``json_grammar.py``).
+
+Owns: :class:`Node` (one kind of value: any, object, array, string, number, integer, a set of
+literal texts, a union), :class:`Schema` (the nodes and the root) and :func:`compile_schema`
+(a schema dict -> :class:`Schema`, or :class:`SchemaError` naming what is not supported).
+:data:`OBJECT` is JSON mode's schema: any object.
+
+The supported subset is what structured-output clients send (OpenAI's strict subset, Pydantic's
+``model_json_schema()``): ``type`` (one or a list), ``properties`` / ``required`` (properties
+are written in the schema's order, optional ones may be left out), ``additionalProperties``
+(with no ``properties``: the values of free keys), ``items`` / ``minItems`` / ``maxItems``,
+``enum`` / ``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a
+number, an object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional
+field), ``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations
+(``title``, ``description``, ...) ignored. Anything else -- ``pattern``, ``minimum``,
+``minLength``, ``format``, ``allOf`` of several schemas, ... -- is refused rather than
+generated unchecked. The root is an object or an array. Knows JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ANY, ANY_OBJECT, ANY_ARRAY, STRING, NUMBER, TRUE_FALSE_NULL = range(6)  # every schema's first nodes
+MAX_NODES = 4096
+
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+     "readOnly", "writeOnly", "strict", "name"}
+)  # fmt: skip
+_KEYS = {
+    "object": {"type", "properties", "required", "additionalProperties"},
+    "array": {"type", "items", "minItems", "maxItems"},
+    "string": {"type"},
+    "number": {"type"},
+    "integer": {"type"},
+    "boolean": {"type"},
+    "null": {"type"},
+}
+
+
+class SchemaError(ValueError):
+    """A schema this grammar cannot honour (the message says which part and why)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """``kind``: any, object, array, string, number, integer, literals or union.
+    ``props``: an object's properties in order, (the name as a JSON string's bytes without the
+    quotes, value node, required). ``extra``: an object without properties: the node of its
+    free keys' values (None: it is ``{}``). ``items``, ``min_items``, ``max_items``: an array's.
+    ``literals``: the JSON texts a literals node takes. ``alts``: a union's nodes."""
+
+    kind: str
+    props: tuple[tuple[bytes, int, bool], ...] = ()
+    extra: int | None = None
+    items: int = ANY
+    min_items: int = 0
+    max_items: int | None = None
+    literals: tuple[bytes, ...] = ()
+    alts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schema:
+    nodes: tuple[Node, ...]
+    root: int
+
+
+def _base() -> list[Node]:
+    return [
+        Node("any"),
+        Node("object", extra=ANY),
+        Node("array", items=ANY),
+        Node("string"),
+        Node("number"),
+        Node("literals", literals=(b"true", b"false", b"null")),
+    ]
+
+
+OBJECT = Schema(tuple(_base()), ANY_OBJECT)
+
+
+def first_bytes(schema: Schema, node: int, seen: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The bytes a value of ``node`` can begin with."""
+    n = schema.nodes[node]
+    digits = frozenset(b"-0123456789")
+    if n.kind == "any":
+        return frozenset(b'"{[tfn') | digits
+    if n.kind in ("object", "array", "string"):
+        return frozenset({{"object": ord("{"), "array": ord("["), "string": ord('"')}[n.kind]})
+    if n.kind in ("number", "integer"):
+        return digits
+    if n.kind == "literals":
+        return frozenset(t[0] for t in n.literals)
+    if node in seen:
+        raise SchemaError("a union that contains itself")
+    return frozenset().union(*(first_bytes(schema, a, seen | {node}) for a in n.alts))
+
+
+class _Compiler:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.nodes: list[Node | None] = list(_base())
+        self.refs: dict[str, int] = {}
+
+    def add(self, node: Node | None) -> int:
+        if len(self.nodes) >= MAX_NODES:
+            raise SchemaError(f"the schema is too large (more than {MAX_NODES} parts)")
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def ref(self, ref: Any, where: str) -> int:
+        if not isinstance(ref, str) or not ref.startswith(("#/$defs/", "#/definitions/")):
+            raise SchemaError(f"{where}: only $ref to '#/$defs/NAME' or '#/definitions/NAME' is supported")
+        if ref not in self.refs:
+            section, name = ref[2:].split("/", 1)
+            target = (self.root.get(section) or {}).get(name)
+            if not isinstance(target, dict):
+                raise SchemaError(f"{where}: $ref {ref!r} names no definition")
+            self.refs[ref] = slot = self.add(None)  # reserved first: a definition may refer to itself
+            self.nodes[slot] = self.nodes[self.node(target, ref)]
+        return self.refs[ref]
+
+    def node(self, s: Any, where: str) -> int:
+        if s is True or s == {}:
+            return ANY
+        if not isinstance(s, dict):
+            raise SchemaError(f"{where}: a schema must be an object, got {json.dumps(s)[:40]}")
+        # annotations are ignored; definitions are read through $ref from the root
+        s = {k: v for k, v in s.items() if k not in _ANNOTATIONS and k not in ("$defs", "definitions")}
+        if "$ref" in s:
+            if len(s) > 1:
+                raise SchemaError(f"{where}: $ref beside other keywords is not supported")
+            return self.ref(s["$ref"], where)
+        if "enum" in s or "const" in s:
+            return self.literals(s, where)
+        for key in ("anyOf", "oneOf", "allOf"):
+            if key in s:
+                return self.union(s, key, where)
+        kind = s.get("type")
+        if isinstance(kind, list):
+            if not kind or len(set(map(str, kind))) != len(kind):
+                raise SchemaError(f"{where}: type lists need distinct names")
+            return self.union({"anyOf": [{**s, "type": k} for k in kind]}, "anyOf", where)
+        if kind is None:
+            if s:
+                raise SchemaError(f"{where}: keywords without a type: {sorted(s)}")
+            return ANY
+        if kind not in _KEYS:
+            raise SchemaError(f"{where}: type {kind!r} is not a JSON type")
+        unknown = sorted(set(s) - _KEYS[kind])
+        if unknown:
+            raise SchemaError(f"{where}: JSON schema keyword {unknown[0]!r} is not supported for {kind}")
+        if kind == "object":
+            return self.object(s, where)
+        if kind == "array":
+            return self.array(s, where)
+        if kind == "boolean":
+            return self.add(Node("literals", literals=(b"true", b"false")))
+        if kind == "null":
+            return self.add(Node("literals", literals=(b"null",)))
+        return {"string": STRING, "number": NUMBER}.get(kind) or self.add(Node("integer"))
+
+    def object(self, s: dict[str, Any], where: str) -> int:
+        props = s.get("properties") or {}
+        required = s.get("required") or []
+        if not isinstance(props, dict) or not isinstance(required, list):
+            raise SchemaError(f"{where}: properties must be an object and required a list")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise SchemaError(f"{where}: required property {missing[0]!r} is not in properties")
+        extra = s.get("additionalProperties", True)
+        if not props:
+            if extra is False:
+                return self.add(Node("object"))
+            return self.add(Node("object", extra=ANY if extra is True else self.node(extra, f"{where}/*")))
+        slot = self.add(None)
+        names = [(json.dumps(k, ensure_ascii=False)[1:-1].encode(), k) for k in props]
+        compiled = tuple((b, self.node(props[k], f"{where}/{k}"), k in required) for b, k in names)
+        self.nodes[slot] = Node("object", props=compiled)
+        return slot
+
+    def array(self, s: dict[str, Any], where: str) -> int:
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+            raise SchemaError(f"{where}: minItems / maxItems must be counts with minItems <= maxItems")
+        items = self.node(s.get("items", True), f"{where}/items")
+        return self.add(Node("array", items=items, min_items=lo, max_items=hi))
+
+    def literals(self, s: dict[str, Any], where: str) -> int:
+        values = [s["const"]] if "const" in s else s["enum"]
+        if not isinstance(values, list) or not values:
+            raise SchemaError(f"{where}: enum must be a non-empty list")
+        other = sorted(set(s) - {"enum", "const", "type"})
+        if other:
+            raise SchemaError(f"{where}: JSON schema keyword {other[0]!r} beside enum is not supported")
+        texts = tuple(
+            dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":")).encode() for v in values)
+        )
+        return self.add(Node("literals", literals=texts))
+
+    def union(self, s: dict[str, Any], key: str, where: str) -> int:
+        alts = s[key]
+        if not isinstance(alts, list) or not alts:
+            raise SchemaError(f"{where}: {key} must be a non-empty list")
+        if key == "allOf":
+            if len(alts) != 1:
+                raise SchemaError(f"{where}: allOf of several schemas is not supported")
+            return self.node(alts[0], where)
+        slot = self.add(None)
+        self.nodes[slot] = Node(
+            "union", alts=tuple(self.node(a, f"{where}/{key}/{i}") for i, a in enumerate(alts))
+        )
+        return slot
+
+
+def compile_schema(schema: Any) -> Schema:
+    """The nodes of ``schema`` (a JSON schema as parsed JSON); SchemaError where it goes past
+    the supported subset."""
+    if not isinstance(schema, dict):
+        raise SchemaError("the schema must be a JSON object")
+    c = _Compiler(schema)
+    root = c.node(schema, "#")
+    out = Schema(tuple(n if n is not None else Node("any") for n in c.nodes), root)
+    for n in out.nodes:
+        if n.kind == "union":
+            seen: set[int] = set()
+            for a in n.alts:
+                starts = first_bytes(out, a)
+                if starts & seen:
+                    raise SchemaError(
+                        "anyOf / oneOf alternatives must begin differently (a string, a number, an object, "
+                        f"an array, true / false, null); two can begin with {chr(min(starts & seen))!r}"
+                    )
+                seen |= starts
+    if out.nodes[root].kind not in ("object", "array"):
+        raise SchemaError("the schema's root must be an object or an array")
+    return out

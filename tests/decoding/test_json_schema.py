@@ -1,0 +1,183 @@
+"""JSON schemas: compiled from what structured-output clients send (Pydantic's schemas here),
+every text the grammar completes validates against the model, every valid text in the
+schema's order is accepted, and what the grammar cannot honour is refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+from enum import StrEnum
+from typing import Literal
+
+import pydantic
+import pytest
+
+from evospec.decoding.json_grammar import DONE, PKEY, JsonGrammar, JsonMachine, TokenTable
+from evospec.decoding.json_schema import SchemaError, compile_schema
+from tests.decoding.test_json_grammar import _mutate
+
+
+class Colour(StrEnum):
+    red = "red"
+    green = "green"
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    number: int | None = None
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+    height: float
+    alive: bool
+    colour: Colour
+    kind: Literal["cat", "dog", 7]
+    tags: list[str] = pydantic.Field(max_length=3)
+    home: Address
+    past: list[Address] = []
+    scores: dict[str, int] = {}
+    note: str | None = None
+
+
+class Tree(pydantic.BaseModel):
+    label: str
+    children: list[Tree] = []
+
+
+def _machine(model) -> JsonMachine:
+    return JsonMachine(compile_schema(model.model_json_schema()))
+
+
+def _done(machine: JsonMachine, text: str) -> bool:
+    state = machine.walk(machine.start(), text.encode())
+    return state is not None and state.mode == DONE
+
+
+def _person(rng: random.Random) -> Person:
+    word = lambda: "".join(rng.choice('ab "\\é\n') for _ in range(rng.randrange(4)))  # noqa: E731
+    address = lambda: Address(street=word(), number=rng.choice([None, rng.randrange(-50, 50)]))  # noqa: E731
+    return Person(
+        name=word(),
+        age=rng.randrange(-5, 120),
+        height=rng.choice([0.0, 1.5, -2e-3, 180.25]),
+        alive=rng.random() < 0.5,
+        colour=rng.choice(list(Colour)),
+        kind=rng.choice(["cat", "dog", 7]),
+        tags=[word() for _ in range(rng.randrange(4))],
+        home=address(),
+        past=[address() for _ in range(rng.randrange(3))],
+        scores={word(): rng.randrange(9) for _ in range(rng.randrange(3))},
+        note=rng.choice([None, word()]),
+    )
+
+
+def test_valid_instances_in_the_schemas_order_are_accepted_with_every_prefix():
+    machine = _machine(Person)
+    rng = random.Random(1)
+    for _ in range(100):
+        p = _person(rng)
+        for text in (p.model_dump_json(), p.model_dump_json(indent=2), json.dumps(p.model_dump(mode="json"))):
+            state = machine.start()
+            for i, b in enumerate(text.encode()):  # every prefix: on the way, not done before the end
+                assert state is not None and state.mode != DONE, text[:i]
+                state = machine.step(state, b)
+            assert state is not None and state.mode == DONE, text
+    # optional properties may be left out, in order
+    assert _done(machine, Person.model_validate(_person(rng)).model_dump_json(exclude={"past", "note"}))
+
+
+def test_every_text_the_grammar_completes_validates_against_the_model():
+    """Mutated instances: the grammar accepts only what Pydantic validates (and refuses the
+    valid ones it does not generate: keys out of the schema's order)."""
+    machine = _machine(Person)
+    rng = random.Random(2)
+    accepted = refused = 0
+    for _ in range(3000):
+        text = _person(rng).model_dump_json()
+        for _ in range(rng.randrange(1, 3)):
+            text = _mutate(rng, text)
+        if _done(machine, text):
+            Person.model_validate_json(text, strict=False)  # raises where the grammar let it through wrongly
+            accepted += 1
+        else:
+            refused += 1
+    assert accepted > 100 and refused > 1000
+
+
+def test_recursive_schemas_and_keys_are_walked():
+    machine = _machine(Tree)
+    text = Tree(label="a", children=[Tree(label="b", children=[Tree(label="c")])]).model_dump_json()
+    assert _done(machine, text)
+    assert not _done(machine, '{"label": "a", "children": [{"children": []}]}')  # label is required
+    state = machine.walk(machine.start(), b'{"lab')
+    assert state.mode == PKEY and machine.walk(state, b"x") is None  # only "label" begins so
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}, "pattern"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "minimum"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "format"),
+        (
+            {"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "string"}]}}},
+            "allOf",
+        ),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"type": "object"}]}}}, "'{'"),
+        ({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}, "begin differently"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}, "Missing"),
+        ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "$ref"),
+        ({"type": "object", "properties": {}, "required": ["a"]}, "'a'"),
+        ({"type": "string"}, "root"),
+        ({"type": "object", "properties": {"a": {"type": "date"}}}, "date"),
+        ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems"),
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_what_the_grammar_cannot_honour_is_refused_by_name(schema, words):
+    with pytest.raises(SchemaError, match=words.replace("$", r"\$")):
+        compile_schema(schema)
+
+
+def test_array_lengths_enums_and_unions():
+    schema = {
+        "type": "array",
+        "items": {
+            "anyOf": [
+                {"enum": ["x", 1, True]},
+                {"type": "null"},
+                {"type": "object", "additionalProperties": False},
+            ]
+        },
+        "minItems": 1,
+        "maxItems": 2,
+    }
+    machine = JsonMachine(compile_schema(schema))
+    for text, ok in [
+        ('["x"]', True), ("[1, null]", True), ("[{}, true]", True), ("[]", False), ('["x", 1, 1]', False),
+        ('["y"]', False), ("[12]", False), ("[false]", False), ('[{"a": 1}]', False), ("[1 ]", True),
+    ]:  # fmt: skip
+        assert _done(machine, text) == ok, text
+
+
+def test_schema_masks_match_walking_every_piece():
+    from tests.decoding.test_json_grammar import EOS, PIECES, VOCAB
+
+    schema = {
+        "type": "object",
+        "properties": {"key": {"type": "integer"}, "a": {"enum": ["x y", "ab"]}, "b": {"type": "boolean"}},
+        "required": ["key", "a"],
+    }
+    grammar = JsonGrammar(TokenTable(PIECES, [EOS], VOCAB), compile_schema(schema))
+    machine = grammar.machine
+    text = b'{"key": -12, "a": "x y", "b": true}'
+    assert _done(machine, text.decode())
+    for i in range(len(text) + 1):
+        state = machine.walk(machine.start(), text[:i])
+        want = [p is not None and p != b"" and machine.walk(state, p) is not None for p in PIECES]
+        want += [state.mode == DONE, False]
+        if state.mode == DONE:
+            want = [False] * len(PIECES) + [True, False]
+        assert grammar.allowed(state).tolist() == want, text[:i]
