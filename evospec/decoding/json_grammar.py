@@ -74,8 +74,9 @@ _NUM_DONE = frozenset({"0", "int", "frac", "exp"})
 @dataclass(frozen=True)
 class JsonState:
     """``frames``: the open containers, outermost first, as (node, progress): an array's items
-    so far (up to its largest bound), an object's next property position. ``node``: the value expected (VALUE, COLON) or
-    being read (STR, NUM, LIT). ``aux``: the whitespace run, or the token's own progress."""
+    so far (up to its largest bound), an object's next property position. ``node``: the value
+    expected (VALUE, COLON) or being read (STR, NUM, LIT). ``aux``: the whitespace run, or the
+    token's own progress."""
 
     mode: int
     frames: tuple[tuple[int, int], ...] = ()
