@@ -114,7 +114,9 @@ class JsonMachine:
             for i, n in enumerate(self.nodes)
             if n.kind == "union"
         }
-        self._keys: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
+        # a literals node's texts as a trie: prefix -> (the bytes that go on from it, complete)
+        self._lits = {i: _trie((t, True) for t in n.literals) for i, n in enumerate(self.nodes) if n.literals}
+        self._names: dict[tuple[int, int], dict[bytes, tuple[frozenset[int], int | None]]] = {}
 
     def start(self) -> JsonState:
         return JsonState(VALUE, (), self.schema.root, 0)
@@ -173,7 +175,7 @@ class JsonMachine:
         if mode == AFTER:
             more = n.extra is not None if free else progress < len(n.props)
             return JsonState(KEY, frames, -1, 0) if b == ord(",") and more else None
-        if b != ord('"') or (n.extra is None if free else not self._names(top, progress)):
+        if b != ord('"') or (n.extra is None if free else progress >= len(n.props)):
             return None
         return JsonState(KEY_STR, frames, n.extra, 0) if free else JsonState(PKEY, frames, -1, b"")
 
@@ -224,45 +226,55 @@ class JsonMachine:
             return JsonState(mode, frames, node, "\\")
         return None if b < 0x20 else state
 
-    def _names(self, obj: int, progress: int) -> list[tuple[bytes, int]]:
-        """(name, position) of the properties that may come next: from ``progress`` on, up to
-        and including the first required one."""
+    def _name_trie(self, obj: int, progress: int) -> dict[bytes, tuple[frozenset[int], int | None]]:
+        """The names of the properties that may come next -- from ``progress`` on, up to and
+        including the first required one -- as a trie: prefix -> (the bytes that go on from it,
+        the property's position where the prefix is a whole name)."""
         key = (obj, progress)
-        if key not in self._keys:
+        if key not in self._names:
             names = []
             for j, (name, _, required) in enumerate(self.nodes[obj].props[progress:], progress):
                 names.append((name, j))
                 if required:
                     break
-            self._keys[key] = names
-        return self._keys[key]
+            self._names[key] = _trie(names)
+        return self._names[key]
 
     def _may_close(self, obj: int, progress: int) -> bool:
         return not any(required for _, _, required in self.nodes[obj].props[progress:])
 
     def _in_name(self, state: JsonState, b: int) -> JsonState | None:
         top, progress = state.frames[-1]
-        names = self._names(top, progress)
-        if b == ord('"'):
-            j = next((j for name, j in names if name == state.aux), None)
-            if j is None:
-                return None
-            frames = (*state.frames[:-1], (top, j + 1))
-            return JsonState(COLON, frames, self.nodes[top].props[j][1], 0)
-        prefix = state.aux + bytes([b])
-        return (
-            JsonState(PKEY, state.frames, -1, prefix) if any(n.startswith(prefix) for n, _ in names) else None
-        )
+        trie = self._name_trie(top, progress)
+        more, j = trie[state.aux]
+        if b in more:  # before the quote: a name's escaped quote goes on (a name ends on no odd backslash)
+            return JsonState(PKEY, state.frames, -1, state.aux + bytes([b]))
+        if b != ord('"') or j is None:
+            return None
+        return JsonState(COLON, (*state.frames[:-1], (top, j + 1)), self.nodes[top].props[j][1], 0)
 
     def _in_literal(self, state: JsonState, b: int) -> JsonState | None:
-        texts = self.nodes[state.node].literals
-        prefix = state.aux + bytes([b])
-        longer = [t for t in texts if t.startswith(prefix)]
-        if longer:
-            if longer == [prefix]:  # complete, and nothing goes on from it
+        trie = self._lits[state.node]
+        more, complete = trie[state.aux]
+        if b in more:
+            prefix = state.aux + bytes([b])
+            if trie[prefix][1] and not trie[prefix][0]:  # complete, and nothing goes on from it
                 return self._closed(state.frames)
             return JsonState(LIT, state.frames, state.node, prefix)
-        return self.step(self._closed(state.frames), b) if state.aux in texts else None
+        return self.step(self._closed(state.frames), b) if complete else None
+
+
+def _trie(words) -> dict[bytes, tuple[frozenset[int], object]]:
+    """(word, tag) pairs -> {prefix: (the bytes that go on from it, the tag of the word it
+    completes, or None)}; the empty prefix included."""
+    nexts: dict[bytes, set[int]] = {b"": set()}
+    tags: dict[bytes, object] = {}
+    for word, tag in words:
+        tags.setdefault(word, tag)
+        for i in range(len(word)):
+            nexts.setdefault(word[:i], set()).add(word[i])
+            nexts.setdefault(word[: i + 1], set())
+    return {p: (frozenset(n), tags.get(p)) for p, n in nexts.items()}
 
 
 class TokenTable:

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 ANY, ANY_OBJECT, ANY_ARRAY, STRING, NUMBER, TRUE_FALSE_NULL = range(6)  # every schema's first nodes
-MAX_NODES = 4096
+MAX_NODES = 4096  # parts of a compiled schema
+MAX_NESTING = 64  # schemas inside schemas
+MAX_LITERAL_BYTES = 1 << 16  # the enums' and consts' texts, all together
 
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -105,6 +107,8 @@ class _Compiler:
         self.root = root
         self.nodes: list[Node | None] = list(_base())
         self.refs: dict[str, int] = {}
+        self.depth = 0
+        self.literal_bytes = 0
 
     def add(self, node: Node | None) -> int:
         if len(self.nodes) >= MAX_NODES:
@@ -117,7 +121,8 @@ class _Compiler:
             raise SchemaError(f"{where}: only $ref to '#/$defs/NAME' or '#/definitions/NAME' is supported")
         if ref not in self.refs:
             section, name = ref[2:].split("/", 1)
-            target = (self.root.get(section) or {}).get(name)
+            defs = self.root.get(section)
+            target = defs.get(name) if isinstance(defs, dict) else None
             if not isinstance(target, dict):
                 raise SchemaError(f"{where}: $ref {ref!r} names no definition")
             self.refs[ref] = slot = self.add(None)  # reserved first: a definition may refer to itself
@@ -125,6 +130,15 @@ class _Compiler:
         return self.refs[ref]
 
     def node(self, s: Any, where: str) -> int:
+        if self.depth >= MAX_NESTING:
+            raise SchemaError(f"{where}: schemas nest more than {MAX_NESTING} deep")
+        self.depth += 1
+        try:
+            return self._node(s, where)
+        finally:
+            self.depth -= 1
+
+    def _node(self, s: Any, where: str) -> int:
         if s is True or s == {}:
             return ANY
         if not isinstance(s, dict):
@@ -144,7 +158,11 @@ class _Compiler:
         if isinstance(kind, list):
             if not kind or len(set(map(str, kind))) != len(kind):
                 raise SchemaError(f"{where}: type lists need distinct names")
-            return self.union({"anyOf": [{**s, "type": k} for k in kind]}, "anyOf", where)
+            if not all(k in _KEYS for k in kind):
+                raise SchemaError(f"{where}: type {kind!r} names something that is not a JSON type")
+            # each alternative keeps the keywords of its own type
+            alts = [{key: v for key, v in s.items() if key in _KEYS[k]} | {"type": k} for k in kind]
+            return self.union({"anyOf": alts}, "anyOf", where)
         if kind is None:
             if s:
                 raise SchemaError(f"{where}: keywords without a type: {sorted(s)}")
@@ -185,7 +203,7 @@ class _Compiler:
 
     def array(self, s: dict[str, Any], where: str) -> int:
         lo, hi = s.get("minItems", 0), s.get("maxItems")
-        if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+        if type(lo) is not int or lo < 0 or (hi is not None and (type(hi) is not int or hi < lo)):
             raise SchemaError(f"{where}: minItems / maxItems must be counts with minItems <= maxItems")
         items = self.node(s.get("items", True), f"{where}/items")
         return self.add(Node("array", items=items, min_items=lo, max_items=hi))
@@ -198,8 +216,16 @@ class _Compiler:
         if other:
             raise SchemaError(f"{where}: JSON schema keyword {other[0]!r} beside enum is not supported")
         texts = tuple(
-            dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":")).encode() for v in values)
+            dict.fromkeys(
+                json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+                for v in values
+            )
         )
+        self.literal_bytes += sum(map(len, texts))
+        if self.literal_bytes > MAX_LITERAL_BYTES:
+            raise SchemaError(
+                f"{where}: the enums and consts are too long ({MAX_LITERAL_BYTES} bytes in all at most)"
+            )
         return self.add(Node("literals", literals=texts))
 
     def union(self, s: dict[str, Any], key: str, where: str) -> int:
@@ -223,7 +249,12 @@ def compile_schema(schema: Any) -> Schema:
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
     c = _Compiler(schema)
-    root = c.node(schema, "#")
+    try:
+        root = c.node(schema, "#")
+    except (TypeError, ValueError) as exc:  # a value of the wrong kind somewhere, NaN in an enum
+        if isinstance(exc, SchemaError):
+            raise
+        raise SchemaError(f"a malformed schema: {exc}") from None
     out = Schema(tuple(n if n is not None else Node("any") for n in c.nodes), root)
     for n in out.nodes:
         if n.kind == "union":

@@ -115,6 +115,13 @@ def test_recursive_schemas_and_keys_are_walked():
     assert state.mode == PKEY and machine.walk(state, b"x") is None  # only "label" begins so
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("schema", "words"),
     [
@@ -134,11 +141,39 @@ def test_recursive_schemas_and_keys_are_walked():
         ({"type": "object", "properties": {"a": {"type": "date"}}}, "date"),
         ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems"),
         ([1, 2], "JSON object"),
+        (_nested(70), "nest"),
+        ({"type": "object", "properties": {"a": {"enum": [float("nan")]}}}, "malformed"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "$defs": [1]}, "names no definition"),
+        ({"type": "object", "properties": {"a": {"type": ["string", "thing"]}}}, "not a JSON type"),
+        ({"type": "array", "minItems": True}, "minItems"),
+        ({"type": "array", "items": {"enum": [str(i) * 300 for i in range(300)]}}, "too long"),
     ],
 )
 def test_what_the_grammar_cannot_honour_is_refused_by_name(schema, words):
     with pytest.raises(SchemaError, match=words.replace("$", r"\$")):
         compile_schema(schema)
+
+
+def test_names_and_literals_among_many_are_walked_by_prefix():
+    """300 optional properties and a 1,000-value enum: the names and texts that begin with what
+    was written go on, a whole one may close."""
+    props = {f"field_{i}": {"type": "integer"} for i in range(300)}
+    schema = {
+        "type": "object",
+        "properties": {**props, "kind": {"enum": [f"value {i}" for i in range(1000)]}},
+    }
+    grammar = JsonGrammar(TokenTable([bytes([b]) for b in range(256)], [256], 257), compile_schema(schema))
+    allowed = grammar.allowed(grammar.machine.walk(grammar.start(), b'{"field_2'))
+    assert [chr(b) for b in range(256) if allowed[b]] == ['"', *"0123456789"]
+    allowed = grammar.allowed(grammar.machine.walk(grammar.start(), b'{"field_299": 1, "kind": "value 99'))
+    assert [chr(b) for b in range(256) if allowed[b]] == ['"', *"0123456789"]
+    assert grammar.machine.walk(grammar.start(), b'{"field_299": 1, "field_3') is None  # in order only
+
+
+def test_a_type_list_keeps_each_types_own_keywords():
+    schema = {"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    machine = JsonMachine(compile_schema({"type": "array", "items": schema}))
+    assert _done(machine, '[{"a": 1}, null]') and not _done(machine, "[{}]")
 
 
 def test_array_lengths_enums_and_unions():
