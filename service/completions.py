@@ -50,6 +50,8 @@ class Job:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text was not sent yet
     offset: int = 0  # characters of token text reported so far (completions' ``text_offset``)
     echo: str | None = None  # the prompt's text, sent before the completion (completions' ``echo``)
+    call: str | None = None  # the function the answer calls (chat ``tool_choice``): its text is the arguments
+    call_id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
 
 @dataclass(frozen=True)
@@ -289,10 +291,29 @@ async def _choice(ctx: ServiceContext, index: int, job: Job, client: Request, ch
         reason = piece.finish or reason
         prompt = piece.prompt if piece.prompt is not None else prompt
     text, logprobs = "".join(parts), _logprobs_field(ctx, job, lps, chat=chat, prompt=prompt)
+    if chat and job.call is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": [_call(job, text)]}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": _call_reason(reason),
+        }
     if chat:
         message = {"role": "assistant", "content": text}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _call(job: Job, arguments: str, *, index: int | None = None) -> dict[str, Any]:
+    """A tool call of ``job.call`` with ``arguments`` (a stream's first delta: with ``index``)."""
+    call = {"id": job.call_id, "type": "function", "function": {"name": job.call, "arguments": arguments}}
+    return call if index is None else {"index": index, **call}
+
+
+def _call_reason(reason: str | None) -> str | None:
+    """OpenAI ends a finished tool call with ``"tool_calls"`` (``"length"`` stays: cut arguments)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _sse_line(obj: dict[str, Any]) -> str:
@@ -305,7 +326,10 @@ async def _sse(
     def chunk(i: int, text: str | None, reason: str | None, piece: Piece | None = None, **extra: Any) -> str:
         lps, prompt = (piece.logprobs, piece.prompt) if piece is not None else ([], None)
         logprobs = _logprobs_field(ctx, jobs[i], lps, chat=chat, prompt=prompt) if lps or prompt else None
-        if chat:
+        if chat and jobs[i].call is not None:  # the arguments' text, as the call's deltas
+            delta = {} if text is None else {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": _call_reason(reason)}
+        elif chat:
             delta = {} if text is None else {"content": text}
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
@@ -314,8 +338,11 @@ async def _sse(
 
     try:
         if chat:
-            for i in range(len(jobs)):
-                role = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            for i, job in enumerate(jobs):
+                opening = {"role": "assistant", "content": ""}
+                if job.call is not None:  # the call's id and name first, its arguments as they come
+                    opening = {"role": "assistant", "content": None, "tool_calls": [_call(job, "", index=0)]}
+                role = {"index": i, "delta": opening, "finish_reason": None}
                 yield _sse_line({**head, "choices": [role]})
         async for i, piece in _interleaved(ctx, jobs):
             if piece.text or piece.logprobs or piece.prompt is not None:

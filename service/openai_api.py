@@ -107,7 +107,9 @@ def router(ctx: ServiceContext) -> APIRouter:
         ids = await encoder.chat(body.template_messages())
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         grammar = await _grammar(ctx, body)
-        jobs = _submit(ctx, body, ids, body.requested_max_tokens, param, None, "messages", grammar)
+        fn = body.function()
+        call = None if fn is None else fn.name
+        jobs = _submit(ctx, body, ids, body.requested_max_tokens, param, None, "messages", grammar, call=call)
         return await respond(ctx, jobs, body, request, chat=True)
 
     return r
@@ -157,6 +159,7 @@ def _submit(
     *,
     echo: str | None = None,
     generate: bool = True,
+    call: str | None = None,
 ) -> list[Job]:
     window, limit = ctx.model.context_window, ctx.config.max_tokens_limit
     if not ids:
@@ -218,7 +221,7 @@ def _submit(
             )
             sink = AsyncSink()
             ctx.engine.submit(request, sink)
-            jobs.append(Job(request, sink, TextAssembler(ctx.model.codec, body.stops), echo=echo))
+            jobs.append(Job(request, sink, TextAssembler(ctx.model.codec, body.stops), echo=echo, call=call))
     except EngineBusy as exc:
         cancel_running(jobs)  # a request is all its choices or none
         raise APIError(

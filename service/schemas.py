@@ -5,11 +5,11 @@ Owns: :func:`parse_body` (bytes -> UTF-8 -> JSON object -> schema, every failure
 integer literal past Python's digit limit and JSON nested past the parser's recursion limit
 are refused as invalid JSON), the OpenAI request schemas (:class:`CompletionRequest`,
 :class:`ChatRequest`) and their checks for fields this server does not support (``best_of``,
-``tools``, ``echo`` with ``n > 1``, ...). Types are strict: ``"10"`` is not an integer and ``true`` is not
-a number; text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is refused: the
-tokenizer cannot take it). Unknown fields are ignored, as OpenAI-compatible servers (vLLM)
-do, with one warning per request naming them. Range checks that need the server's limits
-(``max_tokens``, context window) live in ``openai_api.py``.
+``tool_choice: "auto"``, ``echo`` with ``n > 1``, ...). Types are strict: ``"10"`` is not an
+integer and ``true`` is not a number; text must be valid Unicode (a lone surrogate such as
+``"\\ud800"`` is refused: the tokenizer cannot take it). Unknown fields are ignored, as
+OpenAI-compatible servers (vLLM) do, with one warning per request naming them. Range checks
+that need the server's limits (``max_tokens``, context window) live in ``openai_api.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from evospec.decoding.json_schema import OBJECT, Schema, SchemaError, compile_sc
 from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
 from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE, Penalties
 from service.errors import APIError
+from service.tools import Function, forced_function, with_function
 
 log = logging.getLogger("evospec.service")
 
@@ -301,6 +302,8 @@ class ChatMessage(_Strict):
     # a list of {"type": "text", "text": ...} parts is joined into one string
     content: Annotated[str | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: Text | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls (written into the prompt as JSON)
+    tool_call_id: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -334,13 +337,32 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none", "required" (one tool) or {"type": "function", ...}: service/tools.py
+    parallel_tool_calls: bool | None = None  # accepted; an answer makes one call
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-        if self.tools:
-            raise APIError.unsupported("tools", "tools (function calling)")
+
+    def function(self) -> Function | None:
+        """The function the answer calls (``tool_choice``), None for a text answer."""
+        return forced_function(self.tools, self.tool_choice)
+
+    def output_schema(self) -> tuple[str, Schema] | None:
+        fn = self.function()
+        if fn is None:
+            return super().output_schema()
+        if (self.response_format or {}).get("type", "text") != "text":
+            raise APIError.bad_request(
+                "a tool call and a response_format cannot both shape the answer", param="tool_choice"
+            )
+        try:
+            return json.dumps(fn.schema(), sort_keys=True), compile_schema(fn.schema())
+        except SchemaError as exc:
+            raise APIError(
+                400, f"tools: {fn.name}'s parameters: {exc}", param="tools", code="unsupported_schema"
+            ) from None
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -351,8 +373,14 @@ class ChatRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them (``developer`` is a system message)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+        """Messages as the chat template expects them (``developer`` is a system message; tool
+        calls as text, the called function described: ``tools.with_function``)."""
+        messages = [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.content,
+                "tool_calls": m.tool_calls,
+            }
             for m in self.messages
         ]
+        return with_function(messages, self.function())

@@ -1,0 +1,160 @@
+"""Function calling with a named ``tool_choice``: the answer is one tool call whose arguments
+are what plain decoding writes under the function's parameters schema, streamed as OpenAI
+streams calls; what is not supported is a clear 400."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evospec.decoding.json_grammar import DONE, JsonGrammar, JsonMachine, TokenTable
+from evospec.decoding.json_schema import compile_schema
+from evospec.decoding.penalties import Penalties
+from evospec.decoding.sampling import SamplingParams
+from service.schemas import ChatRequest
+from tests.decoding.spec_helpers import ar_tokens
+from tests.service.helpers import MODEL_NAME, api_error, perfect_draft_decoder, post_ok
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+DATED = {  # a parameter the grammar cannot check
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}},
+    },
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _body(**extra) -> dict:
+    return {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 40, "temperature": 0, **extra}
+
+
+def _want(codec, tiny, body: dict) -> str:
+    request = ChatRequest.model_validate(body)
+    schema = compile_schema(WEATHER["function"]["parameters"])
+    grammar = JsonGrammar(TokenTable.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size), schema)
+    ids = codec.encode_chat(request.template_messages())
+    params = SamplingParams(max_new_tokens=40, penalties=Penalties(grammar=grammar))
+    return codec.decode(ar_tokens(tiny, ids, params, codec.eos_ids))
+
+
+def test_the_function_is_described_to_the_model_and_earlier_calls_are_written_as_text():
+    history = [
+        {"role": "system", "content": "Be brief."},
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    messages = ChatRequest.model_validate(
+        _body(messages=history, tools=[WEATHER], tool_choice=NAMED)
+    ).template_messages()
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith(
+        "Be brief.\n\nCall the function `get_weather`"
+    )
+    assert '"required": ["city", "unit"]' in messages[0]["content"]
+    assert json.loads(messages[2]["content"]) == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert messages[3] == {"role": "tool", "content": "18 C"}
+    plain = ChatRequest.model_validate(_body(tools=[WEATHER], tool_choice="none")).template_messages()
+    assert plain == [{"role": "user", "content": MESSAGES[0]["content"]}]  # no call: no instruction
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+@pytest.mark.parametrize("method", ["ar", "perfect-draft"])
+def test_a_named_call_answers_with_arguments_plain_decoding_writes_under_the_schema(
+    serve, codec, tiny, choice, method
+):
+    live = serve() if method == "ar" else serve(perfect_draft_decoder(tiny, codec))
+    body = _body(tools=[WEATHER], tool_choice=choice)
+    out = post_ok(live, "/v1/chat/completions", body)["choices"][0]
+    message = out["message"]
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+    call = message["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert call["function"]["arguments"] == _want(codec, tiny, body)
+    machine = JsonMachine(compile_schema(WEATHER["function"]["parameters"]))
+    state = machine.walk(machine.start(), call["function"]["arguments"].encode())
+    assert state is not None
+    assert out["finish_reason"] == ("tool_calls" if state.mode == DONE else "length")
+
+
+def test_a_call_that_closes_its_arguments_finishes_with_tool_calls(serve):
+    """An enum-only schema leaves the random model nothing to ramble in: the call completes."""
+    unit = {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"]}}}  # fmt: skip
+    out = post_ok(serve(), "/v1/chat/completions", _body(tools=[unit], tool_choice="required", max_tokens=80))
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["unit"] in ("C", "F")
+
+
+def test_a_streamed_call_sends_its_name_first_and_then_its_arguments(serve, codec, tiny):
+    live = serve()
+    whole = post_ok(live, "/v1/chat/completions", _body(tools=[WEATHER], tool_choice=NAMED))
+    with live.http() as http:
+        r = http.post("/v1/chat/completions", json=_body(tools=[WEATHER], tool_choice=NAMED, stream=True))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]["delta"]
+    assert first["content"] is None
+    opening = first["tool_calls"][0]
+    assert opening["index"] == 0 and opening["function"] == {"name": "get_weather", "arguments": ""}
+    arguments = "".join(
+        c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]
+        for c in chunks[1:]
+        if c["choices"][0]["delta"].get("tool_calls")
+    )
+    assert arguments == whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "param"),
+    [
+        ({"tools": [WEATHER]}, "unsupported_parameter", "tool_choice"),  # auto: the model would choose
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "unsupported_parameter", "tool_choice"),
+        ({"tools": [WEATHER, {**WEATHER, "function": {"name": "other"}}], "tool_choice": "required"},
+         "unsupported_parameter", "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "invalid_value", "tool_choice"),
+        ({"tool_choice": NAMED}, "invalid_value", "tool_choice"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "invalid_value", "tools.0"),
+        ({"tools": [DATED], "tool_choice": "required"}, "unsupported_schema", "tools"),
+        ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+         "invalid_value", "tool_choice"),
+    ],
+)  # fmt: skip
+def test_what_function_calling_cannot_honour_is_a_clear_400(serve, extra, code, param):
+    live = serve()
+    with live.http() as http:
+        r = http.post("/v1/chat/completions", json=_body(**extra))
+    assert api_error(r, 400, code)["param"] == param
+
+
+def test_tool_choice_none_answers_with_text(serve):
+    live = serve()
+    out = post_ok(live, "/v1/chat/completions", _body(tools=[WEATHER], tool_choice="none"))["choices"][0]
+    assert isinstance(out["message"]["content"], str) and "tool_calls" not in out["message"]
