@@ -87,6 +87,12 @@ def forced_function(tools: list[Any] | None, tool_choice: Any) -> Function | Non
     return functions[name]
 
 
+def _function_of(call: Any) -> dict[str, Any]:
+    """An earlier tool call's ``function`` object ({} where the call has none)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    return fn if isinstance(fn, dict) else {}
+
+
 def _instruction(fn: Function) -> str:
     about = f": {fn.description}" if fn.description else ""
     return (
@@ -105,14 +111,8 @@ def with_function(messages: list[dict[str, Any]], fn: Function | None) -> list[d
         calls = m.get("tool_calls") or []
         if calls:
             written = [
-                json.dumps(
-                    {
-                        "name": c.get("function", {}).get("name"),
-                        "arguments": c.get("function", {}).get("arguments"),
-                    }
-                )
-                for c in calls
-                if isinstance(c, dict)
+                json.dumps({"name": f.get("name"), "arguments": f.get("arguments")})
+                for f in map(_function_of, calls)
             ]
             content = "\n".join([content, *written]) if content else "\n".join(written)
         out.append({"role": m["role"], "content": content})

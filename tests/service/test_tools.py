@@ -154,6 +154,17 @@ def test_what_function_calling_cannot_honour_is_a_clear_400(serve, extra, code, 
     assert api_error(r, 400, code)["param"] == param
 
 
+def test_odd_earlier_calls_are_written_as_they_are():
+    calls = [{"function": "x"}, 7, {"id": "c", "function": {"name": "f", "arguments": {"a": 1}}}]
+    history = [*MESSAGES, {"role": "assistant", "tool_calls": calls}]
+    messages = ChatRequest.model_validate(_body(messages=history)).template_messages()
+    assert [json.loads(line) for line in messages[1]["content"].splitlines()] == [
+        {"name": None, "arguments": None},
+        {"name": None, "arguments": None},
+        {"name": "f", "arguments": {"a": 1}},
+    ]
+
+
 def test_tool_choice_none_answers_with_text(serve):
     live = serve()
     out = post_ok(live, "/v1/chat/completions", _body(tools=[WEATHER], tool_choice="none"))["choices"][0]
