@@ -216,3 +216,54 @@ def test_schema_masks_match_walking_every_piece():
         if state.mode == DONE:
             want = [False] * len(PIECES) + [True, False]
         assert grammar.allowed(state).tolist() == want, text[:i]
+
+
+def test_random_schemas_compile_or_are_refused_and_their_grammars_walk():
+    """Whatever a client sends as a schema: a SchemaError, or a grammar whose states give masks
+    (no other exception: the server's 400 / 500 line)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text('ab"{', max_size=3))
+    types = st.sampled_from(["object", "array", "string", "number", "integer", "boolean", "null", "thing"])
+    keys = ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+            "minItems", "maxItems", "additionalProperties", "title", "pattern"]  # fmt: skip
+    schemas = st.recursive(
+        st.one_of(scalars, st.fixed_dictionaries({"type": types})),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(st.sampled_from(keys), st.one_of(inner, types, st.just("#/$defs/a")), max_size=4),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("object"),
+                    "properties": st.dictionaries(st.text("ab", max_size=2), inner, max_size=3),
+                }
+            ),
+        ),
+        max_leaves=12,
+    )
+    table = TokenTable([bytes([b]) for b in range(256)] + [b'{"', b'":', b"tr"], [259], 260)
+    compiled = 0
+
+    @hypothesis.given(schema=schemas, root=st.sampled_from(["object", "array"]), data=st.binary(max_size=12))
+    @hypothesis.settings(max_examples=500, deadline=None, derandomize=True)
+    def check(schema, root, data):
+        nonlocal compiled
+        whole = (
+            {"type": root, "items": schema}
+            if root == "array"
+            else {"type": "object", "properties": {"a": schema}}
+        )
+        if isinstance(schema, dict):
+            whole["$defs"] = {"a": schema}
+        try:
+            grammar = JsonGrammar(table, compile_schema(whole))
+        except SchemaError:
+            return
+        compiled += 1
+        state = grammar.start()
+        for b in b"[{" + data:
+            grammar.allowed(state)
+            state = grammar.machine.step(state, b) or state
+
+    check()
+    assert compiled > 40  # enough of them were grammars
