@@ -138,9 +138,9 @@ def _check_model(ctx: ServiceContext, name: str) -> None:
 
 # -- request -> engine ----------------------------------------------------------------------------
 async def _grammar(ctx: ServiceContext, body: SamplingFields) -> JsonGrammar | None:
-    """The JSON grammar ``response_format`` asks for (None: text), fetched off the event loop:
-    the first JSON request builds the token table (~0.9 s for 49k tokens) while other streams
-    keep flowing."""
+    """The JSON grammar ``response_format`` or a tool call asks for (None: text), fetched off
+    the event loop: a request that comes before the token table is built (~0.9 s for 49k tokens,
+    started with the server) waits for it while other streams keep flowing."""
     schema = body.output_schema()
     if schema is None:
         return None
