@@ -55,6 +55,7 @@ PKEY = 8  # in a property's name; aux: its bytes so far
 NUM = 9  # in a number; aux: the number's part so far (see _num_next)
 LIT = 10  # in a literal (true / false / null, an enum's text); aux: its bytes so far
 DONE = 11  # the root value is closed: only EOS
+BSTR = 12  # in a string with length bounds; aux: (escape as in STR, code points so far)
 
 _WS = frozenset(b" \t\n\r")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -140,6 +141,8 @@ class JsonMachine:
             return self._between(state, b)
         if mode in (KEY_STR, STR):
             return self._in_string(state, b)
+        if mode == BSTR:
+            return self._in_bounded(state, b)
         if mode == PKEY:
             return self._in_name(state, b)
         if mode == NUM:
@@ -166,9 +169,10 @@ class JsonMachine:
             if b == ord("]") and progress >= n.min_items:
                 return self._closed(frames[:-1])
             more = n.max_items is None or progress < n.max_items
+            item = n.prefix[progress] if progress < len(n.prefix) else n.items
             if mode == FIRST_ITEM:
-                return self._value_start(frames, n.items, b) if more else None
-            return JsonState(VALUE, frames, n.items, 0) if b == ord(",") and more else None
+                return self._value_start(frames, item, b) if more else None
+            return JsonState(VALUE, frames, item, 0) if b == ord(",") and more else None
         free = not n.props  # free keys (or none at all: {})
         if b == ord("}") and mode in (FIRST_KEY, AFTER) and (free or self._may_close(top, progress)):
             return self._closed(frames[:-1])
@@ -192,7 +196,11 @@ class JsonMachine:
                 return None
             return JsonState(FIRST_KEY if n.kind == "object" else FIRST_ITEM, (*frames, (node, 0)), -1, 0)
         if n.kind == "string":
-            return JsonState(STR, frames, node, 0) if b == ord('"') else None
+            if b != ord('"'):
+                return None
+            if not n.min_len and n.max_len is None:
+                return JsonState(STR, frames, node, 0)
+            return JsonState(BSTR, frames, node, (0, 0))
         if n.kind in ("number", "integer"):
             if b == ord("-"):
                 return JsonState(NUM, frames, node, "-")
@@ -205,8 +213,9 @@ class JsonMachine:
             return JsonState(DONE)
         top, progress = frames[-1]
         n = self.nodes[top]
-        if n.kind == "array":  # items counted only as far as the bounds tell counts apart
-            frames = (*frames[:-1], (top, min(progress + 1, max(n.min_items, n.max_items or 0))))
+        if n.kind == "array":  # items counted only as far as the bounds and the prefix tell them apart
+            cap = max(n.min_items, n.max_items or 0, len(n.prefix))
+            frames = (*frames[:-1], (top, min(progress + 1, cap)))
         return JsonState(AFTER, frames, -1, 0)
 
     def _in_string(self, state: JsonState, b: int) -> JsonState | None:
@@ -225,6 +234,35 @@ class JsonMachine:
         if b == ord("\\"):
             return JsonState(mode, frames, node, "\\")
         return None if b < 0x20 else state
+
+    def _in_bounded(self, state: JsonState, b: int) -> JsonState | None:
+        """A string with length bounds: as :meth:`_in_string`, counting code points (an escape
+        is one; UTF-8 continuation bytes are none) up to the larger bound."""
+        n = self.nodes[state.node]
+        esc, count = state.aux
+        counted = min(count + 1, max(n.min_len, n.max_len or 0))
+
+        def at(esc: int | str, count: int) -> JsonState:
+            return JsonState(BSTR, state.frames, state.node, (esc, count))
+
+        if esc == "\\":
+            if b == ord("u"):
+                return at("u0", count)
+            return at(0, counted) if b in _ESCAPES else None
+        if isinstance(esc, str):  # "uN": N hex digits of a \u escape read
+            if b not in _HEX:
+                return None
+            k = int(esc[1]) + 1
+            return at(0, counted) if k == 4 else at(f"u{k}", count)
+        if b == ord('"'):
+            return self._closed(state.frames) if count >= n.min_len else None
+        if b < 0x20:
+            return None
+        if b & 0xC0 == 0x80:  # the rest of a character already counted
+            return state
+        if n.max_len is not None and count >= n.max_len:
+            return None
+        return at("\\", count) if b == ord("\\") else at(0, counted)
 
     def _name_trie(self, obj: int, progress: int) -> dict[bytes, tuple[frozenset[int], int | None]]:
         """The names of the properties that may come next -- from ``progress`` on, up to and
@@ -294,12 +332,14 @@ class TokenTable:
         second = torch.full((vocab_size,), 256, dtype=torch.long)  # 256: a one-byte token
         self.plain = torch.zeros(vocab_size, dtype=torch.bool)  # only bytes a string takes as they are
         self.texts = torch.zeros(vocab_size, dtype=torch.bool)
+        self.chars = torch.zeros(vocab_size, dtype=torch.long)  # code points begun (UTF-8 lead bytes)
         for i, p in enumerate(self.pieces):
             if p is not None:
                 first[i] = p[0]
                 second[i] = p[1] if len(p) > 1 else 256
                 self.plain[i] = all(c >= 0x20 and c not in b'"\\' for c in p)
                 self.texts[i] = True
+                self.chars[i] = sum(1 for c in p if c & 0xC0 != 0x80)
         self.pair = first * 257 + second  # [V]: index into a state's (first, second) byte table
 
     @classmethod
@@ -366,6 +406,11 @@ class JsonGrammar:
         live = pairs.flatten()[table.pair] & table.texts  # [V]: first two bytes taken
         if state.mode in (KEY_STR, STR) and state.aux == 0:
             mask |= live & table.plain  # plain string bytes stay in the string
+            live &= ~table.plain
+        elif state.mode == BSTR and state.aux[0] == 0:  # they fit where the string has room for them
+            limit = self.machine.nodes[state.node].max_len
+            fits = table.plain if limit is None else table.plain & (table.chars <= limit - state.aux[1])
+            mask |= live & fits
             live &= ~table.plain
         walk, pieces = self.machine.walk, table.pieces
         for i in live.nonzero().flatten().tolist():

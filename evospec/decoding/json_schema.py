@@ -8,13 +8,14 @@ literal texts, a union), :class:`Schema` (the nodes and the root) and :func:`com
 The supported subset is what structured-output clients send (OpenAI's strict subset, Pydantic's
 ``model_json_schema()``): ``type`` (one or a list), ``properties`` / ``required`` (properties
 are written in the schema's order, optional ones may be left out), ``additionalProperties``
-(with no ``properties``: the values of free keys), ``items`` / ``minItems`` / ``maxItems``,
-``enum`` / ``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a
-number, an object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional
-field), ``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations
-(``title``, ``description``, ...) ignored. Anything else -- ``pattern``, ``minimum``,
-``minLength``, ``format``, ``allOf`` of several schemas, ... -- is refused rather than
-generated unchecked. The root is an object or an array. Knows JSON only.
+(with no ``properties``: the values of free keys), ``items`` / ``prefixItems`` / ``minItems`` /
+``maxItems``, ``minLength`` / ``maxLength`` (in code points; an escape is one), ``enum`` /
+``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a number, an
+object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional field),
+``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations (``title``,
+``description``, ...) ignored. Anything else -- ``pattern``, ``format``, ``minimum``,
+``allOf`` of several schemas, ... -- is refused rather than generated unchecked. The root is an
+object or an array. Knows JSON only.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 _KEYS = {
     "object": {"type", "properties", "required", "additionalProperties"},
-    "array": {"type", "items", "minItems", "maxItems"},
-    "string": {"type"},
+    "array": {"type", "items", "prefixItems", "minItems", "maxItems"},
+    "string": {"type", "minLength", "maxLength"},
     "number": {"type"},
     "integer": {"type"},
     "boolean": {"type"},
@@ -61,6 +62,9 @@ class Node:
     items: int = ANY
     min_items: int = 0
     max_items: int | None = None
+    prefix: tuple[int, ...] = ()  # an array's first items' nodes, in order (then ``items``)
+    min_len: int = 0  # a string's length bounds, in code points
+    max_len: int | None = None
     literals: tuple[bytes, ...] = ()
     alts: tuple[int, ...] = ()
 
@@ -180,7 +184,9 @@ class _Compiler:
             return self.add(Node("literals", literals=(b"true", b"false")))
         if kind == "null":
             return self.add(Node("literals", literals=(b"null",)))
-        return {"string": STRING, "number": NUMBER}.get(kind) or self.add(Node("integer"))
+        if kind == "string":
+            return self.string(s, where)
+        return NUMBER if kind == "number" else self.add(Node("integer"))
 
     def object(self, s: dict[str, Any], where: str) -> int:
         props = s.get("properties") or {}
@@ -202,11 +208,23 @@ class _Compiler:
         return slot
 
     def array(self, s: dict[str, Any], where: str) -> int:
-        lo, hi = s.get("minItems", 0), s.get("maxItems")
-        if type(lo) is not int or lo < 0 or (hi is not None and (type(hi) is not int or hi < lo)):
-            raise SchemaError(f"{where}: minItems / maxItems must be counts with minItems <= maxItems")
-        items = self.node(s.get("items", True), f"{where}/items")
-        return self.add(Node("array", items=items, min_items=lo, max_items=hi))
+        lo, hi = _bounds(s, "minItems", "maxItems", where)
+        prefix = s.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise SchemaError(f"{where}: prefixItems must be a list of schemas")
+        nodes = tuple(self.node(p, f"{where}/prefixItems/{i}") for i, p in enumerate(prefix))
+        items = s.get("items", True)
+        if items is False:  # nothing past the prefix
+            hi = len(nodes) if hi is None else min(hi, len(nodes))
+            if hi < lo:
+                raise SchemaError(f"{where}: minItems is more than prefixItems allows with items false")
+            items = True
+        node = Node("array", items=self.node(items, f"{where}/items"), min_items=lo, max_items=hi, prefix=nodes)
+        return self.add(node)
+
+    def string(self, s: dict[str, Any], where: str) -> int:
+        lo, hi = _bounds(s, "minLength", "maxLength", where)
+        return self.add(Node("string", min_len=lo, max_len=hi)) if lo or hi is not None else STRING
 
     def literals(self, s: dict[str, Any], where: str) -> int:
         values = [s["const"]] if "const" in s else s["enum"]
@@ -241,6 +259,13 @@ class _Compiler:
             "union", alts=tuple(self.node(a, f"{where}/{key}/{i}") for i, a in enumerate(alts))
         )
         return slot
+
+
+def _bounds(s: dict[str, Any], low: str, high: str, where: str) -> tuple[int, int | None]:
+    lo, hi = s.get(low, 0), s.get(high)
+    if type(lo) is not int or lo < 0 or (hi is not None and (type(hi) is not int or hi < lo)):
+        raise SchemaError(f"{where}: {low} / {high} must be counts with {low} <= {high}")
+    return lo, hi
 
 
 def compile_schema(schema: Any) -> Schema:

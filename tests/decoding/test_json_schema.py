@@ -176,6 +176,41 @@ def test_a_type_list_keeps_each_types_own_keywords():
     assert _done(machine, '[{"a": 1}, null]') and not _done(machine, "[{}]")
 
 
+class Bounded(pydantic.BaseModel):
+    code: str = pydantic.Field(min_length=2, max_length=4)
+    pair: tuple[int, str]
+    rest: tuple[bool, ...]
+
+
+def test_string_lengths_count_code_points_and_tuples_take_their_items_in_order():
+    machine = _machine(Bounded)
+    for code, ok in [("ab", True), ("a", False), ("abcd", True), ("abcde", False), ("é€𝄞", True),
+                     ("\\n\\u00e9x", True), ("\\n\\u00e9xyz", False), ("", False)]:  # fmt: skip
+        text = f'{{"code": "{code}", "pair": [1, "x"], "rest": [true, false, true]}}'
+        assert _done(machine, text) == ok, code
+        if ok:
+            Bounded.model_validate_json(text)
+    assert not _done(machine, '{"code": "ab", "pair": ["x", 1], "rest": []}')  # the items' order
+    assert not _done(machine, '{"code": "ab", "pair": [1, "x", 2], "rest": []}')  # no third item
+    assert not _done(machine, '{"code": "ab", "pair": [1], "rest": []}')
+    assert _done(machine, '{"code": "ab", "pair": [1, "x"], "rest": []}')
+
+
+def test_bounded_string_masks_match_walking_every_piece():
+    from tests.decoding.test_json_grammar import EOS, PIECES, VOCAB
+
+    schema = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3}}
+    grammar = JsonGrammar(TokenTable(PIECES, [EOS], VOCAB), compile_schema(schema))
+    machine = grammar.machine
+    for text in (b'["', b'["a', b'["ab', b'["abc', b'["\\', b'["a\\u00', b'["x y'):
+        state = machine.walk(machine.start(), text)
+        want = [p is not None and p != b"" and machine.walk(state, p) is not None for p in PIECES] + [
+            False,
+            False,
+        ]
+        assert grammar.allowed(state).tolist() == want, text
+
+
 def test_array_lengths_enums_and_unions():
     schema = {
         "type": "array",
@@ -226,7 +261,8 @@ def test_random_schemas_compile_or_are_refused_and_their_grammars_walk():
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text('ab"{', max_size=3))
     types = st.sampled_from(["object", "array", "string", "number", "integer", "boolean", "null", "thing"])
     keys = ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
-            "minItems", "maxItems", "additionalProperties", "title", "pattern"]  # fmt: skip
+            "minItems", "maxItems", "additionalProperties", "title", "pattern", "prefixItems", "minLength",
+            "maxLength"]  # fmt: skip
     schemas = st.recursive(
         st.one_of(scalars, st.fixed_dictionaries({"type": types})),
         lambda inner: st.one_of(
