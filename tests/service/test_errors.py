@@ -108,8 +108,8 @@ CASES = [
         CHAT,
         {"model": MODEL_NAME, "messages": MSGS, "tools": [{"type": "function"}]},
         400,
-        "tools",
-        None,
+        "tools.0",  # a tool without a function (service/tools.py)
+        "invalid_value",
     ),
     ("messages_not_list", CHAT, {"model": MODEL_NAME, "messages": "hi"}, 400, "messages", "invalid_type"),
 ]
