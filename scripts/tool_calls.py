@@ -1,0 +1,113 @@
+"""Function calls from the default model through the server's request path, and what they cost.
+
+Each request in :data:`CALLS` (a question and one tool, written for this: no data set needed)
+goes through what ``POST /v1/chat/completions`` does with ``tool_choice: "required"``:
+``ChatRequest.template_messages()`` (the function described in the system message) and
+``output_schema()`` (its parameters' grammar); the default model then decodes the arguments
+with ``ar`` and with ``ngram`` (alternating which goes first, ``--passes`` times). Printed: each
+call's arguments (first pass), whether they closed as JSON the schema takes, and ngram's time
+over ar's (median); every ngram output is checked equal to ar's.
+
+    .venv/bin/python scripts/tool_calls.py --passes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from evospec.assembly import StackSettings, assemble
+from evospec.decoding.json_grammar import DONE, JsonGrammar
+from evospec.decoding.penalties import Penalties
+from evospec.decoding.sampling import SamplingParams
+from service.schemas import ChatRequest
+
+
+def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    schema = {"type": "object", "properties": properties, "required": required}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+
+
+WEATHER = _tool(
+    "get_weather",
+    "The current weather in a city.",
+    {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    ["city", "unit"],
+)
+FLIGHT = _tool(
+    "book_flight",
+    "Book a flight.",
+    {"origin": {"type": "string"}, "destination": {"type": "string"}, "passengers": {"type": "integer"}},
+    ["origin", "destination", "passengers"],
+)
+EVENT = _tool(
+    "create_event",
+    "Put an event in the calendar.",
+    {
+        "title": {"type": "string"},
+        "day": {"type": "string"},
+        "attendees": {"type": "array", "items": {"type": "string"}},
+    },
+    ["title", "day", "attendees"],
+)
+SEARCH = _tool(
+    "search_products",
+    "Search the shop.",
+    {"query": {"type": "string"}, "max_price": {"type": "number"}, "in_stock": {"type": "boolean"}},
+    ["query", "max_price", "in_stock"],
+)
+CALLS = (
+    ("What is the weather in Paris today?", WEATHER),
+    ("Is it cold in Oslo? Use fahrenheit.", WEATHER),
+    ("Book me a flight from Madrid to Rome for two people.", FLIGHT),
+    ("I need 3 seats from Boston to Chicago.", FLIGHT),
+    ("Schedule a project review on Monday with Ana and Li.", EVENT),
+    ("Team lunch on Friday, invite Sam, Kim and Joe.", EVENT),
+    ("Find running shoes under 80 dollars that are in stock.", SEARCH),
+    ("Look for a cheap desk lamp, at most 25, available now.", SEARCH),
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    stack = assemble(StackSettings(methods=("ar", "ngram"), weights="int4"), progress=False)
+    codec = stack.codec
+    ratios, tokens, closed, mismatches = [], 0, 0, 0
+    for p in range(args.passes):
+        for i, (question, tool) in enumerate(CALLS):
+            body = {"model": "m", "messages": [{"role": "user", "content": question}]}
+            request = ChatRequest.model_validate({**body, "tools": [tool], "tool_choice": "required"})
+            grammar = JsonGrammar(stack.json_tokens, request.output_schema()[1])
+            ids = codec.encode_chat(request.template_messages())
+            params = SamplingParams(max_new_tokens=args.max_tokens, penalties=Penalties(grammar=grammar))
+            took, out = {}, {}
+            for method in ("ar", "ngram") if (i + p) % 2 else ("ngram", "ar"):
+                t0 = time.perf_counter()
+                out[method] = [t for ev in stack.decoder(method).generate(ids, params) for t in ev.tokens]
+                took[method] = time.perf_counter() - t0
+            mismatches += out["ar"] != out["ngram"]
+            ratios.append(took["ar"] / took["ngram"])
+            if p == 0:
+                text = codec.decode(out["ar"])
+                state = grammar.advance(grammar.start(), out["ar"])
+                ok = state.mode == DONE and isinstance(json.loads(text), dict)
+                closed += ok
+                tokens += len(out["ar"])
+                name, flat = tool["function"]["name"], " ".join(text.split())
+                print(f"{name}: {flat}  ({len(out['ar'])} tokens, closed: {ok})")
+    per_call = tokens / len(CALLS)
+    print(f"{closed}/{len(CALLS)} calls closed as JSON their schema takes; {per_call:.1f} tokens each")
+    print(f"ngram x ar, whole call incl. prefill (median of {len(ratios)}): {statistics.median(ratios):.3f}")
+    print(f"ngram outputs differing from ar's: {mismatches}")
+
+
+if __name__ == "__main__":
+    main()
