@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +71,7 @@ _ANY_START = {
 # a number's parts: "-" sign, "0" a leading zero, "int" digits, "." a dot, "frac" digits after
 # it, "e" the exponent mark, "esign" its sign, "exp" its digits; these end a number:
 _NUM_DONE = frozenset({"0", "int", "frac", "exp"})
+_OBJECTS = -1  # a union's dispatch for "{" where it has several objects
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,14 @@ class JsonMachine:
         self.schema, self.nodes = schema, schema.nodes
         # a union's node by the byte its value begins with (json_schema checks they differ)
         self._dispatch = {
-            i: {b: a for a in n.alts for b in first_bytes(schema, a)}
+            i: {b: a for a in n.alts if a not in n.objects for b in first_bytes(schema, a)}
+            | ({ord("{"): _OBJECTS} if n.objects else {})
             for i, n in enumerate(self.nodes)
             if n.kind == "union"
         }
         # a literals node's texts as a trie: prefix -> (the bytes that go on from it, complete)
         self._lits = {i: _trie((t, True) for t in n.literals) for i, n in enumerate(self.nodes) if n.literals}
-        self._names: dict[tuple[int, int], dict[bytes, tuple[frozenset[int], int | None]]] = {}
+        self._names: dict[tuple[int, Any], dict[bytes, tuple[frozenset[int], tuple]]] = {}
 
     def start(self) -> JsonState:
         return JsonState(VALUE, (), self.schema.root, 0)
@@ -165,6 +168,8 @@ class JsonMachine:
             return None
         top, progress = frames[-1]
         n = self.nodes[top]
+        if n.kind == "union":
+            return self._between_objects(state, top, progress, b)
         if n.kind == "array":
             if b == ord("]") and progress >= n.min_items:
                 return self._closed(frames[:-1])
@@ -190,6 +195,10 @@ class JsonMachine:
             return None if start is None else self._value_start(frames, start, b)
         if n.kind == "union":
             alt = self._dispatch[node].get(b)
+            if alt == _OBJECTS:  # one of several objects: which, the keys written will tell
+                if len(frames) >= MAX_DEPTH:
+                    return None
+                return JsonState(FIRST_KEY, (*frames, (node, tuple((a, 0) for a in n.objects))), -1, 0)
             return None if alt is None else self._value_start(frames, alt, b)
         if n.kind in ("object", "array"):
             if b != ord("{" if n.kind == "object" else "[") or len(frames) >= MAX_DEPTH:
@@ -207,12 +216,16 @@ class JsonMachine:
             return JsonState(NUM, frames, node, "0" if b == ord("0") else "int") if b in _DIGITS else None
         return self._in_literal(JsonState(LIT, frames, node, b""), b)
 
-    def _closed(self, frames: tuple[tuple[int, int], ...]) -> JsonState:
-        """A value just ended inside ``frames`` (the root value: done)."""
+    def _closed(self, frames: tuple[tuple[int, Any], ...], text: bytes | None = None) -> JsonState:
+        """A value just ended inside ``frames`` (the root value: done); ``text``: a literal's,
+        which keeps only the objects of a union whose property takes it."""
         if not frames:
             return JsonState(DONE)
         top, progress = frames[-1]
         n = self.nodes[top]
+        if n.kind == "union" and text is not None:
+            live = tuple((a, p) for a, p in progress if self._takes(a, p - 1, text))
+            return JsonState(AFTER, (*frames[:-1], (top, live)), -1, 0)
         if n.kind == "array":  # items counted only as far as the bounds and the prefix tell them apart
             cap = max(n.min_items, n.max_items or 0, len(n.prefix))
             frames = (*frames[:-1], (top, min(progress + 1, cap)))
@@ -264,32 +277,64 @@ class JsonMachine:
             return None
         return at("\\", count) if b == ord("\\") else at(0, counted)
 
-    def _name_trie(self, obj: int, progress: int) -> dict[bytes, tuple[frozenset[int], int | None]]:
-        """The names of the properties that may come next -- from ``progress`` on, up to and
-        including the first required one -- as a trie: prefix -> (the bytes that go on from it,
-        the property's position where the prefix is a whole name)."""
+    def _next_names(self, obj: int, progress: int) -> list[tuple[bytes, int]]:
+        """(name, position) of the properties that may come next: from ``progress`` on, up to
+        and including the first required one."""
+        names = []
+        for j, (name, _, required) in enumerate(self.nodes[obj].props[progress:], progress):
+            names.append((name, j))
+            if required:
+                break
+        return names
+
+    def _name_trie(self, obj: int, progress: Any) -> dict[bytes, tuple[frozenset[int], tuple]]:
+        """The names that may come next as a trie: prefix -> (the bytes that go on from it, the
+        positions of the properties it names in full). A union's objects (``progress``: the
+        (object, position) pairs still possible): their names together, tagged (object, position)."""
         key = (obj, progress)
         if key not in self._names:
-            names = []
-            for j, (name, _, required) in enumerate(self.nodes[obj].props[progress:], progress):
-                names.append((name, j))
-                if required:
-                    break
-            self._names[key] = _trie(names)
+            if self.nodes[obj].kind == "union":
+                words = [(name, (a, j)) for a, p in progress for name, j in self._next_names(a, p)]
+            else:
+                words = self._next_names(obj, progress)
+            self._names[key] = _trie(words)
         return self._names[key]
+
+    def _between_objects(self, state: JsonState, top: int, live: tuple, b: int) -> JsonState | None:
+        """Byte ``b`` between tokens in an object that is one of a union's objects (``live``:
+        the (object, position) pairs still possible)."""
+        mode, frames = state.mode, state.frames
+        if b == ord("}") and mode in (FIRST_KEY, AFTER) and any(self._may_close(a, p) for a, p in live):
+            return self._closed(frames[:-1])
+        left = tuple((a, p) for a, p in live if p < len(self.nodes[a].props))  # with keys to come
+        if not left or b != ord("," if mode == AFTER else '"'):
+            return None
+        return JsonState(
+            KEY if mode == AFTER else PKEY, (*frames[:-1], (top, left)), -1, 0 if mode == AFTER else b""
+        )
+
+    def _takes(self, obj: int, j: int, text: bytes) -> bool:
+        value = self.nodes[self.nodes[obj].props[j][1]]
+        return value.kind != "literals" or text in value.literals
 
     def _may_close(self, obj: int, progress: int) -> bool:
         return not any(required for _, _, required in self.nodes[obj].props[progress:])
 
     def _in_name(self, state: JsonState, b: int) -> JsonState | None:
         top, progress = state.frames[-1]
-        trie = self._name_trie(top, progress)
-        more, j = trie[state.aux]
+        more, tags = self._name_trie(top, progress)[state.aux]
         if b in more:  # before the quote: a name's escaped quote goes on (a name ends on no odd backslash)
             return JsonState(PKEY, state.frames, -1, state.aux + bytes([b]))
-        if b != ord('"') or j is None:
+        if b != ord('"') or not tags:
             return None
-        return JsonState(COLON, (*state.frames[:-1], (top, j + 1)), self.nodes[top].props[j][1], 0)
+        n = self.nodes[top]
+        if n.kind != "union":
+            j = tags[0]
+            return JsonState(COLON, (*state.frames[:-1], (top, j + 1)), n.props[j][1], 0)
+        # the objects that have this property next; its schema is theirs, or their enums merged
+        values = {self.nodes[a].props[j][1] for a, j in tags}
+        value = values.pop() if len(values) == 1 else dict(n.merged)[state.aux]
+        return JsonState(COLON, (*state.frames[:-1], (top, tuple((a, j + 1) for a, j in tags))), value, 0)
 
     def _in_literal(self, state: JsonState, b: int) -> JsonState | None:
         trie = self._lits[state.node]
@@ -297,22 +342,22 @@ class JsonMachine:
         if b in more:
             prefix = state.aux + bytes([b])
             if trie[prefix][1] and not trie[prefix][0]:  # complete, and nothing goes on from it
-                return self._closed(state.frames)
+                return self._closed(state.frames, prefix)
             return JsonState(LIT, state.frames, state.node, prefix)
-        return self.step(self._closed(state.frames), b) if complete else None
+        return self.step(self._closed(state.frames, state.aux), b) if complete else None
 
 
-def _trie(words) -> dict[bytes, tuple[frozenset[int], object]]:
-    """(word, tag) pairs -> {prefix: (the bytes that go on from it, the tag of the word it
-    completes, or None)}; the empty prefix included."""
+def _trie(words) -> dict[bytes, tuple[frozenset[int], tuple]]:
+    """(word, tag) pairs -> {prefix: (the bytes that go on from it, the tags of the words it
+    completes: () where none)}; the empty prefix included."""
     nexts: dict[bytes, set[int]] = {b"": set()}
-    tags: dict[bytes, object] = {}
+    tags: dict[bytes, list] = {}
     for word, tag in words:
-        tags.setdefault(word, tag)
+        tags.setdefault(word, []).append(tag)
         for i in range(len(word)):
             nexts.setdefault(word[:i], set()).add(word[i])
             nexts.setdefault(word[: i + 1], set())
-    return {p: (frozenset(n), tags.get(p)) for p, n in nexts.items()}
+    return {p: (frozenset(n), tuple(tags.get(p, ()))) for p, n in nexts.items()}
 
 
 class TokenTable:

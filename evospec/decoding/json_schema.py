@@ -11,7 +11,9 @@ are written in the schema's order, optional ones may be left out), ``additionalP
 (with no ``properties``: the values of free keys), ``items`` / ``prefixItems`` / ``minItems`` /
 ``maxItems``, ``minLength`` / ``maxLength`` (in code points; an escape is one), ``enum`` /
 ``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a number, an
-object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional field),
+object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional field) or are
+objects with properties, told apart by the keys and enum values written (Pydantic's unions of
+models, discriminated or not; a name they share has one schema, or enums),
 ``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations (``title``,
 ``description``, ...) ignored. Anything else -- ``pattern``, ``format``, ``minimum``,
 ``allOf`` of several schemas, ... -- is refused rather than generated unchecked. The root is an
@@ -21,7 +23,7 @@ object or an array. Knows JSON only.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 ANY, ANY_OBJECT, ANY_ARRAY, STRING, NUMBER, TRUE_FALSE_NULL = range(6)  # every schema's first nodes
@@ -67,6 +69,11 @@ class Node:
     max_len: int | None = None
     literals: tuple[bytes, ...] = ()
     alts: tuple[int, ...] = ()
+    # a union whose alternatives include several objects: those objects (told apart by the keys
+    # written, see json_grammar.py), and for each name they share with different enums, the
+    # literals node of all those enums' texts
+    objects: tuple[int, ...] = ()
+    merged: tuple[tuple[bytes, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,13 +118,19 @@ class _Compiler:
         self.root = root
         self.nodes: list[Node | None] = list(_base())
         self.refs: dict[str, int] = {}
+        self.ids: dict[Node, int] = {n: i for i, n in enumerate(self.nodes)}
         self.depth = 0
         self.literal_bytes = 0
 
     def add(self, node: Node | None) -> int:
+        """The id of ``node`` (an equal node already added: its id; None reserves a slot)."""
+        if node is not None and node in self.ids:
+            return self.ids[node]
         if len(self.nodes) >= MAX_NODES:
             raise SchemaError(f"the schema is too large (more than {MAX_NODES} parts)")
         self.nodes.append(node)
+        if node is not None:
+            self.ids[node] = len(self.nodes) - 1
         return len(self.nodes) - 1
 
     def ref(self, ref: Any, where: str) -> int:
@@ -219,7 +232,9 @@ class _Compiler:
             if hi < lo:
                 raise SchemaError(f"{where}: minItems is more than prefixItems allows with items false")
             items = True
-        node = Node("array", items=self.node(items, f"{where}/items"), min_items=lo, max_items=hi, prefix=nodes)
+        node = Node(
+            "array", items=self.node(items, f"{where}/items"), min_items=lo, max_items=hi, prefix=nodes
+        )
         return self.add(node)
 
     def string(self, s: dict[str, Any], where: str) -> int:
@@ -268,6 +283,49 @@ def _bounds(s: dict[str, Any], low: str, high: str, where: str) -> tuple[int, in
     return lo, hi
 
 
+def _plan_union(nodes: list[Node], union: Node) -> Node:
+    """``union`` checked -- its alternatives begin differently, but for objects with properties,
+    which are told apart by the keys written and may share a name only with the same schema or
+    with enums -- and given its objects and merged enums (new literals nodes appended)."""
+    view = Schema(tuple(nodes), 0)
+    objects = tuple(a for a in union.alts if ord("{") in first_bytes(view, a))
+    seen: set[int] = set()
+    for a in union.alts if len(objects) < 2 else [a for a in union.alts if a not in objects]:
+        starts = first_bytes(view, a)
+        if starts & seen:
+            raise SchemaError(
+                "anyOf / oneOf alternatives must begin differently (a string, a number, an object, "
+                f"an array, true / false, null; objects with properties may share the '{{'); two can "
+                f"begin with {chr(min(starts & seen))!r}"
+            )
+        seen |= starts
+    if len(objects) < 2:
+        return union
+    values: dict[bytes, list[int]] = {}
+    for a in objects:
+        if nodes[a].kind != "object" or nodes[a].extra is not None:
+            raise SchemaError(
+                "anyOf / oneOf of several objects: each must be an object with properties "
+                "(free keys cannot tell the alternatives apart)"
+            )
+        for name, value, _ in nodes[a].props:
+            values.setdefault(name, []).append(value)
+    merged = []
+    for name, ids in values.items():
+        if len(set(ids)) == 1:
+            continue
+        if not all(nodes[i].kind == "literals" for i in ids):
+            raise SchemaError(
+                f"anyOf / oneOf objects share the property {name.decode(errors='replace')!r} with "
+                "different schemas (only enums and consts may differ)"
+            )
+        nodes.append(
+            Node("literals", literals=tuple(dict.fromkeys(t for i in ids for t in nodes[i].literals)))
+        )
+        merged.append((name, len(nodes) - 1))
+    return replace(union, objects=objects, merged=tuple(merged))
+
+
 def compile_schema(schema: Any) -> Schema:
     """The nodes of ``schema`` (a JSON schema as parsed JSON); SchemaError where it goes past
     the supported subset."""
@@ -280,18 +338,13 @@ def compile_schema(schema: Any) -> Schema:
         if isinstance(exc, SchemaError):
             raise
         raise SchemaError(f"a malformed schema: {exc}") from None
-    out = Schema(tuple(n if n is not None else Node("any") for n in c.nodes), root)
-    for n in out.nodes:
-        if n.kind == "union":
-            seen: set[int] = set()
-            for a in n.alts:
-                starts = first_bytes(out, a)
-                if starts & seen:
-                    raise SchemaError(
-                        "anyOf / oneOf alternatives must begin differently (a string, a number, an object, "
-                        f"an array, true / false, null); two can begin with {chr(min(starts & seen))!r}"
-                    )
-                seen |= starts
+    nodes = [n if n is not None else Node("any") for n in c.nodes]
+    for i in range(len(nodes)):
+        if nodes[i].kind == "union":
+            nodes[i] = _plan_union(nodes, nodes[i])
+    if len(nodes) > MAX_NODES:
+        raise SchemaError(f"the schema is too large (more than {MAX_NODES} parts)")
+    out = Schema(tuple(nodes), root)
     if out.nodes[root].kind not in ("object", "array"):
         raise SchemaError("the schema's root must be an object or an array")
     return out

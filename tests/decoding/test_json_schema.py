@@ -115,6 +115,10 @@ def test_recursive_schemas_and_keys_are_walked():
     assert state.mode == PKEY and machine.walk(state, b"x") is None  # only "label" begins so
 
 
+SHARED_INT = {"type": "object", "properties": {"v": {"type": "integer"}}}
+SHARED_STR = {"type": "object", "properties": {"v": {"type": "string"}}}
+
+
 def _nested(depth: int) -> dict:
     schema: dict = {"type": "string"}
     for _ in range(depth):
@@ -132,7 +136,11 @@ def _nested(depth: int) -> dict:
             {"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "string"}]}}},
             "allOf",
         ),
-        ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"type": "object"}]}}}, "'{'"),
+        (
+            {"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"type": "object"}]}}},
+            "free keys",
+        ),
+        ({"type": "array", "items": {"anyOf": [SHARED_INT, SHARED_STR]}}, "different schemas"),
         ({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}, "begin differently"),
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}, "Missing"),
         ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "$ref"),
@@ -211,6 +219,64 @@ def test_bounded_string_masks_match_walking_every_piece():
         assert grammar.allowed(state).tolist() == want, text
 
 
+class Cat(pydantic.BaseModel):
+    pet_type: Literal["cat"]
+    name: str
+    meows: int
+
+
+class Dog(pydantic.BaseModel):
+    pet_type: Literal["dog"]
+    name: str
+    barks: bool = True
+
+
+class Lizard(pydantic.BaseModel):
+    scales: int
+
+
+class Owner(pydantic.BaseModel):
+    pets: list[Cat | Dog | Lizard | None]
+    best: Cat | Dog = pydantic.Field(discriminator="pet_type")
+
+
+def test_unions_of_objects_are_told_apart_by_the_keys_and_enums_written():
+    machine = _machine(Owner)
+    for text, ok in [
+        ('{"pets": [{"pet_type": "cat", "name": "Tom", "meows": 3}], '
+         '"best": {"pet_type": "dog", "name": "Rex"}}', True),
+        ('{"pets": [{"scales": 9}, null, {"pet_type": "dog", "name": "a", "barks": false}], '
+         '"best": {"pet_type": "cat", "name": "x", "meows": 1}}', True),
+        ('{"pets": [{"pet_type": "cat", "name": "Tom", "barks": true}], "best": {"scales": 1}}', False),
+        ('{"pets": [{"pet_type": "dog", "name": "Rex", "meows": 1}], "best": {"scales": 1}}', False),
+        ('{"pets": [{"pet_type": "cat", "name": "Tom"}], "best": {"scales": 1}}', False),  # meows required
+        ('{"pets": [{"pet_type": "bird", "name": "Tweety"}], "best": {"scales": 1}}', False),
+        ('{"pets": [], "best": {"scales": 1}}', False),  # best is a cat or a dog
+        ('{"pets": [{"scales": 1, "name": "x"}], "best": {"pet_type": "dog", "name": "R"}}', False),
+    ]:  # fmt: skip
+        assert _done(machine, text) == ok, text
+        if ok:
+            Owner.model_validate_json(text)
+    rng = random.Random(3)
+    accepted = 0
+    for _ in range(1500):  # what the grammar completes validates
+        kinds = [
+            Cat(pet_type="cat", name="a", meows=1),
+            Dog(pet_type="dog", name="b"),
+            Lizard(scales=2),
+            None,
+        ]
+        pets = [rng.choice(kinds) for _ in range(rng.randrange(3))]
+        text = Owner(pets=pets, best=Dog(pet_type="dog", name="r", barks=False)).model_dump_json()
+        assert _done(machine, text), text
+        for _ in range(rng.randrange(1, 3)):
+            text = _mutate(rng, text)
+        if _done(machine, text):
+            Owner.model_validate_json(text)
+            accepted += 1
+    assert accepted > 20
+
+
 def test_array_lengths_enums_and_unions():
     schema = {
         "type": "array",
@@ -232,17 +298,50 @@ def test_array_lengths_enums_and_unions():
         assert _done(machine, text) == ok, text
 
 
-def test_schema_masks_match_walking_every_piece():
+UNION_ITEMS = {
+    "type": "array",
+    "items": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"key": {"enum": [1]}, "a": {"type": "integer"}},
+                "required": ["key", "a"],
+            },
+            {
+                "type": "object",
+                "properties": {"key": {"enum": [2]}, "b": {"type": "boolean"}},
+                "required": ["key", "b"],
+            },
+            {"type": "null"},
+        ]
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "text"),
+    [
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "key": {"type": "integer"},
+                    "a": {"enum": ["x y", "ab"]},
+                    "b": {"type": "boolean"},
+                },
+                "required": ["key", "a"],
+            },
+            b'{"key": -12, "a": "x y", "b": true}',
+        ),
+        (UNION_ITEMS, b'[{"key": 2, "b": true}, null, {"key": 1, "a": 0}]'),
+    ],
+    ids=["object", "union"],
+)
+def test_schema_masks_match_walking_every_piece(schema, text):
     from tests.decoding.test_json_grammar import EOS, PIECES, VOCAB
 
-    schema = {
-        "type": "object",
-        "properties": {"key": {"type": "integer"}, "a": {"enum": ["x y", "ab"]}, "b": {"type": "boolean"}},
-        "required": ["key", "a"],
-    }
     grammar = JsonGrammar(TokenTable(PIECES, [EOS], VOCAB), compile_schema(schema))
     machine = grammar.machine
-    text = b'{"key": -12, "a": "x y", "b": true}'
     assert _done(machine, text.decode())
     for i in range(len(text) + 1):
         state = machine.walk(machine.start(), text[:i])
@@ -251,6 +350,7 @@ def test_schema_masks_match_walking_every_piece():
         if state.mode == DONE:
             want = [False] * len(PIECES) + [True, False]
         assert grammar.allowed(state).tolist() == want, text[:i]
+    assert not _done(machine, '[{"key": 2, "a": 1}]') and not _done(machine, '[{"key": 1, "b": true}]')
 
 
 def test_random_schemas_compile_or_are_refused_and_their_grammars_walk():
