@@ -187,44 +187,33 @@ def test_members_report_the_logprobs_their_plain_decoding_reports(model):
         assert logprobs[key] == alone
 
 
-def test_penalised_members_pick_what_their_plain_decoding_picks(model):
-    """Each member counts its own output (and a handed-over one what it emitted before)."""
-    from evospec.decoding.penalties import Penalties
-
-    pen = SamplingParams(temperature=0.0, max_new_tokens=16, penalties=Penalties(0.7, 1.2, repetition=2.0))
-    plain = SamplingParams(temperature=0.0, max_new_tokens=16)
-    prompts = [prompt_of(4, 7), prompt_of(5, 12)]
-    got = _run(DecodeBatch(model, capacity=3), {0: [(0, prompts[0], pen), (1, prompts[1], plain)]})
-    assert got[0] == _alone(model, prompts[0], pen) and got[1] == _alone(model, prompts[1], plain)
-    assert got[0] != _alone(model, prompts[0], plain)  # the penalty changed something
-    # handed over after 5 tokens: the 5 count from the start
-    first = _alone(model, prompts[0], pen)
-    batch = DecodeBatch(model, capacity=2)
-    cache = model.new_cache(64)
-    ids = [*prompts[0], *first[:5]]
-    model(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1), cache, logits="none")
-    batch.join("h", ids, pen, cache=cache, reuse=len(ids) - 1, emitted=first[:5])
-    assert first[:5] + _run(batch, {}, {"h": []})["h"] == first
-
-
-def test_json_mode_members_pick_what_their_plain_decoding_picks(model):
-    """Each member walks the grammar with its own output (a handed-over one from the start)."""
+def _adjusted_params(kind: str) -> SamplingParams:
     from evospec.decoding.json_grammar import JsonGrammar, TokenTable
     from evospec.decoding.penalties import Penalties
     from tests.decoding.test_json_mode import EOS, TOKENS
 
-    js = SamplingParams(
+    if kind == "penalties":
+        return SamplingParams(max_new_tokens=16, penalties=Penalties(0.7, 1.2, repetition=2.0))
+    return SamplingParams(
         max_new_tokens=16, penalties=Penalties(grammar=JsonGrammar(TokenTable(TOKENS, [EOS], EOS + 1)))
     )
-    plain = SamplingParams(max_new_tokens=16)
+
+
+@pytest.mark.parametrize("kind", ["penalties", "json"])
+def test_adjusted_members_pick_what_their_plain_decoding_picks(model, kind):
+    """Each member counts its own output -- penalties, the JSON grammar's state -- and a
+    handed-over one what it emitted before."""
+    adjusted = _adjusted_params(kind)
+    plain = SamplingParams(temperature=0.0, max_new_tokens=16)
     prompts = [prompt_of(4, 7), prompt_of(5, 12)]
-    got = _run(DecodeBatch(model, capacity=3), {0: [(0, prompts[0], js), (1, prompts[1], plain)]})
-    assert got[0] == _alone(model, prompts[0], js) and got[1] == _alone(model, prompts[1], plain)
-    assert got[0] != _alone(model, prompts[0], plain)  # the grammar changed something
-    first = _alone(model, prompts[0], js)
+    got = _run(DecodeBatch(model, capacity=3), {0: [(0, prompts[0], adjusted), (1, prompts[1], plain)]})
+    assert got[0] == _alone(model, prompts[0], adjusted) and got[1] == _alone(model, prompts[1], plain)
+    assert got[0] != _alone(model, prompts[0], plain)  # the adjustment changed something
+    # handed over after 5 tokens: the 5 count from the start
+    first = _alone(model, prompts[0], adjusted)
     batch = DecodeBatch(model, capacity=2)
     cache = model.new_cache(64)
     ids = [*prompts[0], *first[:5]]
     model(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1), cache, logits="none")
-    batch.join("h", ids, js, cache=cache, reuse=len(ids) - 1, emitted=first[:5])
+    batch.join("h", ids, adjusted, cache=cache, reuse=len(ids) - 1, emitted=first[:5])
     assert first[:5] + _run(batch, {}, {"h": []})["h"] == first
