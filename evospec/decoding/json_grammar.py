@@ -27,6 +27,7 @@ walked byte by byte. Knows bytes and token ids only.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ NUM = 9  # in a number; aux: the number's part so far (see _num_next)
 LIT = 10  # in a literal (true / false / null, an enum's text); aux: its bytes so far
 DONE = 11  # the root value is closed: only EOS
 BSTR = 12  # in a string with length bounds; aux: (escape as in STR, code points so far)
+BINT = 13  # in an integer with bounds, while they still matter; aux: its text so far
 
 _WS = frozenset(b" \t\n\r")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -155,6 +157,8 @@ class JsonMachine:
             return self.step(self._closed(state.frames), b) if state.aux in _NUM_DONE else None
         if mode == LIT:
             return self._in_literal(state, b)
+        if mode == BINT:
+            return self._in_bounded_int(state, b)
         return None  # DONE
 
     def _between(self, state: JsonState, b: int) -> JsonState | None:
@@ -210,9 +214,11 @@ class JsonMachine:
             if not n.min_len and n.max_len is None:
                 return JsonState(STR, frames, node, 0)
             return JsonState(BSTR, frames, node, (0, 0))
+        if n.kind == "integer" and (n.low is not None or n.high is not None):
+            return self._in_bounded_int(JsonState(BINT, frames, node, ""), b)
         if n.kind in ("number", "integer"):
             if b == ord("-"):
-                return JsonState(NUM, frames, node, "-")
+                return JsonState(NUM, frames, node, "-") if n.low is None else None  # minimum 0: no sign
             return JsonState(NUM, frames, node, "0" if b == ord("0") else "int") if b in _DIGITS else None
         return self._in_literal(JsonState(LIT, frames, node, b""), b)
 
@@ -287,6 +293,21 @@ class JsonMachine:
                 break
         return names
 
+    def _in_bounded_int(self, state: JsonState, b: int) -> JsonState | None:
+        """An integer with bounds, digit by digit: a prefix only where some integer it begins lies
+        between them; plain digits (mode NUM) once every integer it begins does."""
+        n, text = self.nodes[state.node], state.aux
+        longer = text + chr(b) if b in _DIGITS or (b == ord("-") and not text) else None
+        if longer is not None and not (text.endswith("0") and text in ("0", "-0")):  # no leading zeros
+            room = _int_room(longer, n.low, n.high)
+            if room == "all" and longer not in ("-", "0", "-0"):
+                return JsonState(NUM, state.frames, state.node, "int")
+            if room:
+                return JsonState(BINT, state.frames, state.node, longer)
+        if text in ("", "-") or not _int_in(int(text), n.low, n.high):
+            return None
+        return self.step(self._closed(state.frames), b)
+
     def _name_trie(self, obj: int, progress: Any) -> dict[bytes, tuple[frozenset[int], tuple]]:
         """The names that may come next as a trie: prefix -> (the bytes that go on from it, the
         positions of the properties it names in full). A union's objects (``progress``: the
@@ -345,6 +366,33 @@ class JsonMachine:
                 return self._closed(state.frames, prefix)
             return JsonState(LIT, state.frames, state.node, prefix)
         return self.step(self._closed(state.frames, state.aux), b) if complete else None
+
+
+def _int_in(v: int, low: int | None, high: int | None) -> bool:
+    return (low is None or v >= low) and (high is None or v <= high)
+
+
+def _int_room(text: str, low: int | None, high: int | None) -> str:
+    """For the start of an integer's text: "all" where every integer it begins lies in [low,
+    high], "some" where one does, "" where none does."""
+    neg, digits = text.startswith("-"), text.lstrip("-")
+    lo, hi = -math.inf if low is None else low, math.inf if high is None else high
+    if not digits:  # just the sign: any negative integer
+        return "some" if lo <= -1 and hi >= lo else ""
+    if digits == "0":  # zero, and nothing after it
+        return "some" if lo <= 0 <= hi else ""
+    v = int(digits)
+    some, every = False, True
+    for k in range(0, 20):  # the integers of len(digits) + k digits that begin so
+        a, z = v * 10**k, (v + 1) * 10**k - 1
+        a, z = (-z, -a) if neg else (a, z)
+        some |= a <= hi and z >= lo
+        every &= lo <= a and z <= hi
+        if (not neg and a > hi) or (neg and z < lo):
+            break  # longer ones lie further out
+    else:
+        every = every and (hi == math.inf if not neg else lo == -math.inf)
+    return "all" if some and every else "some" if some else ""
 
 
 def _trie(words) -> dict[bytes, tuple[frozenset[int], tuple]]:

@@ -15,14 +15,16 @@ object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optiona
 objects with properties, told apart by the keys and enum values written (Pydantic's unions of
 models, discriminated or not; a name they share has one schema, or enums),
 ``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations (``title``,
-``description``, ...) ignored. Anything else -- ``pattern``, ``format``, ``minimum``,
-``allOf`` of several schemas, ... -- is refused rather than generated unchecked. The root is an
-object or an array. Knows JSON only.
+``description``, ...) ignored; ``minimum`` / ``maximum`` / ``exclusiveMinimum`` /
+``exclusiveMaximum`` for integers, ``minimum: 0`` for numbers. Anything else -- ``pattern``,
+``format``, other bounds of numbers, ``allOf`` of several schemas, ... -- is refused rather
+than generated unchecked. The root is an object or an array. Knows JSON only.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,8 +41,8 @@ _KEYS = {
     "object": {"type", "properties", "required", "additionalProperties"},
     "array": {"type", "items", "prefixItems", "minItems", "maxItems"},
     "string": {"type", "minLength", "maxLength"},
-    "number": {"type"},
-    "integer": {"type"},
+    "number": {"type", "minimum"},  # minimum 0 only: the sign left out
+    "integer": {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "boolean": {"type"},
     "null": {"type"},
 }
@@ -67,6 +69,8 @@ class Node:
     prefix: tuple[int, ...] = ()  # an array's first items' nodes, in order (then ``items``)
     min_len: int = 0  # a string's length bounds, in code points
     max_len: int | None = None
+    low: int | None = None  # an integer's bounds, inclusive; a number's low: 0 or None
+    high: int | None = None
     literals: tuple[bytes, ...] = ()
     alts: tuple[int, ...] = ()
     # a union whose alternatives include several objects: those objects (told apart by the keys
@@ -199,7 +203,26 @@ class _Compiler:
             return self.add(Node("literals", literals=(b"null",)))
         if kind == "string":
             return self.string(s, where)
-        return NUMBER if kind == "number" else self.add(Node("integer"))
+        return self.number(s, where) if kind == "number" else self.integer(s, where)
+
+    def number(self, s: dict[str, Any], where: str) -> int:
+        if "minimum" not in s:
+            return NUMBER
+        if _value(s["minimum"], where) != 0:
+            raise SchemaError(
+                f"{where}: a number's minimum other than 0 is not supported (integers take any)"
+            )
+        return self.add(Node("number", low=0))
+
+    def integer(self, s: dict[str, Any], where: str) -> int:
+        lows = [math.ceil(_value(s["minimum"], where))] if "minimum" in s else []
+        lows += [math.floor(_value(s["exclusiveMinimum"], where)) + 1] if "exclusiveMinimum" in s else []
+        highs = [math.floor(_value(s["maximum"], where))] if "maximum" in s else []
+        highs += [math.ceil(_value(s["exclusiveMaximum"], where)) - 1] if "exclusiveMaximum" in s else []
+        low, high = max(lows, default=None), min(highs, default=None)
+        if low is not None and high is not None and low > high:
+            raise SchemaError(f"{where}: no integer lies between the bounds")
+        return self.add(Node("integer", low=low, high=high))
 
     def object(self, s: dict[str, Any], where: str) -> int:
         props = s.get("properties") or {}
@@ -274,6 +297,13 @@ class _Compiler:
             "union", alts=tuple(self.node(a, f"{where}/{key}/{i}") for i, a in enumerate(alts))
         )
         return slot
+
+
+def _value(v: Any, where: str) -> float:
+    """A numeric bound (not a bool, finite, at most 10^18 in size)."""
+    if type(v) not in (int, float) or not math.isfinite(v) or abs(v) > 1e18:
+        raise SchemaError(f"{where}: a bound must be a number (at most 10^18), got {json.dumps(v)[:40]}")
+    return v
 
 
 def _bounds(s: dict[str, Any], low: str, high: str, where: str) -> tuple[int, int | None]:

@@ -5,6 +5,7 @@ schema's order is accepted, and what the grammar cannot honour is refused by nam
 from __future__ import annotations
 
 import json
+import math
 import random
 from enum import StrEnum
 from typing import Literal
@@ -130,7 +131,12 @@ def _nested(depth: int) -> dict:
     ("schema", "words"),
     [
         ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}, "pattern"),
-        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "minimum"),
+        ({"type": "object", "properties": {"a": {"type": "number", "maximum": 3}}}, "maximum"),
+        (
+            {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}}},
+            "no integer",
+        ),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": True}}}, "bound"),
         ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "format"),
         (
             {"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "string"}]}}},
@@ -275,6 +281,45 @@ def test_unions_of_objects_are_told_apart_by_the_keys_and_enums_written():
             Owner.model_validate_json(text)
             accepted += 1
     assert accepted > 20
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"minimum": 1, "maximum": 9},
+        {"minimum": -5, "maximum": 120},
+        {"minimum": 0},
+        {"maximum": -3},
+        {"exclusiveMinimum": 2.5, "exclusiveMaximum": 40},
+        {"minimum": -1000, "maximum": -10},
+        {"minimum": 10, "maximum": 10},
+    ],
+)
+def test_integer_bounds_take_exactly_the_integers_between_them(bounds):
+    machine = JsonMachine(compile_schema({"type": "array", "items": {"type": "integer", **bounds}}))
+    lo = bounds.get("minimum", math.floor(bounds.get("exclusiveMinimum", -(10**13))) + 1)
+    hi = bounds.get("maximum", math.ceil(bounds.get("exclusiveMaximum", 10**13)) - 1)
+    rng = random.Random(4)
+    for v in [*range(-1100, 1100), *(rng.randrange(-(10**12), 10**12) for _ in range(200))]:
+        assert _done(machine, f"[{v}, {v} ]") == (lo <= v <= hi), v
+    for text in ("[01]", "[-]", "[1.5]", "[1e2]", "[--1]"):
+        assert not _done(machine, text)
+
+
+class Counted(pydantic.BaseModel):
+    seats: int = pydantic.Field(ge=1, le=9)
+    id: pydantic.PositiveInt
+    price: pydantic.NonNegativeFloat
+
+
+def test_pydantic_number_constraints_are_honoured():
+    machine = _machine(Counted)
+    assert _done(machine, '{"seats": 9, "id": 123456789, "price": 0.5e2}')
+    for text in ('{"seats": 10, "id": 1, "price": 1}', '{"seats": 1, "id": 0, "price": 1}',
+                 '{"seats": 1, "id": 1, "price": -1.5}'):  # fmt: skip
+        assert not _done(machine, text), text
+    with pytest.raises(SchemaError, match="minimum other than 0"):
+        compile_schema({"type": "object", "properties": {"x": {"type": "number", "minimum": 1.5}}})
 
 
 def test_array_lengths_enums_and_unions():
