@@ -5,7 +5,9 @@ it, under every method; other formats are clear 400s."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
+import pydantic
 import pytest
 
 from evospec.decoding.json_grammar import DONE, JsonGrammar, TokenTable
@@ -135,3 +137,34 @@ def test_other_response_formats_are_clear_errors(serve, fmt, status, code):
         assert r.status_code == 200, r.text
     else:
         assert api_error(r, status, code)["param"] == "response_format"
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    legs: int = pydantic.Field(ge=0, le=4)
+    indoor: bool
+
+
+def test_the_openai_sdk_parses_pydantic_models_from_the_answer_and_from_a_tool_call(serve):
+    """The SDK's strict schemas (``chat.completions.parse``) and function tools
+    (``openai.pydantic_function_tool``), as a client sends them; a schema without free text, so
+    that even the tiny random model closes it."""
+    import openai
+
+    client = serve().openai()
+    messages = [{"role": "user", "content": "Describe a pet."}]
+    out = client.chat.completions.parse(
+        model=MODEL_NAME, messages=messages, response_format=Pet, max_tokens=128, temperature=0
+    )
+    assert isinstance(out.choices[0].message.parsed, Pet)
+    out = client.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=[openai.pydantic_function_tool(Pet)],
+        tool_choice="required",
+        max_tokens=100,  # the tiny model's window: 256, the function's description ~150 of them
+        temperature=0,
+    )
+    call = out.choices[0].message.tool_calls[0]
+    assert call.function.name == "Pet" and isinstance(call.function.parsed_arguments, Pet)
+    assert out.choices[0].finish_reason == "tool_calls"
