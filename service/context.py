@@ -21,7 +21,9 @@ from service.config import ServeConfig
 from service.engine import Engine
 from service.metrics import ServiceMetrics
 
-KEPT_GRAMMARS = 16  # JSON grammars (JSON mode's and recent schemas') kept with their masks
+KEPT_GRAMMARS = (
+    8  # JSON grammars (JSON mode's and recent schemas') kept with their masks (16 MB each at most)
+)
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ newlines must go on with the value instead) and containers nest at most :data:`M
 Strings are checked byte by byte (escapes, no control bytes); bytes of 128 and above pass, as a
 byte-level tokenizer splits characters across tokens.
 
-Masks are computed once per state and kept (:data:`CACHE_STATES` of them): the tokens whose
-first two bytes the state refuses are ruled out with one table lookup, the tokens made only of
-plain string bytes are accepted inside a free string without a walk, and only the rest are
-walked byte by byte. Knows bytes and token ids only.
+Masks are computed once per state and kept (:data:`CACHE_BYTES` of them a grammar): the tokens
+whose first two bytes the state refuses are ruled out with one table lookup, the tokens made
+only of plain string bytes are accepted inside a free string without a walk, and only the rest
+are walked byte by byte. Knows bytes and token ids only.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from evospec.decoding.json_schema import (
 
 MAX_WS = 20  # whitespace bytes in a row between tokens of the grammar
 MAX_DEPTH = 16  # open containers
-CACHE_STATES = 512  # masks kept per grammar, least recently used dropped
+# masks kept per grammar (a byte a token: 341 of 49k tokens), least recently used dropped
+CACHE_BYTES = 16 << 20
 
 # lexer positions; between tokens (aux: the whitespace run so far):
 VALUE, FIRST_ITEM, FIRST_KEY, KEY, COLON, AFTER = range(6)
@@ -449,6 +450,7 @@ class JsonGrammar:
     def __init__(self, table: TokenTable, schema: Schema = OBJECT) -> None:
         self.table, self.machine = table, JsonMachine(schema)
         self._cache: OrderedDict[JsonState, torch.Tensor] = OrderedDict()
+        self._keep = max(32, CACHE_BYTES // table.vocab_size)  # masks kept
 
     def start(self) -> JsonState:
         return self.machine.start()
@@ -477,7 +479,7 @@ class JsonGrammar:
             return mask
         mask = ~self._compute(state)
         self._cache[state] = mask
-        if len(self._cache) > CACHE_STATES:
+        if len(self._cache) > self._keep:
             self._cache.popitem(last=False)
         return mask
 
