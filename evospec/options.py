@@ -192,12 +192,13 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new: int) -> None:
         default=0.0,
         help="times how often a token was generated before, -2..2 (default 0 = off)",
     )
-    p.add_argument(
+    shape = p.add_mutually_exclusive_group()  # the output's shape: one JSON object, or a schema's
+    shape.add_argument(
         "--json-mode",
         action="store_true",
         help="JSON mode: the output is one JSON object (the API's response_format json_object)",
     )
-    p.add_argument(
+    shape.add_argument(
         "--json-schema",
         type=Path,
         metavar="PATH",
