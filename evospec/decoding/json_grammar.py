@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from evospec.decoding import json_formats
 from evospec.decoding.json_schema import (
     ANY_ARRAY,
     ANY_OBJECT,
@@ -60,6 +61,7 @@ LIT = 10  # in a literal (true / false / null, an enum's text); aux: its bytes s
 DONE = 11  # the root value is closed: only EOS
 BSTR = 12  # in a string with length bounds; aux: (escape as in STR, code points so far)
 BINT = 13  # in an integer with bounds, while they still matter; aux: its text so far
+FMT = 14  # in a string of a format; aux: where its automaton stands (json_formats.py)
 
 _WS = frozenset(b" \t\n\r")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -160,6 +162,12 @@ class JsonMachine:
             return self._in_literal(state, b)
         if mode == BINT:
             return self._in_bounded_int(state, b)
+        if mode == FMT:
+            fmt = self.nodes[state.node].fmt
+            if b == ord('"'):
+                return self._closed(state.frames) if json_formats.done(fmt, state.aux) else None
+            at = json_formats.step(fmt, state.aux, b)
+            return None if at is None else JsonState(FMT, state.frames, state.node, at)
         return None  # DONE
 
     def _between(self, state: JsonState, b: int) -> JsonState | None:
@@ -212,6 +220,8 @@ class JsonMachine:
         if n.kind == "string":
             if b != ord('"'):
                 return None
+            if n.fmt:
+                return JsonState(FMT, frames, node, json_formats.start(n.fmt))
             if not n.min_len and n.max_len is None:
                 return JsonState(STR, frames, node, 0)
             return JsonState(BSTR, frames, node, (0, 0))

@@ -9,7 +9,8 @@ The supported subset is what structured-output clients send (OpenAI's strict sub
 ``model_json_schema()``): ``type`` (one or a list), ``properties`` / ``required`` (properties
 are written in the schema's order, optional ones may be left out), ``additionalProperties``
 (with no ``properties``: the values of free keys), ``items`` / ``prefixItems`` / ``minItems`` /
-``maxItems``, ``minLength`` / ``maxLength`` (in code points; an escape is one), ``enum`` /
+``maxItems``, ``minLength`` / ``maxLength`` (in code points; an escape is one), ``format``
+``date`` / ``time`` / ``date-time`` / ``uuid`` (``json_formats.py``), ``enum`` /
 ``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a number, an
 object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional field) or are
 objects with properties, told apart by the keys and enum values written (Pydantic's unions of
@@ -17,7 +18,7 @@ models, discriminated or not; a name they share has one schema, or enums),
 ``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations (``title``,
 ``description``, ...) ignored; ``minimum`` / ``maximum`` / ``exclusiveMinimum`` /
 ``exclusiveMaximum`` for integers, ``minimum: 0`` for numbers. Anything else -- ``pattern``,
-``format``, other bounds of numbers, ``allOf`` of several schemas, ... -- is refused rather
+other formats, other bounds of numbers, ``allOf`` of several schemas, ... -- is refused rather
 than generated unchecked. The root is an object or an array. Knows JSON only.
 """
 
@@ -27,6 +28,8 @@ import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
+
+from evospec.decoding.json_formats import FORMATS
 
 ANY, ANY_OBJECT, ANY_ARRAY, STRING, NUMBER, TRUE_FALSE_NULL = range(6)  # every schema's first nodes
 MAX_NODES = 4096  # parts of a compiled schema
@@ -40,7 +43,7 @@ _ANNOTATIONS = frozenset(
 _KEYS = {
     "object": {"type", "properties", "required", "additionalProperties"},
     "array": {"type", "items", "prefixItems", "minItems", "maxItems"},
-    "string": {"type", "minLength", "maxLength"},
+    "string": {"type", "minLength", "maxLength", "format"},
     "number": {"type", "minimum"},  # minimum 0 only: the sign left out
     "integer": {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "boolean": {"type"},
@@ -69,6 +72,7 @@ class Node:
     prefix: tuple[int, ...] = ()  # an array's first items' nodes, in order (then ``items``)
     min_len: int = 0  # a string's length bounds, in code points
     max_len: int | None = None
+    fmt: str = ""  # a string's format (json_formats.py)
     low: int | None = None  # an integer's bounds, inclusive; a number's low: 0 or None
     high: int | None = None
     literals: tuple[bytes, ...] = ()
@@ -262,6 +266,15 @@ class _Compiler:
 
     def string(self, s: dict[str, Any], where: str) -> int:
         lo, hi = _bounds(s, "minLength", "maxLength", where)
+        if "format" in s:
+            fmt = s["format"]
+            if fmt not in FORMATS:
+                raise SchemaError(
+                    f"{where}: format {json.dumps(fmt)[:40]} is not supported ({', '.join(FORMATS)} are)"
+                )
+            if lo or hi is not None:
+                raise SchemaError(f"{where}: a format with minLength / maxLength is not supported")
+            return self.add(Node("string", fmt=fmt))
         return self.add(Node("string", min_len=lo, max_len=hi)) if lo or hi is not None else STRING
 
     def literals(self, s: dict[str, Any], where: str) -> int:

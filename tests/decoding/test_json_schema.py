@@ -4,9 +4,11 @@ schema's order is accepted, and what the grammar cannot honour is refused by nam
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import random
+import uuid as uuid_module
 from enum import StrEnum
 from typing import Literal
 
@@ -137,7 +139,7 @@ def _nested(depth: int) -> dict:
             "no integer",
         ),
         ({"type": "object", "properties": {"a": {"type": "integer", "minimum": True}}}, "bound"),
-        ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "format"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}, "format"),
         (
             {"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "string"}]}}},
             "allOf",
@@ -322,6 +324,27 @@ def test_pydantic_number_constraints_are_honoured():
         compile_schema({"type": "object", "properties": {"x": {"type": "number", "minimum": 1.5}}})
 
 
+class Dated(pydantic.BaseModel):
+    when: datetime.datetime
+    day: datetime.date
+    at: datetime.time
+    id: uuid_module.UUID
+
+
+def test_pydantic_dates_times_and_uuids_are_written_as_their_formats():
+    machine = _machine(Dated)
+    value = Dated(
+        when=datetime.datetime(2024, 2, 29, 13, 5, 9, 120000, tzinfo=datetime.UTC),
+        day=datetime.date(1999, 12, 31),
+        at=datetime.time(7, 30),
+        id=uuid_module.UUID(int=12345),
+    )
+    assert _done(machine, value.model_dump_json())
+    assert not _done(machine, value.model_dump_json().replace("1999-12-31", "1999-02-30"))
+    with pytest.raises(SchemaError, match="format"):
+        compile_schema({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}})
+
+
 def test_array_lengths_enums_and_unions():
     schema = {
         "type": "array",
@@ -379,8 +402,9 @@ UNION_ITEMS = {
             b'{"key": -12, "a": "x y", "b": true}',
         ),
         (UNION_ITEMS, b'[{"key": 2, "b": true}, null, {"key": 1, "a": 0}]'),
+        ({"type": "array", "items": {"type": "string", "format": "date"}}, b'["2012-01-12", "2000-02-29"]'),
     ],
-    ids=["object", "union"],
+    ids=["object", "union", "date"],
 )
 def test_schema_masks_match_walking_every_piece(schema, text):
     from tests.decoding.test_json_grammar import EOS, PIECES, VOCAB

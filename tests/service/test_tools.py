@@ -33,7 +33,7 @@ DATED = {  # a parameter the grammar cannot check
     "type": "function",
     "function": {
         "name": "f",
-        "parameters": {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}},
+        "parameters": {"type": "object", "properties": {"d": {"type": "string", "format": "email"}}},
     },
 }
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
