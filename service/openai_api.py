@@ -147,20 +147,16 @@ async def _grammar(ctx: ServiceContext, body: SamplingFields) -> JsonGrammar | N
     return await asyncio.to_thread(ctx.model.json_grammar, *schema)
 
 
-def _submit(
+def _max_tokens(
     ctx: ServiceContext,
-    body: SamplingFields,
     ids: list[int],
     max_tokens: int | None,
     max_param: str,
     default_max: int | None,
     prompt_param: str,
-    grammar: JsonGrammar | None = None,
-    *,
-    echo: str | None = None,
-    generate: bool = True,
-    call: str | None = None,
-) -> list[Job]:
+) -> int:
+    """The completion's token budget: the request's, checked against the context window and the
+    server's limit, or the default that fits."""
     window, limit = ctx.model.context_window, ctx.config.max_tokens_limit
     if not ids:
         raise APIError.bad_request("the prompt is empty (no tokens)", param=prompt_param)
@@ -187,6 +183,24 @@ def _submit(
             param=max_param,
             code="context_length_exceeded",
         )
+    return max_tokens
+
+
+def _submit(
+    ctx: ServiceContext,
+    body: SamplingFields,
+    ids: list[int],
+    max_tokens: int | None,
+    max_param: str,
+    default_max: int | None,
+    prompt_param: str,
+    grammar: JsonGrammar | None = None,
+    *,
+    echo: str | None = None,
+    generate: bool = True,
+    call: str | None = None,
+) -> list[Job]:
+    max_tokens = _max_tokens(ctx, ids, max_tokens, max_param, default_max, prompt_param)
     bad = [i for i, _ in body.penalties.bias if i >= ctx.model.vocab_size]
     if bad:
         raise APIError.bad_request(
