@@ -365,7 +365,9 @@ class JsonMachine:
             return JsonState(COLON, (*state.frames[:-1], (top, j + 1)), n.props[j][1], 0)
         # the objects that have this property next; its schema is theirs, or their enums merged
         values = {self.nodes[a].props[j][1] for a, j in tags}
-        value = values.pop() if len(values) == 1 else dict(n.merged)[state.aux]
+        value = values.pop() if len(values) == 1 else dict(n.merged).get(state.aux)
+        if value is None:  # json_schema's checks leave no such name; refused rather than guessed
+            return None
         return JsonState(COLON, (*state.frames[:-1], (top, tuple((a, j + 1) for a, j in tags))), value, 0)
 
     def _in_literal(self, state: JsonState, b: int) -> JsonState | None:

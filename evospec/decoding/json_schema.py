@@ -14,7 +14,8 @@ are written in the schema's order, optional ones may be left out), ``additionalP
 ``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a number, an
 object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional field) or are
 objects with properties, told apart by the keys and enum values written (Pydantic's unions of
-models, discriminated or not; a name they share has one schema, or enums),
+models, discriminated or not; a name they share has one schema, or enums, or comes after a
+discriminator),
 ``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations (``title``,
 ``description``, ...) ignored; ``minimum`` / ``maximum`` / ``exclusiveMinimum`` /
 ``exclusiveMaximum`` for integers, ``minimum: 0`` for numbers. Anything else -- ``pattern``,
@@ -358,15 +359,46 @@ def _plan_union(nodes: list[Node], union: Node) -> Node:
         if len(set(ids)) == 1:
             continue
         if not all(nodes[i].kind == "literals" for i in ids):
-            raise SchemaError(
-                f"anyOf / oneOf objects share the property {name.decode(errors='replace')!r} with "
-                "different schemas (only enums and consts may differ)"
-            )
+            _check_told_apart(nodes, objects, name)
+            continue
         nodes.append(
             Node("literals", literals=tuple(dict.fromkeys(t for i in ids for t in nodes[i].literals)))
         )
         merged.append((name, len(nodes) - 1))
     return replace(union, objects=objects, merged=tuple(merged))
+
+
+def _check_told_apart(nodes: list[Node], objects: tuple[int, ...], name: bytes) -> None:
+    """Objects of a union may give a property ``name`` different schemas only where a required
+    property before it, an enum in both, has no text in common: properties are written in order,
+    so that enum's text leaves one of the two before ``name`` comes (a discriminator)."""
+
+    def before(obj: Node) -> dict[bytes, tuple[int, bool]]:
+        out = {}
+        for key, value, required in obj.props:
+            if key == name:
+                return out
+            out[key] = (value, required)
+        return out
+
+    having = [a for a in objects if any(key == name for key, _, _ in nodes[a].props)]
+    for i, a in enumerate(having):
+        for b in having[i + 1 :]:
+            mine = dict((k, v) for k, v, _ in nodes[a].props)[name]
+            theirs = dict((k, v) for k, v, _ in nodes[b].props)[name]
+            if mine == theirs:
+                continue
+            ea, eb = before(nodes[a]), before(nodes[b])
+            if not any(
+                ra and rb and nodes[va].kind == nodes[vb].kind == "literals"
+                and not set(nodes[va].literals) & set(nodes[vb].literals)
+                for key, (va, ra) in ea.items() if key in eb
+                for vb, rb in [eb[key]]
+            ):  # fmt: skip
+                raise SchemaError(
+                    f"anyOf / oneOf objects share the property {name.decode(errors='replace')!r} with "
+                    "different schemas and no required enum before it tells them apart"
+                )
 
 
 def compile_schema(schema: Any) -> Schema:

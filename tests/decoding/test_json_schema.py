@@ -345,6 +345,31 @@ def test_pydantic_dates_times_and_uuids_are_written_as_their_formats():
         compile_schema({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}})
 
 
+class Num(pydantic.BaseModel):
+    kind: Literal["num"]
+    value: int
+
+
+class Txt(pydantic.BaseModel):
+    kind: Literal["txt"]
+    value: str
+
+
+class Box(pydantic.BaseModel):
+    item: Num | Txt = pydantic.Field(discriminator="kind")
+
+
+def test_a_discriminator_before_a_shared_name_lets_its_schemas_differ():
+    machine = _machine(Box)
+    assert _done(machine, '{"item": {"kind": "num", "value": 3}}')
+    assert _done(machine, '{"item": {"kind": "txt", "value": "3"}}')
+    assert not _done(machine, '{"item": {"kind": "num", "value": "3"}}')
+    assert not _done(machine, '{"item": {"kind": "txt", "value": 3}}')
+    loose = {"anyOf": [{**SHARED_INT, "required": ["v"]}, {**SHARED_STR, "required": ["v"]}]}
+    with pytest.raises(SchemaError, match="no required enum before it"):
+        compile_schema({"type": "array", "items": loose})
+
+
 def test_array_lengths_enums_and_unions():
     schema = {
         "type": "array",
