@@ -74,11 +74,10 @@ def forced_function(tools: list[Any] | None, tool_choice: Any) -> Function | Non
         if len(functions) != 1:
             raise APIError.unsupported("tool_choice", "tool_choice 'required' with several tools")
         return next(iter(functions.values()))
-    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+    fn = tool_choice.get("function") if named else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if tool_choice.get("type") != "function" if isinstance(tool_choice, dict) else True:
-        name = None
-    if name not in functions:
+    if not isinstance(name, str) or name not in functions:
         raise APIError.bad_request(
             "tool_choice must be 'none', 'required' or {'type': 'function', 'function': {'name': NAME}} "
             f"naming one of the tools ({', '.join(functions)})",
