@@ -3,7 +3,7 @@
 Each request in :data:`CALLS` (a question and one tool, written for this: no data set needed)
 goes through what ``POST /v1/chat/completions`` does with ``tool_choice: "required"``:
 ``ChatRequest.template_messages()`` (the function described in the system message) and
-``output_schema()`` (its parameters' grammar); the default model then decodes the arguments
+``output_schema`` (its parameters' grammar); the default model then decodes the arguments
 with ``ar`` and with ``ngram`` (alternating which goes first, ``--passes`` times). Printed: each
 call's arguments (first pass), whether they closed as JSON the schema takes, and ngram's time
 over ar's (median); every ngram output is checked equal to ar's.
@@ -85,7 +85,7 @@ def main() -> None:
         for i, (question, tool) in enumerate(CALLS):
             body = {"model": "m", "messages": [{"role": "user", "content": question}]}
             request = ChatRequest.model_validate({**body, "tools": [tool], "tool_choice": "required"})
-            grammar = JsonGrammar(stack.json_tokens, request.output_schema()[1])
+            grammar = JsonGrammar(stack.json_tokens, request.output_schema[1])
             ids = codec.encode_chat(request.template_messages())
             params = SamplingParams(max_new_tokens=args.max_tokens, penalties=Penalties(grammar=grammar))
             took, out = {}, {}

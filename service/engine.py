@@ -32,7 +32,7 @@ Rules the engine keeps:
   runs alone again. The last request left in the batch, with nobody waiting, goes back to the
   decoder's method where that is more than a batch of one (``ngram``: its slots kept with the
   prefix store, the decoder resumes it; not a drafted method, whose draft needs features the
-  batch does not compute, nor a request whose penalties count its output). A joining prompt
+  batch does not compute, nor a request whose penalties or JSON grammar read its output). A joining prompt
   prefills in chunks between the running requests' steps.
   Every request's tokens stay those of plain decoding (greedy: identical; sampled: drawn from
   the target's distribution; ``decoding/batch.py``). A batched forward that raises ends every
@@ -441,8 +441,9 @@ class Engine:
         method is worth more than a batch of one (a speculative decoder without a draft to feed:
         ``ngram``; a drafted one would need features the batch does not compute): its slots are
         kept with the decoder's prefix store, and the decoder resumes it from its prompt and
-        emitted tokens with the rest of its budget. Not for a request whose penalties count its
-        output (the decoder would count from zero). Returns whether it went back."""
+        emitted tokens with the rest of its budget. Not for a request whose penalties or JSON
+        grammar read its output (the decoder would start them from zero). Returns whether it went
+        back."""
         prefix = getattr(self.decoder, "prefix", None)
         if len(self._members) != 1 or self._queue.qsize() or prefix is None or not prefix.enabled:
             return False

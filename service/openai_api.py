@@ -107,8 +107,7 @@ def router(ctx: ServiceContext) -> APIRouter:
         ids = await encoder.chat(body.template_messages())
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         grammar = await _grammar(ctx, body)
-        fn = body.function()
-        call = None if fn is None else fn.name
+        call = None if body.function is None else body.function.name
         jobs = _submit(ctx, body, ids, body.requested_max_tokens, param, None, "messages", grammar, call=call)
         return await respond(ctx, jobs, body, request, chat=True)
 
@@ -141,7 +140,7 @@ async def _grammar(ctx: ServiceContext, body: SamplingFields) -> JsonGrammar | N
     """The JSON grammar ``response_format`` or a tool call asks for (None: text), fetched off
     the event loop: a request that comes before the token table is built (~0.9 s for 49k tokens,
     started with the server) waits for it while other streams keep flowing."""
-    schema = body.output_schema()
+    schema = body.output_schema
     if schema is None:
         return None
     return await asyncio.to_thread(ctx.model.json_grammar, *schema)

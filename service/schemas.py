@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from functools import cached_property
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
@@ -159,6 +160,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+def _compiled(schema: dict[str, Any], param: str, where: str) -> tuple[str, Schema]:
+    """(canonical text, compiled) of a request's JSON schema; 400 ``unsupported_schema`` naming
+    ``where`` when the grammar cannot honour it."""
+    try:
+        return json.dumps(schema, sort_keys=True), compile_schema(schema)
+    except SchemaError as exc:
+        raise APIError(400, f"{where}: {exc}", param=param, code="unsupported_schema") from None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -226,12 +236,26 @@ class SamplingFields(_Strict):
         repetition = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         return Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias, repetition)
 
+    @cached_property
+    def function(self) -> Function | None:
+        """The function the answer calls (chat's ``tool_choice``: ``service/tools.py``); None:
+        the answer is text."""
+        return None
+
+    @cached_property
     def output_schema(self) -> tuple[str, Schema] | None:
-        """The schema the output follows -- JSON mode: ("", any object); ``json_schema``: (its
-        canonical text, compiled) -- or None for text. 400 where the format is not one of those
-        or the schema goes past what the grammar supports (``decoding/json_schema.py``)."""
+        """The schema the output follows -- a called function's parameters; JSON mode: ("", any
+        object); ``json_schema``: (its canonical text, compiled) -- or None for text; worked out
+        once a request. 400 where the format is none of those, where a tool call and a format
+        both ask, or where the schema goes past what the grammar supports (``json_schema.py``)."""
         fmt = self.response_format or {}
         kind = fmt.get("type", "text")
+        if self.function is not None:
+            if kind != "text":
+                raise APIError.bad_request(
+                    "a tool call and a response_format cannot both shape the answer", param="tool_choice"
+                )
+            return _compiled(self.function.schema(), "tools", f"tools: {self.function.name}'s parameters")
         if kind == "text":
             return None
         if kind == "json_object":
@@ -247,18 +271,13 @@ class SamplingFields(_Strict):
                 "response_format json_schema needs a json_schema object with a schema",
                 param="response_format",
             )
-        try:
-            return json.dumps(spec["schema"], sort_keys=True), compile_schema(spec["schema"])
-        except SchemaError as exc:
-            raise APIError(
-                400, f"response_format: {exc}", param="response_format", code="unsupported_schema"
-            ) from None
+        return _compiled(spec["schema"], "response_format", "response_format")
 
     def check_supported(self) -> None:
         """Refuse what this server cannot honour instead of silently ignoring it."""
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise APIError.bad_request(f"n must be in 1..{MAX_CHOICES}, got {self.n}", param="n")
-        self.output_schema()
+        _ = self.output_schema  # a 400 now, before anything is encoded
 
 
 class CompletionRequest(SamplingFields):
@@ -345,24 +364,9 @@ class ChatRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
 
+    @cached_property
     def function(self) -> Function | None:
-        """The function the answer calls (``tool_choice``), None for a text answer."""
         return forced_function(self.tools, self.tool_choice)
-
-    def output_schema(self) -> tuple[str, Schema] | None:
-        fn = self.function()
-        if fn is None:
-            return super().output_schema()
-        if (self.response_format or {}).get("type", "text") != "text":
-            raise APIError.bad_request(
-                "a tool call and a response_format cannot both shape the answer", param="tool_choice"
-            )
-        try:
-            return json.dumps(fn.schema(), sort_keys=True), compile_schema(fn.schema())
-        except SchemaError as exc:
-            raise APIError(
-                400, f"tools: {fn.name}'s parameters: {exc}", param="tools", code="unsupported_schema"
-            ) from None
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -383,4 +387,4 @@ class ChatRequest(SamplingFields):
             }
             for m in self.messages
         ]
-        return with_function(messages, self.function())
+        return with_function(messages, self.function)

@@ -159,6 +159,19 @@ def test_what_function_calling_cannot_honour_is_a_clear_400(serve, extra, code, 
     assert api_error(r, 400, code)["param"] == param
 
 
+def test_a_request_works_its_tool_call_and_schema_out_once(monkeypatch):
+    import service.schemas
+
+    compiled = []
+    real = service.schemas.compile_schema
+    monkeypatch.setattr(service.schemas, "compile_schema", lambda s: compiled.append(s) or real(s))
+    request = ChatRequest.model_validate(_body(tools=[WEATHER], tool_choice=NAMED))
+    request.check_supported()
+    request.template_messages()
+    assert request.output_schema[0] == json.dumps(WEATHER["function"]["parameters"], sort_keys=True)
+    assert request.function is request.function and len(compiled) == 1
+
+
 def test_odd_earlier_calls_are_written_as_they_are():
     calls = [{"function": "x"}, 7, {"id": "c", "function": {"name": "f", "arguments": {"a": 1}}}]
     history = [*MESSAGES, {"role": "assistant", "tool_calls": calls}]
