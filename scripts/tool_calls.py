@@ -1,14 +1,18 @@
 """Function calls from the default model through the server's request path, and what they cost.
 
-Each request in :data:`CALLS` (a question and one tool, written for this: no data set needed)
-goes through what ``POST /v1/chat/completions`` does with ``tool_choice: "required"``:
-``ChatRequest.template_messages()`` (the function described in the system message) and
-``output_schema`` (its parameters' grammar); the default model then decodes the arguments
-with ``ar`` and with ``ngram`` (alternating which goes first, ``--passes`` times). Printed: each
-call's arguments (first pass), whether they closed as JSON the schema takes, and ngram's time
-over ar's (median); every ngram output is checked equal to ar's.
+Each request in :data:`CALLS` (a question and the tool it wants, written for this: no data set
+needed) goes through what ``POST /v1/chat/completions`` does: ``ChatRequest.template_messages()``
+(the tools described in the system message) and ``output_schema`` (the grammar); the default
+model then decodes the answer with ``ar`` and with ``ngram`` (alternating which goes first,
+``--passes`` times). ``--choice named``: ``tool_choice: "required"`` with the question's one
+tool (the answer is its arguments); ``required``: all four tools offered, the model choosing one
+(a JSON envelope, read back by ``service/tool_reader.py``); ``auto``: the same, plus
+:data:`REPLIES` (questions no tool answers), where the model may reply in text. Printed: each
+answer (first pass), whether it closed as JSON the schema takes, whether it called the tool the
+question wants (or, for :data:`REPLIES`, replied), and ngram's time over ar's (median); every
+ngram output is checked equal to ar's.
 
-    .venv/bin/python scripts/tool_calls.py --passes 3
+    .venv/bin/python scripts/tool_calls.py --passes 3 [--choice named|required|auto]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from evospec.decoding.json_grammar import DONE, JsonGrammar
 from evospec.decoding.penalties import Penalties
 from evospec.decoding.sampling import SamplingParams
 from service.schemas import ChatRequest
+from service.tool_reader import EnvelopeReader
 
 
 def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -70,21 +75,45 @@ CALLS = (
     ("Find running shoes under 80 dollars that are in stock.", SEARCH),
     ("Look for a cheap desk lamp, at most 25, available now.", SEARCH),
 )
+REPLIES = (  # questions no tool answers: under auto, a reply is right
+    ("Tell me a joke about cats.", None),
+    ("What is the capital of Japan?", None),
+    ("Write a haiku about the sea.", None),
+    ("Who wrote Romeo and Juliet?", None),
+)
+TOOLS = [WEATHER, FLIGHT, EVENT, SEARCH]
+
+
+def _verdict(text: str, choice: str, tool: dict | None) -> str:
+    """What the answer did: "called NAME" or "replied", and whether that is what was wanted."""
+    if choice == "named":
+        return "called " + tool["function"]["name"] + " (named)"
+    reader = EnvelopeReader()
+    reader.feed(text)
+    did = f"called {reader.name}" if reader.kind == "call" else "replied"
+    want = f"called {tool['function']['name']}" if tool is not None else "replied"
+    return f"{did} ({'right' if did == want else 'wanted: ' + want})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--choice", choices=["named", "required", "auto"], default="named")
     args = ap.parse_args()
     torch.set_num_threads(2)
     stack = assemble(StackSettings(methods=("ar", "ngram"), weights="int4"), progress=False)
     codec = stack.codec
-    ratios, tokens, closed, mismatches = [], 0, 0, 0
+    asks = CALLS + (REPLIES if args.choice == "auto" else ())
+    ratios, tokens, closed, right, mismatches = [], 0, 0, 0, 0
     for p in range(args.passes):
-        for i, (question, tool) in enumerate(CALLS):
+        for i, (question, tool) in enumerate(asks):
             body = {"model": "m", "messages": [{"role": "user", "content": question}]}
-            request = ChatRequest.model_validate({**body, "tools": [tool], "tool_choice": "required"})
+            if args.choice == "named":
+                body |= {"tools": [tool], "tool_choice": "required"}
+            else:
+                body |= {"tools": TOOLS, "tool_choice": args.choice}
+            request = ChatRequest.model_validate(body)
             grammar = JsonGrammar(stack.json_tokens, request.output_schema[1])
             ids = codec.encode_chat(request.template_messages())
             params = SamplingParams(max_new_tokens=args.max_tokens, penalties=Penalties(grammar=grammar))
@@ -99,13 +128,18 @@ def main() -> None:
                 text = codec.decode(out["ar"])
                 state = grammar.advance(grammar.start(), out["ar"])
                 ok = state.mode == DONE and isinstance(json.loads(text), dict)
+                verdict = _verdict(text, args.choice, tool)
                 closed += ok
+                right += "right" in verdict or args.choice == "named"
                 tokens += len(out["ar"])
-                name, flat = tool["function"]["name"], " ".join(text.split())
-                print(f"{name}: {flat}  ({len(out['ar'])} tokens, closed: {ok})")
-    per_call = tokens / len(CALLS)
-    print(f"{closed}/{len(CALLS)} calls closed as JSON their schema takes; {per_call:.1f} tokens each")
-    print(f"ngram x ar, whole call incl. prefill (median of {len(ratios)}): {statistics.median(ratios):.3f}")
+                flat = " ".join(text.split())
+                print(f"{question!r}: {flat}  ({len(out['ar'])} tokens, closed: {ok}; {verdict})")
+    per_call = tokens / len(asks)
+    print(f"{closed}/{len(asks)} answers closed as JSON their schema takes; {per_call:.1f} tokens each")
+    if args.choice != "named":
+        print(f"{right}/{len(asks)} called the tool the question wants (or replied where none does)")
+    median = statistics.median(ratios)
+    print(f"ngram x ar, whole answer incl. prefill (median of {len(ratios)}): {median:.3f}")
     print(f"ngram outputs differing from ar's: {mismatches}")
 
 

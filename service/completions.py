@@ -32,9 +32,12 @@ from service.errors import SERVER_ERROR, APIError
 from service.requests import AsyncSink, Done, GenerationRequest, Outcome, PromptLogprobs
 from service.schemas import SamplingFields
 from service.textstream import TextAssembler
+from service.tool_reader import EnvelopeReader
+from service.tools import ToolPlan
 
 _GRACE_S = 2.0  # the handler waits this much past the deadline for the engine's own timeout
 _POLL_S = 0.5  # non-streaming handlers check for a client disconnect this often
+Line = str | None  # an SSE line, or nothing to send
 NO_PROBABILITY = -9999.0  # the logprob OpenAI reports for a token of no probability
 
 
@@ -50,8 +53,18 @@ class Job:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text was not sent yet
     offset: int = 0  # characters of token text reported so far (completions' ``text_offset``)
     echo: str | None = None  # the prompt's text, sent before the completion (completions' ``echo``)
-    call: str | None = None  # the function the answer calls (chat ``tool_choice``): its text is the arguments
+    tools: ToolPlan | None = None  # what the answer may call (chat ``tools``): ``service/tools.py``
     call_id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    reader: EnvelopeReader | None = field(default=None, init=False)  # a streamed envelope, read as it comes
+
+    def __post_init__(self) -> None:
+        if self.tools is not None and not self.tools.named:
+            self.reader = EnvelopeReader()
+
+    @property
+    def named_call(self) -> str | None:
+        """The function a named call calls (its text is the arguments); None otherwise."""
+        return self.tools.functions[0].name if self.tools is not None and self.tools.named else None
 
 
 @dataclass(frozen=True)
@@ -291,24 +304,46 @@ async def _choice(ctx: ServiceContext, index: int, job: Job, client: Request, ch
         reason = piece.finish or reason
         prompt = piece.prompt if piece.prompt is not None else prompt
     text, logprobs = "".join(parts), _logprobs_field(ctx, job, lps, chat=chat, prompt=prompt)
-    if chat and job.call is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": [_call(job, text)]}
-        return {
-            "index": index,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": _call_reason(reason),
-        }
-    if chat:
-        message = {"role": "assistant", "content": text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    name, arguments = job.named_call, text
+    if job.reader is not None:  # the model chose: a call, or a reply in text
+        job.reader.feed(text)
+        name, arguments = job.reader.name, job.reader.arguments
+        message["content"] = job.reader.content
+    if name is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": [_call(job, name, arguments)]}
+        reason = _call_reason(reason)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _call(job: Job, arguments: str, *, index: int | None = None) -> dict[str, Any]:
-    """A tool call of ``job.call`` with ``arguments`` (a stream's first delta: with ``index``)."""
-    call = {"id": job.call_id, "type": "function", "function": {"name": job.call, "arguments": arguments}}
+def _call(job: Job, name: str, arguments: str, *, index: int | None = None) -> dict[str, Any]:
+    """A tool call of ``name`` with ``arguments`` (a stream's first delta: with ``index``)."""
+    call = {"id": job.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     return call if index is None else {"index": index, **call}
+
+
+def _chat_delta(job: Job, text: str) -> dict[str, Any]:
+    """The ``delta`` of a streamed chat chunk carrying ``text``: content, a named call's
+    arguments, or what a chosen call's envelope made known (its name, arguments, a reply)."""
+    if job.named_call is not None:
+        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+    if job.reader is None:
+        return {"content": text}
+    known = job.reader.feed(text)
+    if known.name is not None:
+        return {"tool_calls": [_call(job, known.name, known.arguments, index=0)]}
+    if known.arguments:
+        return {"tool_calls": [{"index": 0, "function": {"arguments": known.arguments}}]}
+    # a reply's first delta sets the content the stream's role chunk left null
+    return {"content": known.content} if known.content or known.kind == "reply" else {}
+
+
+def _finish_reason(job: Job, reason: str | None) -> str | None:
+    """A chat choice's finish reason: a call's ``stop`` is ``tool_calls``."""
+    called = job.named_call is not None or (job.reader is not None and job.reader.kind == "call")
+    return _call_reason(reason) if called else reason
 
 
 def _call_reason(reason: str | None) -> str | None:
@@ -323,15 +358,17 @@ def _sse_line(obj: dict[str, Any]) -> str:
 async def _sse(
     ctx: ServiceContext, jobs: Sequence[Job], head: dict[str, Any], *, chat: bool, include_usage: bool
 ) -> AsyncIterator[str]:
-    def chunk(i: int, text: str | None, reason: str | None, piece: Piece | None = None, **extra: Any) -> str:
+    def chunk(i: int, text: str | None, reason: str | None, piece: Piece | None = None, **extra: Any) -> Line:
+        """The SSE line of a piece or of a choice's end; None where a piece carries nothing to send
+        (an envelope's bytes that made nothing known yet)."""
         lps, prompt = (piece.logprobs, piece.prompt) if piece is not None else ([], None)
         logprobs = _logprobs_field(ctx, jobs[i], lps, chat=chat, prompt=prompt) if lps or prompt else None
-        if chat and jobs[i].call is not None:  # the arguments' text, as the call's deltas
-            delta = {} if text is None else {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": _call_reason(reason)}
-        elif chat:
-            delta = {} if text is None else {"content": text}
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        if chat:
+            delta = {} if text is None else _chat_delta(jobs[i], text)
+            if not (delta or logprobs or reason):
+                return None
+            choice = {"index": i, "delta": delta, "logprobs": logprobs}
+            choice["finish_reason"] = _finish_reason(jobs[i], reason)
         else:
             choice = {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         return _sse_line({**head, "choices": [choice], **extra})
@@ -339,14 +376,17 @@ async def _sse(
     try:
         if chat:
             for i, job in enumerate(jobs):
-                opening = {"role": "assistant", "content": ""}
-                if job.call is not None:  # the call's id and name first, its arguments as they come
-                    opening = {"role": "assistant", "content": None, "tool_calls": [_call(job, "", index=0)]}
+                opening = {"role": "assistant", "content": "" if job.reader is None else None}
+                if job.named_call is not None:  # the call's id and name first, its arguments as they come
+                    call = _call(job, job.named_call, "", index=0)
+                    opening = {"role": "assistant", "content": None, "tool_calls": [call]}
                 role = {"index": i, "delta": opening, "finish_reason": None}
                 yield _sse_line({**head, "choices": [role]})
         async for i, piece in _interleaved(ctx, jobs):
-            if piece.text or piece.logprobs or piece.prompt is not None:
-                yield chunk(i, piece.text, None, piece)
+            sent = piece.text or piece.logprobs or piece.prompt is not None
+            line = chunk(i, piece.text, None, piece) if sent else None
+            if line is not None:
+                yield line
             if piece.finish is not None:
                 yield chunk(i, None, piece.finish, evospec=spec_fields(ctx.engine.method, jobs[i].stats))
         if include_usage:

@@ -35,6 +35,7 @@ from service.errors import SERVER_ERROR, APIError
 from service.prompting import PromptEncoder
 from service.schemas import ChatRequest, CompletionRequest, SamplingFields, parse_body
 from service.textstream import TextAssembler
+from service.tools import ToolPlan
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 REQUEST_BODIES: dict[str, type[BaseModel]] = {  # for the OpenAPI schema (app.py)
@@ -107,8 +108,8 @@ def router(ctx: ServiceContext) -> APIRouter:
         ids = await encoder.chat(body.template_messages())
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         grammar = await _grammar(ctx, body)
-        call = None if body.function is None else body.function.name
-        jobs = _submit(ctx, body, ids, body.requested_max_tokens, param, None, "messages", grammar, call=call)
+        max_tokens = body.requested_max_tokens
+        jobs = _submit(ctx, body, ids, max_tokens, param, None, "messages", grammar, tools=body.tools_plan)
         return await respond(ctx, jobs, body, request, chat=True)
 
     return r
@@ -197,7 +198,7 @@ def _submit(
     *,
     echo: str | None = None,
     generate: bool = True,
-    call: str | None = None,
+    tools: ToolPlan | None = None,
 ) -> list[Job]:
     max_tokens = _max_tokens(ctx, ids, max_tokens, max_param, default_max, prompt_param)
     bad = [i for i, _ in body.penalties.bias if i >= ctx.model.vocab_size]
@@ -234,7 +235,8 @@ def _submit(
             )
             sink = AsyncSink()
             ctx.engine.submit(request, sink)
-            jobs.append(Job(request, sink, TextAssembler(ctx.model.codec, body.stops), echo=echo, call=call))
+            text = TextAssembler(ctx.model.codec, body.stops)
+            jobs.append(Job(request, sink, text, echo=echo, tools=tools))
     except EngineBusy as exc:
         cancel_running(jobs)  # a request is all its choices or none
         raise APIError(

@@ -35,7 +35,7 @@ from evospec.decoding.json_schema import OBJECT, Schema, SchemaError, compile_sc
 from evospec.decoding.logprobs import MAX_TOP_LOGPROBS
 from evospec.decoding.penalties import BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE, Penalties
 from service.errors import APIError
-from service.tools import Function, forced_function, with_function
+from service.tools import ToolPlan, tool_plan, with_tools
 
 log = logging.getLogger("evospec.service")
 
@@ -237,9 +237,9 @@ class SamplingFields(_Strict):
         return Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias, repetition)
 
     @cached_property
-    def function(self) -> Function | None:
-        """The function the answer calls (chat's ``tool_choice``: ``service/tools.py``); None:
-        the answer is text."""
+    def tools_plan(self) -> ToolPlan | None:
+        """What the answer may call (chat's ``tools`` / ``tool_choice``: ``service/tools.py``);
+        None: the answer is text."""
         return None
 
     @cached_property
@@ -250,12 +250,14 @@ class SamplingFields(_Strict):
         both ask, or where the schema goes past what the grammar supports (``json_schema.py``)."""
         fmt = self.response_format or {}
         kind = fmt.get("type", "text")
-        if self.function is not None:
+        plan = self.tools_plan
+        if plan is not None:
             if kind != "text":
                 raise APIError.bad_request(
                     "a tool call and a response_format cannot both shape the answer", param="tool_choice"
                 )
-            return _compiled(self.function.schema(), "tools", f"tools: {self.function.name}'s parameters")
+            names = ", ".join(fn.name for fn in plan.functions)
+            return _compiled(plan.schema(), "tools", f"tools: the parameters of {names}")
         if kind == "text":
             return None
         if kind == "json_object":
@@ -356,7 +358,7 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
-    tool_choice: Any = None  # "none", "required" (one tool) or {"type": "function", ...}: service/tools.py
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", ...}: service/tools.py
     parallel_tool_calls: bool | None = None  # accepted; an answer makes one call
 
     def check_supported(self) -> None:
@@ -365,8 +367,8 @@ class ChatRequest(SamplingFields):
             raise APIError.bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
 
     @cached_property
-    def function(self) -> Function | None:
-        return forced_function(self.tools, self.tool_choice)
+    def tools_plan(self) -> ToolPlan | None:
+        return tool_plan(self.tools, self.tool_choice)
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -378,7 +380,7 @@ class ChatRequest(SamplingFields):
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them (``developer`` is a system message; tool
-        calls as text, the called function described: ``tools.with_function``)."""
+        calls as text, the tools described: ``tools.with_tools``)."""
         messages = [
             {
                 "role": "system" if m.role == "developer" else m.role,
@@ -387,4 +389,4 @@ class ChatRequest(SamplingFields):
             }
             for m in self.messages
         ]
-        return with_function(messages, self.function)
+        return with_tools(messages, self.tools_plan)

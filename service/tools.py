@@ -1,19 +1,27 @@
-"""Function calling that names its function: ``tools`` with ``tool_choice`` set to one function
-(or ``"required"`` with one tool), answered as a tool call whose arguments follow the function's
-parameters schema.
+"""Function calling: ``tools`` and ``tool_choice`` -> what the answer may be, and the prompt
+that asks for it.
 
-Owns: :class:`Function` (a tool's name, description and parameters), :func:`forced_function`
-(the request's ``tools`` / ``tool_choice`` -> the function the answer must call, None where no
-call is asked for, 400s for what is not supported) and :func:`with_function` (the chat messages
-with the function described to the model, and earlier tool calls and results written as text).
-The arguments are generated under the parameters' JSON schema (``decoding/json_schema.py``), the
-way vLLM answers a named ``tool_choice``: the model does not decide whether to call, the client
-did. ``tool_choice: "auto"`` -- the model deciding, in a format of its own -- needs a parser
-per model family and is refused rather than answered as text.
+Owns: :class:`Function` (a tool's name, description and parameters), :class:`ToolPlan` (what
+the answer may be, and the JSON schema it is generated under), :func:`tool_plan` (the request's
+``tools`` / ``tool_choice`` -> a plan, None where the answer is plain text, 400s for what is not
+supported) and :func:`with_tools` (the chat messages with the tools described to the model, and
+earlier tool calls and results written as text).
+
+Two ways to call. A ``tool_choice`` naming a function (or ``"required"`` with one tool): the
+client decided, and the answer is that function's arguments, generated under its parameters'
+JSON schema (``decoding/json_schema.py``), the way vLLM answers a named ``tool_choice``.
+``"auto"`` (also what tools without a ``tool_choice`` mean) and ``"required"`` with several
+tools: the model decides, writing one JSON object -- ``{"name": NAME, "arguments": {...}}``
+calls a function, ``{"response": "..."}`` (``auto`` only) answers in text -- generated under a
+schema that admits exactly those (each function's arguments under its own parameters); the
+handler reads it back as a call or a reply (``tool_reader.py``). The same envelope serves every
+model, whatever tool format it was trained on (llama.cpp's generic tool calls work the same way);
+an answer makes at most one call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +62,52 @@ def _functions(tools: list[Any]) -> dict[str, Function]:
     return out
 
 
-def forced_function(tools: list[Any] | None, tool_choice: Any) -> Function | None:
-    """The function the answer calls; None where ``tool_choice`` is ``"none"`` or there are no
-    tools (then the answer is text)."""
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the answer may be: with ``named``, the arguments of ``functions[0]`` and nothing
+    else; otherwise one JSON object calling one of ``functions`` -- or, with ``reply``, answering
+    in text."""
+
+    functions: tuple[Function, ...]
+    named: bool
+    reply: bool = False
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema the answer is generated under."""
+        if self.named:
+            return self.functions[0].schema()
+        calls = [_closed_object(name={"const": fn.name}, arguments=fn.schema()) for fn in self.functions]
+        if self.reply:
+            calls.append(_closed_object(response={"type": "string"}))
+        return {"anyOf": calls}
+
+    def instruction(self) -> str:
+        """What the system message tells the model."""
+        if self.named:
+            fn = self.functions[0]
+            about = f": {fn.description}" if fn.description else ""
+            return (
+                f"Call the function `{fn.name}`{about}. Reply with its arguments only, as one JSON object "
+                f"that follows this JSON schema: {json.dumps(fn.schema(), ensure_ascii=False)}"
+            )
+        lines = ["You can call these functions:"]
+        for fn in self.functions:
+            about = f": {fn.description}" if fn.description else ""
+            lines.append(f"- `{fn.name}`{about} Arguments: {json.dumps(fn.schema(), ensure_ascii=False)}")
+        how = 'Reply with one JSON object: {"name": FUNCTION, "arguments": {...}} to call a function'
+        lines.append(how + (', or {"response": TEXT} to answer without calling one.' if self.reply else "."))
+        return "\n".join(lines)
+
+
+def _closed_object(**properties: dict[str, Any]) -> dict[str, Any]:
+    """An object schema with exactly ``properties``, all required, in this order."""
+    required = list(properties)
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+def tool_plan(tools: list[Any] | None, tool_choice: Any) -> ToolPlan | None:
+    """What the answer may be; None where ``tool_choice`` is ``"none"`` or there are no tools
+    (then the answer is text)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise APIError.bad_request("tool_choice needs tools", param="tool_choice")
@@ -65,25 +116,19 @@ def forced_function(tools: list[Any] | None, tool_choice: Any) -> Function | Non
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
-        raise APIError.unsupported(
-            "tool_choice",
-            "tool_choice 'auto' (the model choosing whether to call, in its own format; name the function, "
-            "or use 'required' with one tool)",
-        )
+        return ToolPlan(tuple(functions.values()), named=False, reply=True)
     if tool_choice == "required":
-        if len(functions) != 1:
-            raise APIError.unsupported("tool_choice", "tool_choice 'required' with several tools")
-        return next(iter(functions.values()))
+        return ToolPlan(tuple(functions.values()), named=len(functions) == 1)
     named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
     fn = tool_choice.get("function") if named else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or name not in functions:
         raise APIError.bad_request(
-            "tool_choice must be 'none', 'required' or {'type': 'function', 'function': {'name': NAME}} "
-            f"naming one of the tools ({', '.join(functions)})",
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+            f"{{'name': NAME}}}} naming one of the tools ({', '.join(functions)})",
             param="tool_choice",
         )
-    return functions[name]
+    return ToolPlan((functions[name],), named=True)
 
 
 def _function_of(call: Any) -> dict[str, Any]:
@@ -92,32 +137,30 @@ def _function_of(call: Any) -> dict[str, Any]:
     return fn if isinstance(fn, dict) else {}
 
 
-def _instruction(fn: Function) -> str:
-    about = f": {fn.description}" if fn.description else ""
-    return (
-        f"Call the function `{fn.name}`{about}. Reply with its arguments only, as one JSON object "
-        f"that follows this JSON schema: {json.dumps(fn.schema(), ensure_ascii=False)}"
-    )
+def _written(fn: dict[str, Any]) -> str:
+    """An earlier call as the envelope writes one (its arguments as JSON where they parse)."""
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments)
+    return json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
 
 
-def with_function(messages: list[dict[str, Any]], fn: Function | None) -> list[dict[str, str]]:
+def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, str]]:
     """Messages for the chat template: an assistant's earlier ``tool_calls`` written as the JSON
-    of each call, a tool result as its content, and -- where ``fn`` is to be called -- the call's
+    of each call, a tool result as its content, and -- where the answer may call -- the plan's
     instruction joined to the system message (one is put first where there is none)."""
     out = []
     for m in messages:
         content = m.get("content") or ""
         calls = m.get("tool_calls") or []
         if calls:
-            written = [
-                json.dumps({"name": f.get("name"), "arguments": f.get("arguments")})
-                for f in map(_function_of, calls)
-            ]
+            written = [_written(f) for f in map(_function_of, calls)]
             content = "\n".join([content, *written]) if content else "\n".join(written)
         out.append({"role": m["role"], "content": content})
-    if fn is not None:
+    if plan is not None:
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{_instruction(fn)}".lstrip()}
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{plan.instruction()}".lstrip()}
         else:
-            out.insert(0, {"role": "system", "content": _instruction(fn)})
+            out.insert(0, {"role": "system", "content": plan.instruction()})
     return out

@@ -20,7 +20,7 @@ discriminator),
 ``description``, ...) ignored; ``minimum`` / ``maximum`` / ``exclusiveMinimum`` /
 ``exclusiveMaximum`` for integers, ``minimum: 0`` for numbers. Anything else -- ``pattern``,
 other formats, other bounds of numbers, ``allOf`` of several schemas, ... -- is refused rather
-than generated unchecked. The root is an object or an array. Knows JSON only.
+than generated unchecked. The root is an object or an array, or a union of them. Knows JSON only.
 """
 
 from __future__ import annotations
@@ -420,6 +420,8 @@ def compile_schema(schema: Any) -> Schema:
     if len(nodes) > MAX_NODES:
         raise SchemaError(f"the schema is too large (more than {MAX_NODES} parts)")
     out = Schema(tuple(nodes), root)
-    if out.nodes[root].kind not in ("object", "array"):
-        raise SchemaError("the schema's root must be an object or an array")
+    top = out.nodes[root]
+    alts = top.alts if top.kind == "union" else (root,)
+    if any(out.nodes[a].kind not in ("object", "array") for a in alts):
+        raise SchemaError("the schema's root must be an object or an array (or a union of them)")
     return out

@@ -154,6 +154,7 @@ def _nested(depth: int) -> dict:
         ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "$ref"),
         ({"type": "object", "properties": {}, "required": ["a"]}, "'a'"),
         ({"type": "string"}, "root"),
+        ({"anyOf": [{"type": "object"}, {"type": "string"}]}, "root"),  # a union root: objects or arrays
         ({"type": "object", "properties": {"a": {"type": "date"}}}, "date"),
         ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems"),
         ([1, 2], "JSON object"),
@@ -357,6 +358,31 @@ class Txt(pydantic.BaseModel):
 
 class Box(pydantic.BaseModel):
     item: Num | Txt = pydantic.Field(discriminator="kind")
+
+
+def test_a_union_of_objects_may_be_the_root():
+    """What a chosen tool call's envelope is (service/tools.py): each call's arguments under its
+    own schema, told apart by the name before them, or a reply."""
+
+    def call(name: str, args: dict) -> dict:
+        props = {"name": {"const": name}, "arguments": args}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+    reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
+    string = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    number = {"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]}
+    machine = JsonMachine(compile_schema({"anyOf": [call("f", string), call("g", number), reply]}))
+    for text, ok in [
+        ('{"name": "f", "arguments": {"q": "x"}}', True),
+        ('{"name": "g", "arguments": {"q": 3}}', True),
+        ('{"response": "hello"}', True),
+        ('{"name": "f", "arguments": {"q": 3}}', False),
+        ('{"name": "g", "arguments": {"q": "x"}}', False),
+        ('{"name": "h", "arguments": {}}', False),
+        ('{"response": "x", "name": "f"}', False),
+    ]:
+        state = machine.walk(machine.start(), text.encode())
+        assert (state is not None and state.mode == DONE) == ok, text
 
 
 def test_a_discriminator_before_a_shared_name_lets_its_schemas_differ():

@@ -1,11 +1,15 @@
-"""Function calling with a named ``tool_choice``: the answer is one tool call whose arguments
-are what plain decoding writes under the function's parameters schema, streamed as OpenAI
-streams calls; what is not supported is a clear 400."""
+"""Function calling. A named ``tool_choice``: the answer is one tool call whose arguments are
+what plain decoding writes under the function's parameters schema. ``auto`` and ``required``
+with several tools: the model writes one JSON envelope under a schema of every call (and, for
+``auto``, a reply), which comes back as a call or as text. Both stream as OpenAI streams calls;
+what is not supported is a clear 400."""
 
 from __future__ import annotations
 
 import json
+from typing import Literal
 
+import pydantic
 import pytest
 
 from evospec.decoding.json_grammar import DONE, JsonGrammar, JsonMachine, TokenTable
@@ -13,6 +17,7 @@ from evospec.decoding.json_schema import compile_schema
 from evospec.decoding.penalties import Penalties
 from evospec.decoding.sampling import SamplingParams
 from service.schemas import ChatRequest
+from service.tool_reader import EnvelopeReader
 from tests.decoding.spec_helpers import ar_tokens
 from tests.service.helpers import MODEL_NAME, api_error, perfect_draft_decoder, post_ok
 
@@ -43,12 +48,17 @@ def _body(**extra) -> dict:
     return {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 40, "temperature": 0, **extra}
 
 
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}  # fmt: skip
+
+
 def _want(codec, tiny, body: dict) -> str:
+    """What plain decoding writes for ``body`` under the schema its tools ask for."""
     request = ChatRequest.model_validate(body)
-    schema = compile_schema(WEATHER["function"]["parameters"])
-    grammar = JsonGrammar(TokenTable.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size), schema)
+    table = TokenTable.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size)
+    grammar = JsonGrammar(table, request.output_schema[1])
     ids = codec.encode_chat(request.template_messages())
-    params = SamplingParams(max_new_tokens=40, penalties=Penalties(grammar=grammar))
+    params = SamplingParams(max_new_tokens=body["max_tokens"], penalties=Penalties(grammar=grammar))
     return codec.decode(ar_tokens(tiny, ids, params, codec.eos_ids))
 
 
@@ -76,7 +86,7 @@ def test_the_function_is_described_to_the_model_and_earlier_calls_are_written_as
         "Be brief.\n\nCall the function `get_weather`"
     )
     assert '"required": ["city", "unit"]' in messages[0]["content"]
-    assert json.loads(messages[2]["content"]) == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert json.loads(messages[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Rome"}}
     assert messages[3] == {"role": "tool", "content": "18 C"}
     plain = ChatRequest.model_validate(_body(tools=[WEATHER], tool_choice="none")).template_messages()
     assert plain == [{"role": "user", "content": MESSAGES[0]["content"]}]  # no call: no instruction
@@ -134,10 +144,9 @@ def test_a_streamed_call_sends_its_name_first_and_then_its_arguments(serve, code
 @pytest.mark.parametrize(
     ("extra", "code", "param"),
     [
-        ({"tools": [WEATHER]}, "unsupported_parameter", "tool_choice"),  # auto: the model would choose
-        ({"tools": [WEATHER], "tool_choice": "auto"}, "unsupported_parameter", "tool_choice"),
-        ({"tools": [WEATHER, {**WEATHER, "function": {"name": "other"}}], "tool_choice": "required"},
-         "unsupported_parameter", "tool_choice"),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "auto"}, "invalid_value", "tools.1"),  # a name twice
+        ({"tools": [WEATHER, DATED]}, "unsupported_schema", "tools"),  # auto: every tool's parameters
+        ({"tools": [WEATHER, DATED], "tool_choice": "required"}, "unsupported_schema", "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "invalid_value", "tool_choice"),
         ({"tool_choice": NAMED}, "invalid_value", "tool_choice"),
@@ -169,7 +178,7 @@ def test_a_request_works_its_tool_call_and_schema_out_once(monkeypatch):
     request.check_supported()
     request.template_messages()
     assert request.output_schema[0] == json.dumps(WEATHER["function"]["parameters"], sort_keys=True)
-    assert request.function is request.function and len(compiled) == 1
+    assert request.tools_plan is request.tools_plan and len(compiled) == 1
 
 
 def test_odd_earlier_calls_are_written_as_they_are():
@@ -187,3 +196,136 @@ def test_tool_choice_none_answers_with_text(serve):
     live = serve()
     out = post_ok(live, "/v1/chat/completions", _body(tools=[WEATHER], tool_choice="none"))["choices"][0]
     assert isinstance(out["message"]["content"], str) and "tool_calls" not in out["message"]
+
+
+def _message_of_stream(text: str) -> tuple[dict, str]:
+    """A streamed chat answer put together as a whole one's message (the call's id aside), and
+    its finish reason."""
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    content, name, arguments = "", None, ""
+    for chunk in chunks:
+        delta = chunk["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls") or []:
+            assert call["index"] == 0
+            if "id" in call:
+                assert name is None and call["type"] == "function"
+                name = call["function"]["name"]
+            arguments += call["function"]["arguments"]
+    reason = chunks[-1]["choices"][0]["finish_reason"]
+    if name is None:
+        return {"role": "assistant", "content": content}, reason
+    assert content == ""
+    return {"role": "assistant", "content": None, "name": name, "arguments": arguments}, reason
+
+
+def _message(whole: dict) -> dict:
+    message = dict(whole["message"])
+    calls = message.pop("tool_calls", None)
+    if calls:
+        (call,) = calls
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        message |= {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+    return message
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize("method", ["ar", "perfect-draft"])
+def test_a_chosen_call_is_the_envelope_plain_decoding_writes_read_back(serve, codec, tiny, choice, method):
+    """auto / required with several tools: the model writes {"name", "arguments"} (or, auto,
+    {"response"}) under one schema; the answer is that envelope read as a call or a reply."""
+    live = serve() if method == "ar" else serve(perfect_draft_decoder(tiny, codec))
+    body = _body(tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60)
+    out = post_ok(live, "/v1/chat/completions", body)["choices"][0]
+    envelope = _want(codec, tiny, body)
+    reader = EnvelopeReader()
+    reader.feed(envelope)
+    machine = JsonMachine(ChatRequest.model_validate(body).output_schema[1])
+    closed = machine.walk(machine.start(), envelope.encode())
+    assert closed is not None  # the envelope follows the schema, whole or cut
+    if choice == "required":
+        assert reader.kind == "call"
+    message = _message(out)
+    if reader.kind == "call":
+        assert message == {
+            "role": "assistant",
+            "content": None,
+            "name": reader.name,
+            "arguments": reader.arguments,
+        }
+        assert out["finish_reason"] == ("tool_calls" if closed.mode == DONE else "length")
+        if closed.mode == DONE:
+            assert json.loads(envelope) == {"name": reader.name, "arguments": json.loads(reader.arguments)}
+    else:
+        assert message == {"role": "assistant", "content": reader.content}
+        assert out["finish_reason"] == ("stop" if closed.mode == DONE else "length")
+
+
+def test_auto_calls_or_replies_and_a_stream_tells_the_same_answer(serve):
+    """Sampled answers (seeded: a stream and a whole answer draw the same tokens) under auto:
+    both kinds of answer come up, and each stream puts together into the whole answer."""
+    live = serve()
+    kinds = set()
+    for seed in range(24):
+        body = _body(tools=[WEATHER, TIME], temperature=1.0, seed=seed, max_tokens=48)
+        whole = post_ok(live, "/v1/chat/completions", body)["choices"][0]
+        with live.http() as http:
+            streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
+        message, reason = _message_of_stream(streamed.text)
+        assert message == _message(whole) and reason == whole["finish_reason"]
+        kinds.add("call" if message["content"] is None else "reply")
+        if kinds == {"call", "reply"} and seed >= 3:
+            break
+    assert kinds == {"call", "reply"}
+
+
+def test_earlier_calls_are_written_as_the_envelope_the_model_writes():
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "12:00"},
+    ]  # fmt: skip
+    request = ChatRequest.model_validate(_body(messages=history, tools=[WEATHER, TIME]))
+    messages = request.template_messages()
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith(
+        "You can call these functions:"
+    )
+    assert '{"response": TEXT}' in messages[0]["content"]
+    envelope = JsonMachine(request.output_schema[1])
+    assert envelope.walk(envelope.start(), messages[2]["content"].encode()).mode == DONE
+    required = ChatRequest.model_validate(_body(tools=[WEATHER, TIME], tool_choice="required"))
+    assert "response" not in required.template_messages()[0]["content"]
+
+
+def test_the_openai_sdk_streams_and_parses_a_chosen_answer(serve):
+    """Several tools and ``required`` (the model choosing, as under ``auto``), as an agent sends
+    them through the SDK: the call is parsed into its model, and the SDK's stream helper puts the
+    chunks together into what the whole answer says. (Enum arguments: even the tiny random
+    model closes them, where a reply would run to the length limit, which ``parse`` refuses.)"""
+    import openai
+
+    class Zone(pydantic.BaseModel):
+        zone: Literal["UTC", "CET"]
+
+    class Unit(pydantic.BaseModel):
+        unit: Literal["C", "F"]
+
+    client = serve().openai()
+    ask = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 60, "temperature": 0}
+    tools = [openai.pydantic_function_tool(Zone), openai.pydantic_function_tool(Unit)]
+    whole = client.chat.completions.parse(**ask, tools=tools, tool_choice="required").choices[0]
+    with client.chat.completions.stream(**ask, tools=tools, tool_choice="required") as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason
+    assert final.message.content == whole.message.content
+    calls = [
+        (c.function.name, c.function.arguments, c.function.parsed_arguments)
+        for c in whole.message.tool_calls or []
+    ]
+    assert calls == [
+        (c.function.name, c.function.arguments, c.function.parsed_arguments)
+        for c in final.message.tool_calls or []
+    ]
+    assert whole.finish_reason == "tool_calls" and len(calls) == 1
+    assert isinstance(calls[0][2], Zone | Unit) and calls[0][0] == type(calls[0][2]).__name__
