@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-import threading
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -63,8 +62,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         vocab_size=stack.loaded.model.cfg.vocab_size,
         eos_ids=stack.eos_ids,
     )
-    # JSON mode's token table is built now, beside the first requests, not by the first JSON one
-    threading.Thread(target=served.json_grammar, name="evospec-json-tokens", daemon=True).start()
+    served.prepare_json()
     app = create_app(engine, served, config)
     keeper = persistence.keeper_for(config, engine, served.name, stack.loaded.model, stack.draft)
     persistence.attach(app, keeper)
