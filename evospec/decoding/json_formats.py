@@ -1,5 +1,6 @@
 """String formats a JSON schema may name, as small byte automata: ``date``, ``time``,
-``date-time`` (RFC 3339) and ``uuid``.
+``date-time`` (RFC 3339) and ``uuid`` (and a ``pattern``'s automaton, ``json_regex.py``, behind
+the same three functions).
 
 Owns: :data:`FORMATS`, :func:`start`, :func:`step` and :func:`done` over a position ``at`` --
 a short tuple, so that the JSON grammar's states (``json_grammar.py``) repeat across values and
@@ -91,12 +92,17 @@ def _time(pos: int, e, b: int):
     return None
 
 
-def start(fmt: str):
+def start(fmt):
+    """Where a value of ``fmt`` (a format's name, or a ``json_regex.Pattern``) starts."""
+    if not isinstance(fmt, str):
+        return fmt.start()
     return ("t", 0, None) if fmt == "time" else ("d", 0, None)
 
 
-def step(fmt: str, at, b: int):
+def step(fmt, at, b: int):
     """The position after byte ``b`` at ``at``; None where ``b`` cannot follow."""
+    if not isinstance(fmt, str):
+        return fmt.step(at, b)
     part, pos, e = at
     if fmt == "uuid":
         if pos >= 36 or (b == ord("-")) != (pos in _UUID_DASHES) or (b != ord("-") and b not in _HEX):
@@ -111,8 +117,10 @@ def step(fmt: str, at, b: int):
     return None if nxt is None else (part, *nxt)
 
 
-def done(fmt: str, at) -> bool:
+def done(fmt, at) -> bool:
     """Whether the text at ``at`` is a whole value of ``fmt``."""
+    if not isinstance(fmt, str):
+        return fmt.done(at)
     part, pos, _ = at
     if fmt == "uuid":
         return pos == 36

@@ -10,7 +10,8 @@ The supported subset is what structured-output clients send (OpenAI's strict sub
 are written in the schema's order, optional ones may be left out), ``additionalProperties``
 (with no ``properties``: the values of free keys), ``items`` / ``prefixItems`` / ``minItems`` /
 ``maxItems``, ``minLength`` / ``maxLength`` (in code points; an escape is one), ``format``
-``date`` / ``time`` / ``date-time`` / ``uuid`` (``json_formats.py``), ``enum`` /
+``date`` / ``time`` / ``date-time`` / ``uuid`` (``json_formats.py``), ``pattern`` (a regular
+expression's subset, ``json_regex.py``), ``enum`` /
 ``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a number, an
 object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional field) or are
 objects with properties, told apart by the keys and enum values written (Pydantic's unions of
@@ -18,9 +19,9 @@ models, discriminated or not; a name they share has one schema, or enums, or com
 discriminator),
 ``$ref`` into ``$defs`` / ``definitions`` (recursion included), and annotations (``title``,
 ``description``, ...) ignored; ``minimum`` / ``maximum`` / ``exclusiveMinimum`` /
-``exclusiveMaximum`` for integers, ``minimum: 0`` for numbers. Anything else -- ``pattern``,
-other formats, other bounds of numbers, ``allOf`` of several schemas, ... -- is refused rather
-than generated unchecked. The root is an object or an array, or a union of them. Knows JSON only.
+``exclusiveMaximum`` for integers, ``minimum: 0`` for numbers. Anything else -- other formats,
+other bounds of numbers, ``allOf`` of several schemas, ... -- is refused rather than generated
+unchecked. The root is an object or an array, or a union of them. Knows JSON only.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from evospec.decoding.json_formats import FORMATS
+from evospec.decoding.json_regex import Pattern, compile_pattern
 
 ANY, ANY_OBJECT, ANY_ARRAY, STRING, NUMBER, TRUE_FALSE_NULL = range(6)  # every schema's first nodes
 MAX_NODES = 4096  # parts of a compiled schema
@@ -44,7 +46,7 @@ _ANNOTATIONS = frozenset(
 _KEYS = {
     "object": {"type", "properties", "required", "additionalProperties"},
     "array": {"type", "items", "prefixItems", "minItems", "maxItems"},
-    "string": {"type", "minLength", "maxLength", "format"},
+    "string": {"type", "minLength", "maxLength", "format", "pattern"},
     "number": {"type", "minimum"},  # minimum 0 only: the sign left out
     "integer": {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "boolean": {"type"},
@@ -73,7 +75,7 @@ class Node:
     prefix: tuple[int, ...] = ()  # an array's first items' nodes, in order (then ``items``)
     min_len: int = 0  # a string's length bounds, in code points
     max_len: int | None = None
-    fmt: str = ""  # a string's format (json_formats.py)
+    fmt: str | Pattern = ""  # a string's format (json_formats.py) or pattern (json_regex.py)
     low: int | None = None  # an integer's bounds, inclusive; a number's low: 0 or None
     high: int | None = None
     literals: tuple[bytes, ...] = ()
@@ -267,6 +269,15 @@ class _Compiler:
 
     def string(self, s: dict[str, Any], where: str) -> int:
         lo, hi = _bounds(s, "minLength", "maxLength", where)
+        if "pattern" in s:
+            if "format" in s or lo or hi is not None:
+                raise SchemaError(
+                    f"{where}: a pattern beside a format or minLength / maxLength is not supported"
+                )
+            try:
+                return self.add(Node("string", fmt=compile_pattern(s["pattern"])))
+            except ValueError as exc:
+                raise SchemaError(f"{where}: {exc}") from None
         if "format" in s:
             fmt = s["format"]
             if fmt not in FORMATS:

@@ -132,7 +132,8 @@ def _nested(depth: int) -> dict:
 @pytest.mark.parametrize(
     ("schema", "words"),
     [
-        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}, "pattern"),
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}, "lookaround"),
+        ({"type": "array", "items": {"type": "string", "pattern": "x", "maxLength": 3}}, "pattern beside"),
         ({"type": "object", "properties": {"a": {"type": "number", "maximum": 3}}}, "maximum"),
         (
             {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}}},
@@ -360,6 +361,26 @@ class Box(pydantic.BaseModel):
     item: Num | Txt = pydantic.Field(discriminator="kind")
 
 
+class Coded(pydantic.BaseModel):
+    code: str = pydantic.Field(pattern=r"^[A-Z]{3}-\d{2}$")
+    tag: str = pydantic.Field(pattern=r"ok|fine")
+
+
+def test_pydantic_patterns_are_written_as_they_match():
+    """Pydantic's ``pattern`` searches the string (its regex is unanchored unless ^ / $ say so)."""
+    machine = _machine(Coded)
+    cases = [("ABC-12", "ok", True), ("ABC-12", "so fine!", True), ("AB-12", "ok", False),
+             ("ABC-123", "ok", False), ("ABC-12", "nope", False), ("abc-12", "ok", False)]  # fmt: skip
+    for code, tag, ok in cases:
+        text = json.dumps({"code": code, "tag": tag})
+        assert _done(machine, text) == ok, text
+        if ok:
+            Coded.model_validate_json(text)
+        else:
+            with pytest.raises(pydantic.ValidationError):
+                Coded.model_validate_json(text)
+
+
 def test_a_union_of_objects_may_be_the_root():
     """What a chosen tool call's envelope is (service/tools.py): each call's arguments under its
     own schema, told apart by the name before them, or a reply."""
@@ -454,8 +475,10 @@ UNION_ITEMS = {
         ),
         (UNION_ITEMS, b'[{"key": 2, "b": true}, null, {"key": 1, "a": 0}]'),
         ({"type": "array", "items": {"type": "string", "format": "date"}}, b'["2012-01-12", "2000-02-29"]'),
+        ({"type": "array", "items": {"type": "string", "pattern": "^(a|b)+[0-3]?$"}}, b'["ab", "b2", "a"]'),
+        ({"type": "array", "items": {"type": "string", "pattern": "a.?1"}}, b'["xa1", "a 1ru", "truea1"]'),
     ],
-    ids=["object", "union", "date"],
+    ids=["object", "union", "date", "pattern", "unanchored"],
 )
 def test_schema_masks_match_walking_every_piece(schema, text):
     from tests.decoding.test_json_grammar import EOS, PIECES, VOCAB

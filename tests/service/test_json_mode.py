@@ -5,6 +5,7 @@ it, under every method; other formats are clear 400s."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import pydantic
@@ -108,7 +109,28 @@ def test_a_json_schema_shapes_the_output_under_every_method(serve, codec, tiny):
         assert list(data) == ["name", "age", "kind", "tags"] and data["kind"] in ("cat", "dog")
 
 
-PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}
+PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}  # lookaround
+
+
+def test_a_pattern_shapes_its_string(serve, codec, tiny):
+    """``pattern``: the string is one the expression is found in (json_regex.py); a speculative
+    server writes the same text as plain decoding under the grammar."""
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": r"^[A-C]{2}-\d$"}, "n": {"type": "integer"}},
+        "required": ["code", "n"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "coded", "schema": schema}}
+    grammar = JsonGrammar(
+        TokenTable.for_codec(codec, codec.eos_ids, tiny.cfg.vocab_size), compile_schema(schema)
+    )
+    params = SamplingParams(max_new_tokens=60, penalties=Penalties(grammar=grammar))
+    want = codec.decode(ar_tokens(tiny, codec.encode_chat(MESSAGES), params, codec.eos_ids))
+    for live in (serve(), serve(perfect_draft_decoder(tiny, codec))):
+        request = {"messages": MESSAGES, "max_tokens": 60, "temperature": 0, "response_format": fmt}
+        assert post_ok(live, "/v1/chat/completions", request)["choices"][0]["message"]["content"] == want
+    code = want.split('"code"', 1)[1].split('"')[1]  # the forced key, then the string's text
+    assert re.fullmatch(r"[A-C]{2}-\d", code), want
 
 
 @pytest.mark.parametrize(
