@@ -104,11 +104,11 @@ def test_generate_follows_a_json_schema_file(
     text = capsys.readouterr().out[:-1]
     assert json.loads(text)["pet"] in ("cat", "dog")
     schema.write_text(
-        json.dumps({"type": "object", "properties": {"pet": {"type": "string", "pattern": "c.t"}}})
+        json.dumps({"type": "object", "properties": {"pet": {"type": "string", "pattern": "(?=c)at"}}})
     )
     assert main([*argv, "--json-schema", str(schema)]) == 2
     err = capsys.readouterr().err
-    assert "unsupported JSON schema" in err and "'pattern'" in err
+    assert "unsupported JSON schema" in err and "lookaround" in err
     assert main([*argv, "--json-schema", str(tmp_path / "missing.json")]) == 2
     assert "cannot read the JSON schema" in capsys.readouterr().err
 

@@ -24,6 +24,7 @@ import itertools
 from dataclasses import dataclass, field
 
 MAX_STATES = 1024  # deterministic states of one pattern
+MAX_NFA = 20_000  # states of its Thompson automaton (nested counts multiply)
 MAX_REPEAT = 256  # the largest count in {n,m}
 MAX_SOURCE = 1000  # characters of one expression
 _PRINTABLE = frozenset(range(0x20, 0x7F)) - {ord('"'), ord("\\")}  # written as they are in JSON
@@ -62,6 +63,8 @@ class _Nfa:
         self.edges: list[list[tuple[frozenset[int] | None, int]]] = []
 
     def state(self) -> int:
+        if len(self.edges) >= MAX_NFA:
+            raise ValueError(f"the pattern is too large (more than {MAX_NFA} automaton states)")
         self.edges.append([])
         return len(self.edges) - 1
 
@@ -193,7 +196,7 @@ class _Parser:
         if ch.lower() in _CLASSES:
             chars = _CLASSES[ch.lower()]
             return _PRINTABLE - chars if ch.isupper() else chars & _PRINTABLE
-        if ch in _META:
+        if ch in _META or (ch.isascii() and not ch.isalnum() and ch != "_"):  # an identity escape
             return frozenset({ord(ch)}) & _PRINTABLE
         if ch == "u":
             code = self.src[self.i : self.i + 4]

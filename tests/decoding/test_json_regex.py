@@ -30,6 +30,7 @@ PATTERNS = [
     r"^\W\S\w$",
     r"^\u0041\.\/$",
     r"^[]a]$",
+    r'^[^\"]+\!$',
 ]
 ALPHABET = "abcdfoxrzACZ09-@._ /]A!"
 
@@ -109,6 +110,7 @@ def test_characters_json_escapes_and_non_ascii_ones_are_never_generated_by_class
         (r"\u00e9", "above ASCII"),
         ("a" * 1001, "at most"),
         (r"^[ab]*a[ab]{11}$", "states"),  # 2^12 subsets
+        (r"^((a{200}){200})$", "too large"),  # counts multiply before any subset is made
     ],
 )
 def test_what_it_cannot_honour_is_refused_by_name(source, words):
