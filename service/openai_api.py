@@ -60,7 +60,7 @@ def router(ctx: ServiceContext) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await parse_body(request, CompletionRequest)
-        body.check_supported()
+        await asyncio.to_thread(body.check_supported)  # a schema's pattern may take ~0.5 s to compile
         _check_model(ctx, body.model)
         if isinstance(body.prompt, str):
             ids = await encoder.prompt(body.prompt)
@@ -96,7 +96,7 @@ def router(ctx: ServiceContext) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = await parse_body(request, ChatRequest)
-        body.check_supported()
+        await asyncio.to_thread(body.check_supported)  # a schema's pattern may take ~0.5 s to compile
         _check_model(ctx, body.model)
         codec = ctx.model.codec
         if not codec.has_chat_template:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 MAX_STATES = 1024  # deterministic states of one pattern
 MAX_NFA = 20_000  # states of its Thompson automaton (nested counts multiply)
+MAX_WORK = 5_000_000  # automaton moves and bytes followed while determinising (~0.5 s here): a schema is
+# compiled while its request is read, and a pattern must not hold the server up for seconds
 MAX_REPEAT = 256  # the largest count in {n,m}
 MAX_SOURCE = 1000  # characters of one expression
 _PRINTABLE = frozenset(range(0x20, 0x7F)) - {ord('"'), ord("\\")}  # written as they are in JSON
@@ -285,10 +287,24 @@ def compile_pattern(source: str) -> Pattern:
     return _determinise(source, nfa, start, end)
 
 
-def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
+class _Budget:
+    """Moves followed so far; ValueError past :data:`MAX_WORK`."""
+
+    def __init__(self, source: str) -> None:
+        self.source, self.used = source, 0
+
+    def spend(self, n: int) -> None:
+        self.used += n
+        if self.used > MAX_WORK:
+            raise ValueError(f"pattern {self.source[:60]!r} is too complex to compile")
+
+
+def _closure(nfa: _Nfa, states: frozenset[int], budget: _Budget) -> frozenset[int]:
     out, todo = set(states), list(states)
     while todo:
-        for chars, nxt in nfa.edges[todo.pop()]:
+        edges = nfa.edges[todo.pop()]
+        budget.spend(len(edges) + 1)
+        for chars, nxt in edges:
             if chars is None and nxt not in out:
                 out.add(nxt)
                 todo.append(nxt)
@@ -296,18 +312,20 @@ def _closure(nfa: _Nfa, states: frozenset[int]) -> frozenset[int]:
 
 
 def _determinise(source: str, nfa: _Nfa, start: int, end: int) -> Pattern:
-    first = _closure(nfa, frozenset({start}))
+    budget = _Budget(source)
+    first = _closure(nfa, frozenset({start}), budget)
     index, sets, rows = {first: 0}, [first], []
     while len(rows) < len(sets):
         current = sets[len(rows)]
         moves: dict[int, set[int]] = {}
         for s in current:
             for chars, nxt in nfa.edges[s]:
+                budget.spend(1 + len(chars or ()))
                 for b in chars or ():
                     moves.setdefault(b, set()).add(nxt)
         row = [-1] * 256
         for b, targets in moves.items():
-            target = _closure(nfa, frozenset(targets))
+            target = _closure(nfa, frozenset(targets), budget)
             if target not in index:
                 if len(sets) >= MAX_STATES:
                     raise ValueError(f"pattern {source[:60]!r} needs more than {MAX_STATES} states")
