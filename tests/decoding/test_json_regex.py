@@ -30,7 +30,7 @@ PATTERNS = [
     r"^\W\S\w$",
     r"^\u0041\.\/$",
     r"^[]a]$",
-    r'^[^\"]+\!$',
+    r"^[^\"]+\!$",
 ]
 ALPHABET = "abcdfoxrzACZ09-@._ /]A!"
 
