@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import torch
-from lookup_study import longest_match
+from lookup_study import accepted, unmatched
 
 from evospec.assembly import StackSettings, assemble
 from evospec.bench.prompts import load_prompts
@@ -63,13 +63,6 @@ def answers(args) -> tuple[dict, object]:
     return out, stack
 
 
-def accepted(guess: list[int], out: list[int], j: int) -> int:
-    a = 0
-    while a < len(guess) and j + a < len(out) and guess[a] == out[j + a]:
-        a += 1
-    return a
-
-
 def study(rows, static: NgramTable, vocab: int, name: str, k: int, min_count: int) -> None:
     seen: list[list[int]] = []
     cross = ContextLookup(3, 5)
@@ -81,10 +74,7 @@ def study(rows, static: NgramTable, vocab: int, name: str, k: int, min_count: in
             if seen
             else None
         )
-        for j in range(len(out)):
-            ctx = prompt + out[:j]
-            if longest_match(ctx, 3)[0] >= 2:
-                continue
+        for j, ctx in unmatched(prompt, out):
             misses += 1
             g_static = static.propose(ctx, k)
             g_live = (live.propose(ctx, k) if live is not None else []) or g_static

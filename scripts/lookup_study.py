@@ -43,6 +43,23 @@ def longest_match(ctx: list[int], k: int) -> tuple[int, list[int]]:
     return n, ctx[start : start + k]
 
 
+def unmatched(prompt: list[int], out: list[int]):
+    """(j, context) for each position j of the answer ``out`` where context lookup with n >= 2
+    (``ngram``'s) finds nothing: where a model-free source other than the context is asked."""
+    for j in range(len(out)):
+        ctx = prompt + out[:j]
+        if longest_match(ctx, 3)[0] < 2:
+            yield j, ctx
+
+
+def accepted(guess: list[int], out: list[int], j: int) -> int:
+    """Tokens of ``guess`` that verification accepts at position j of ``out`` (greedy)."""
+    a = 0
+    while a < len(guess) and j + a < len(out) and guess[a] == out[j + a]:
+        a += 1
+    return a
+
+
 SHARE_BUCKETS = ("< 0.3 (not proposed)", "0.3-0.5", ">= 0.5")
 
 

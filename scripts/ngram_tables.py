@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from lookup_study import longest_match
+from lookup_study import accepted, unmatched
 
 from evospec.assembly import StackSettings, assemble
 from evospec.bench.prompts import load_prompts
@@ -34,20 +34,14 @@ SETTINGS = ("4:2:0.3", "4:2:0.2", "4:2:0.4", "4:2:0.5", "6:2:0.3", "4:3:0.3", "4
 
 def score(table: NgramTable, answers: list[tuple[list[int], list[int]]], k: int) -> tuple[float, float]:
     """(rows proposed, tokens accepted) per position context lookup finds nothing for."""
-    misses = rows = accepted = 0
+    misses = rows = taken = 0
     for prompt, out in answers:
-        for j in range(len(out)):
-            ctx = prompt + out[:j]
-            if longest_match(ctx, 3)[0] >= 2:
-                continue
+        for j, ctx in unmatched(prompt, out):
             misses += 1
             guess = table.propose(ctx, k)
             rows += len(guess)
-            a = 0
-            while a < len(guess) and j + a < len(out) and guess[a] == out[j + a]:
-                a += 1
-            accepted += a
-    return rows / max(misses, 1), accepted / max(misses, 1)
+            taken += accepted(guess, out, j)
+    return rows / max(misses, 1), taken / max(misses, 1)
 
 
 def main() -> None:
@@ -78,8 +72,12 @@ def main() -> None:
     for spec in args.settings:
         order, count, share = spec.split(":")
         tables[spec] = NgramTable.count(
-            train, model=stack.loaded.name, vocab_size=vocab,
-            max_order=int(order), min_count=int(count), min_share=float(share),
+            train,
+            model=stack.loaded.name,
+            vocab_size=vocab,
+            max_order=int(order),
+            min_count=int(count),
+            min_share=float(share),
         )
     print("| table | entries | held-out k=2: rows / accepted | Spec-Bench k=1 | Spec-Bench k=2 |")
     print("|---|---|---|---|---|")
