@@ -12,17 +12,22 @@ method (``decoding/methods.py: make_decoder``). What a method needs is read off 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import Decoder, MethodSpec, draft_format, make_decoder, method_spec
+from evospec.decoding.pausable import Steps
 from evospec.decoding.recording import record_steps
 from evospec.decoding.tree_config import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.vocab.config import VocabConfig
+
+if TYPE_CHECKING:
+    from evospec.decoding.tune import Choice
 
 DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # a method name that resolves to the fastest lossless method measured here
@@ -71,6 +76,29 @@ class StackSettings:
 
 
 @dataclass
+class DeferredAuto:
+    """``--method auto`` still to be measured: its pausable steps (``decoding/pausable.py``; a
+    server's engine runs them in idle time, ``service/idle.py``) and how to build the decoder
+    of what they choose."""
+
+    steps: Callable[[], Steps[Choice]]  # Tuner.method_steps over the candidates
+    build: Callable[[str, TreeConfig], Decoder]
+
+    def finish(self, stack: Stack, choice: Choice) -> Decoder:
+        """The chosen method's decoder (recorded, with the tree it was measured at), now the
+        stack's ``auto``; the decoder it served meanwhile is left to its user to close."""
+        name, tree, _ = choice
+        decoder = self.build(name, tree or stack.settings.tree)
+        record_steps(stack.loaded.model, [decoder])
+        stack.decoders.pop(stack.resolved.get(AUTO, ""), None)
+        stack.decoders[name] = decoder
+        stack.resolved[AUTO] = name
+        stack.deferred = None
+        stack.facts.append(f"method auto: {choice_fact(choice)}")
+        return decoder
+
+
+@dataclass
 class Stack:
     """A loaded target with one decoder per method, and what went into them."""
 
@@ -84,6 +112,7 @@ class Stack:
     facts: list[str]  # one line per loaded part
     resolved: dict[str, str] = field(default_factory=dict)  # "auto" -> the method it chose
     ngrams: Any | None = None  # the model's n-gram table (decoding/ngram_table.py), if one was found
+    deferred: DeferredAuto | None = None  # "auto" still to be measured (assemble's defer_auto)
 
     @property
     def codec(self):
@@ -101,9 +130,11 @@ class Stack:
         return self.decoders[self.resolved.get(name, name)]
 
 
-def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
+def assemble(settings: StackSettings, *, progress: bool = True, defer_auto: bool = False) -> Stack:
     """Load everything ``settings`` names; bad paths, shapes or stale indices surface as
-    ValueError / CheckpointError / IndexLoadError."""
+    ValueError / CheckpointError / IndexLoadError. ``defer_auto`` (a server): where ``auto``'s
+    timings are not cached yet, resolve it to ``ngram`` for now and leave the measuring to
+    ``Stack.deferred`` instead of doing it here."""
     import torch
 
     from evospec.models.loading import load_model, resolve_device
@@ -149,7 +180,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
 
     resolved: dict[str, str] = {}
     auto_tree = None
-    from evospec.decoding.tune import AUTO_CANDIDATES, Tuner
+    from evospec.decoding.tune import AUTO_CANDIDATES, Tuner, candidates_for
 
     drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights, draft)}"
     if draft3_path is not None:  # the *-e3 methods' shapes depend on the EAGLE-3 head
@@ -157,6 +188,7 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
     if ngrams_path is not None:  # the table's shapes join the candidates
         drafts += f"|ngrams-{head_id(ngrams_path)}"
     tuner = Tuner(build, loaded, drafts, eos, settings.verify_logits, progress, table=ngrams is not None)
+    deferred = None
     if AUTO in settings.methods:
         candidates = [
             n
@@ -164,9 +196,14 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
             if method_spec(n).head is None
             or (draft is not None and (indices is not None or not method_spec(n).needs_indices))
         ]
-        resolved[AUTO], auto_tree, speedups = tuner.method(candidates)
-        table = ", ".join(f"{n} {x:.2f}x" for n, x in speedups.items())
-        facts.append(f"method auto: {resolved[AUTO]} (measured speedup over ar: {table})")
+        choice = tuner.cached_method(candidates) if defer_auto else tuner.method(candidates)
+        if choice is None:  # not measured on this machine yet: measured while serving
+            deferred = DeferredAuto(lambda: replace(tuner, progress=False).method_steps(candidates), build)
+            resolved[AUTO], auto_tree = "ngram", candidates_for("ngram", ngrams is not None)[0]
+            facts.append(f"method auto: {auto_fact()}")
+        else:
+            resolved[AUTO], auto_tree = choice[:2]
+            facts.append(f"method auto: {choice_fact(choice)}")
     wanted = [resolved.get(n, n) for n in settings.methods]
     decoders: dict[str, Decoder] = {}
     for spec in [method_spec(n) for n in dict.fromkeys(wanted)]:
@@ -178,7 +215,23 @@ def assemble(settings: StackSettings, *, progress: bool = True) -> Stack:
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     record_steps(loaded.model, decoders.values())
-    return Stack(settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved, ngrams)
+    return Stack(
+        settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved, ngrams, deferred
+    )
+
+
+def auto_fact() -> str:
+    """What a server says while ``--method auto`` is measured beside serving."""
+    return (
+        "serving ngram (context lookup: no draft, lossless) while the candidates are timed against ar "
+        "in the engine's idle time (a few minutes of idle CPU); the choice is cached for later starts"
+    )
+
+
+def choice_fact(choice: Choice) -> str:
+    """The line that reports ``--method auto``'s choice."""
+    table = ", ".join(f"{n} {x:.2f}x" for n, x in choice[2].items())
+    return f"{choice[0]} (measured speedup over ar: {table})"
 
 
 def _load_draft(settings: StackSettings, loaded, named: list[MethodSpec], dtype, device, facts: list[str]):

@@ -396,6 +396,7 @@ def admin_state(ctx: ServiceContext, vocab: dict[str, Any] | None) -> dict[str, 
             "max_batch": s.max_batch,
             "queue_depth": s.queue_depth,
             "max_queue": s.max_queue,
+            "idle_work": s.idle_work,  # e.g. --method auto still timing its candidates; null: none
             "submitted": s.submitted,
             "rejected": s.rejected,
             "outcomes": s.outcomes,

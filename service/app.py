@@ -61,6 +61,7 @@ def create_app(engine: Engine, model: ServedModel, config: ServeConfig) -> FastA
             "status": "ok" if s.alive else "engine_stopped",
             "model": model.name,
             "method": s.method,
+            "idle_work": s.idle_work,  # e.g. "method auto: timing the candidates"; null: none
             "queue_depth": s.queue_depth,
             "active": s.active,
             "running": s.running,

@@ -18,6 +18,8 @@ Rules the engine keeps:
 - The per-request deadline (arrival + timeout, queue wait included) is checked at dequeue and
   between rounds.
 - An exception in one request ends that request only (:attr:`Outcome.FAILED`); the thread goes on.
+- Idle work (:meth:`Engine.run_when_idle`, ``service/idle.py``: ``--method auto``'s timings)
+  advances only while no request waits or runs, and is paused before each request and control.
 - Control calls run at a *safe point*: between two rounds of the running request (the
   decoder's generator is suspended at a ``yield``), between two batched steps, or while the
   engine is idle, never in the middle of a round and never on the caller's thread while the
@@ -65,6 +67,7 @@ from evospec.decoding.sampling import SamplingParams, derived_seed
 from evospec.decoding.stats import RequestStats
 from evospec.models.batch_step import batched_steps_apply
 from evospec.vocab.active import ActiveVocab
+from service.idle import IdleJob
 from service.requests import (  # noqa: F401 (re-exported: what flows through the engine)
     RECENT_OOV,
     AsyncSink,
@@ -78,6 +81,8 @@ from service.requests import (  # noqa: F401 (re-exported: what flows through th
     Outcome,
     PromptLogprobs,
     Sink,
+    deliver,
+    run_control,
 )
 
 log = logging.getLogger("evospec.service.engine")
@@ -142,6 +147,7 @@ class Engine:
         self._outcomes: Counter[str] = Counter()
         self._stats = RequestStats()
         self._service_s = 0.0  # moving average of a request's time on the engine
+        self._job: IdleJob | None = None  # work done while no request waits (engine thread)
 
     def _adopt(self, decoder: Decoder) -> None:
         self.decoder = decoder
@@ -182,8 +188,20 @@ class Engine:
             if self._controls_on_thread:
                 self._controls.append((fn, fut))
                 return fut
-        _run_control(fn, fut)
+        run_control(fn, fut)
         return fut
+
+    def run_when_idle(self, job: IdleJob) -> None:
+        """Advance ``job`` step by step while no request waits or runs (``service/idle.py``),
+        pausing it before each request; then serve the decoder its ``done`` returns. Replaces a
+        job not finished yet."""
+
+        def install() -> None:
+            if self._job is not None:
+                self._job.close()
+            self._job = job
+
+        self.call(install).result()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, prepare: Callable[[], Decoder] | None = None) -> None:
@@ -256,6 +274,7 @@ class Engine:
                 prompt_tokens=self._prompt_tokens,
                 stats=s.copy(),
                 recent_oov=tuple(self._recent_oov),
+                idle_work=self._job.name if self._job is not None else None,
             )
 
     # -- engine thread --------------------------------------------------------------------------
@@ -277,25 +296,45 @@ class Engine:
                     self._batch_step()
                     self._hand_back()
                     continue
-                try:
-                    request, sink = self._queue.get(timeout=0.05)
+                try:  # with idle work to do, waiting for a request is doing it
+                    request, sink = self._queue.get_nowait() if self._job else self._queue.get(timeout=0.05)
                 except queue.Empty:
+                    if self._job is not None:
+                        self._idle_step()
                     continue
                 try:
+                    if self._job is not None:
+                        self._idle_step(pause=True)
                     self._serve(request, sink)
                 except Exception:  # bookkeeping or a listener broke: never let the thread die
                     log.exception("engine: unexpected error around request %s", request.request_id)
             self._end_members(Outcome.SHUTDOWN, None)
         finally:
+            if self._job is not None:
+                self._job.close()
+                self._job = None
             with self._lock:
                 self._controls_on_thread = False
             self._run_controls()  # calls queued before the flag dropped still run, here
 
+    def _idle_step(self, pause: bool = False) -> None:
+        """Advance (or pause) the idle job; once it is over, serve the decoder it chose."""
+        job = self._job
+        if not job.step(pause, serving=self.method):
+            return
+        self._job = None
+        if job.chosen is not None and job.chosen is not self.decoder:
+            old = self.decoder
+            self._adopt(job.chosen)
+            old.close()
+
     def _run_controls(self) -> None:
         """A safe point: run every queued control call (engine thread only)."""
+        if self._controls and self._job is not None:
+            self._idle_step(pause=True)
         while self._controls:
             fn, fut = self._controls.popleft()
-            _run_control(fn, fut)
+            run_control(fn, fut)
 
     def _book(self, request: GenerationRequest, ev: StepEvent, stats: RequestStats) -> None:
         """Book one event before it is delivered: global counters, OOV log, step listeners."""
@@ -338,7 +377,7 @@ class Engine:
         live.stats.add(ev)
         live.emitted += ev.tokens
         self._book(request, ev, live.stats)
-        if not _deliver(live.sink, ev):
+        if not deliver(live.sink, ev):
             request.cancel(Outcome.DISCONNECTED)
         self._run_controls()
         if ev.finish_reason is not None:
@@ -372,7 +411,7 @@ class Engine:
                 log.exception("engine: scoring request %s's prompt failed", request.request_id)
                 self._finish(live, Outcome.FAILED, f"{type(exc).__name__}: {exc}")
                 return False
-            if not _deliver(live.sink, PromptLogprobs(entries)):
+            if not deliver(live.sink, PromptLogprobs(entries)):
                 request.cancel(Outcome.DISCONNECTED)
         if not request.generate or request.cancelled_by is not None:
             self._finish(live, request.cancelled_by or Outcome.FINISHED, None)
@@ -557,27 +596,9 @@ class Engine:
             if live.running:
                 self._running -= 1
             self._service_s = 0.8 * self._service_s + 0.2 * (now - live.start)
-        _deliver(live.sink, done)
+        deliver(live.sink, done)
         for fn in self._listeners:
             try:
                 fn(done)
             except Exception:
                 log.exception("engine: listener failed")
-
-
-def _run_control(fn: Callable[[], Any], fut: Future) -> None:
-    if not fut.set_running_or_notify_cancel():
-        return
-    try:
-        fut.set_result(fn())
-    except Exception as exc:  # handed to the caller through the future
-        fut.set_exception(exc)
-
-
-def _deliver(sink: Sink, item: Item) -> bool:
-    """Push to the handler; False when it can no longer receive (its event loop is gone)."""
-    try:
-        sink(item)
-        return True
-    except Exception:
-        return False

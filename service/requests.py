@@ -5,7 +5,8 @@ Owns: :class:`GenerationRequest` (one typed unit of work, with its cancellation 
 :class:`PromptLogprobs` (a scored prompt, before its tokens),
 :data:`Sink` (the engine's per-request callback), :class:`AsyncSink` (its asyncio end),
 :class:`EngineSnapshot` (the counters /health, /metrics and /admin/state read),
-:class:`OOVEvent`, and the submission errors :class:`EngineBusy` and :class:`EngineStopped`.
+:class:`OOVEvent`, the submission errors :class:`EngineBusy` and :class:`EngineStopped`, and
+:func:`deliver` / :func:`run_control` (an item to a sink, a control call into its future).
 Knows token ids and decoding events only.
 """
 
@@ -15,8 +16,10 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from evospec.decoding.events import StepEvent
 from evospec.decoding.logprobs import TokenLogprob
@@ -127,6 +130,7 @@ class EngineSnapshot:
     prompt_tokens: int
     stats: RequestStats  # every event the engine served, folded (a copy)
     recent_oov: tuple[OOVEvent, ...]  # the last RECENT_OOV OOV events, oldest first
+    idle_work: str | None = None  # what the engine does while no request waits (service/idle.py)
 
 
 class AsyncSink:
@@ -142,3 +146,22 @@ class AsyncSink:
     async def get(self, timeout: float) -> Item:
         """Next item; raises TimeoutError after ``timeout`` seconds."""
         return await asyncio.wait_for(self._items.get(), max(timeout, 0.0))
+
+
+def run_control(fn: Callable[[], Any], fut: Future) -> None:
+    """Run a control call ``fn`` into ``fut`` (never where the future was cancelled first)."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn())
+    except Exception as exc:  # handed to the caller through the future
+        fut.set_exception(exc)
+
+
+def deliver(sink: Sink, item: Item) -> bool:
+    """Push to the handler; False when it can no longer receive (its event loop is gone)."""
+    try:
+        sink(item)
+        return True
+    except Exception:
+        return False

@@ -4,7 +4,9 @@ Owns: turning a config into a running server -- the decoder stack (``evospec/ass
 model, tokenizer, draft head, indices, decoder), the :class:`Engine`, the app -- a line per
 loaded part and the ready-to-paste curl line, printed to stderr just before uvicorn starts --
 and the restart state around uvicorn's run (``persistence.py``: restored before the engine
-serves, snapshotted periodically and once more after it stopped).
+serves, snapshotted periodically and once more after it stopped). ``--method auto`` not yet
+measured on this machine serves ``ngram`` at once and is timed in the engine's idle time
+(:func:`auto_job`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from fastapi import FastAPI
 
@@ -21,6 +23,11 @@ from service import persistence
 from service.config import ServeConfig
 from service.context import ServedModel
 from service.engine import Engine
+from service.idle import IdleJob
+
+if TYPE_CHECKING:
+    from evospec.assembly import Stack
+    from evospec.decoding.methods import Decoder
 
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this many seconds
 MAX_HEADER_BYTES = 16 * 1024  # request line + headers; larger ones get uvicorn's 400 (h11)
@@ -44,7 +51,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     stacks = []
 
     def prepare():  # on the engine thread: it loads, tunes and then runs the model
-        stacks.append(assemble(config.stack_settings(), progress=progress))
+        stacks.append(assemble(config.stack_settings(), progress=progress, defer_auto=True))
         return stacks[0].decoder(config.method)
 
     engine = Engine(
@@ -54,6 +61,8 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     stack = stacks[0]
     for line in stack.facts:
         print(f"[evospec] {line}", file=log)
+    if stack.deferred is not None:
+        engine.run_when_idle(auto_job(stack, log))
     print(f"[evospec] {batching_fact(engine, config.max_batch)}", file=log)
     served = ServedModel(
         name=config.served_model_name or stack.loaded.name,
@@ -67,6 +76,19 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     keeper = persistence.keeper_for(config, engine, served.name, stack.loaded.model, stack.draft)
     persistence.attach(app, keeper)
     return Built(app, engine, served, keeper)
+
+
+def auto_job(stack: Stack, log: TextIO) -> IdleJob:
+    """``--method auto``'s timings as the engine's idle work: the server answers with the
+    provisional method meanwhile, and with the chosen one (cached for later starts) after."""
+    deferred = stack.deferred
+
+    def done(choice) -> Decoder:
+        decoder = deferred.finish(stack, choice)
+        print(f"[evospec] {stack.facts[-1]}; now serving {decoder.name}", file=log, flush=True)
+        return decoder
+
+    return IdleJob("method auto: timing the candidates", deferred.steps(), done)
 
 
 def batching_fact(engine: Engine, max_batch: int) -> str:

@@ -14,7 +14,7 @@ from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 from evospec.models.eagle import new_eagle_for, save_eagle
 from evospec.tokenizer import TextCodec
-from tests.decoding.spec_helpers import tiny_target
+from tests.decoding.spec_helpers import steps_of, tiny_target
 from tests.indices.helpers import write_model_folder
 from tests.vocab.helpers import SMALL
 
@@ -112,8 +112,10 @@ def test_auto_picks_the_fastest_method_or_falls_back_to_ar(folder, monkeypatch, 
     def no_indices(*a, **kw):
         raise FileNotFoundError("no shared data folder")
 
-    monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
-    monkeypatch.setattr(tune.Tuner, "final", lambda self, names, trees: {n: speedups[n] for n in names})
+    monkeypatch.setattr(tune.Tuner, "tuning_steps", steps_of(fake_tuning))
+    monkeypatch.setattr(
+        tune.Tuner, "final_steps", steps_of(lambda self, names, trees: {n: speedups[n] for n in names})
+    )
     monkeypatch.setattr(indices.default, "ensure_indices", no_indices)
     model, head = folder
     stack = assemble(StackSettings(model=str(model), methods=(AUTO,), draft=str(head)), progress=False)
@@ -157,8 +159,10 @@ def test_auto_without_a_head_chooses_between_ar_and_ngram(
             "ar_tok_per_s": 1.0,
         }
 
-    monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
-    monkeypatch.setattr(tune.Tuner, "final", lambda self, names, trees: {n: ngram for n in names})
+    monkeypatch.setattr(tune.Tuner, "tuning_steps", steps_of(fake_tuning))
+    monkeypatch.setattr(
+        tune.Tuner, "final_steps", steps_of(lambda self, names, trees: {n: ngram for n in names})
+    )
     stack = assemble(StackSettings(model=str(folder[0]), methods=(AUTO,)), progress=False)
     assert seen == ["ngram"]  # the methods with a draft need a head
     assert stack.resolved == {AUTO: chosen} and stack.decoder(AUTO).name == chosen

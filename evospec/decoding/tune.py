@@ -24,15 +24,15 @@ import math
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from evospec.decoding.methods import ARDecoder, Decoder
+from evospec.decoding.pausable import Steps, checkpoint, drive, rate, timed, warm
 from evospec.decoding.recording import record_steps
 from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
@@ -141,20 +141,6 @@ def machine_key() -> str:
     return f"cpu:{cpu}:{torch.get_num_threads()}t"
 
 
-def _tok_per_s(
-    decoder: Decoder, prompts: Sequence[list[int]], params: SamplingParams, deadline: float = math.inf
-) -> float:
-    """Tokens per second over ``prompts``; a run still going after ``deadline`` seconds stops
-    there (its rate so far is what it returns: it is known to be too slow to matter)."""
-    tokens, t0 = 0, time.perf_counter()
-    for ids in prompts:
-        for ev in decoder.generate(ids, params):
-            tokens += len(ev.tokens)
-            if time.perf_counter() - t0 > deadline:
-                return tokens / (time.perf_counter() - t0)
-    return tokens / (time.perf_counter() - t0)
-
-
 @contextlib.contextmanager
 def _live_cache_only(decoders: Iterable[Decoder]) -> Iterator[None]:
     """Calibration visits its prompts many times: a decoder that copied an earlier visit's slots
@@ -194,12 +180,35 @@ def calibrate(
     once it has taken 1 / :data:`PRUNE` times the leader's time (every candidate writes the
     same greedy tokens, so it cannot reach PRUNE x the leader's speed any more).
     """
-    decoders = {i: build(tree) for i, tree in enumerate(candidates)}
-    # no candidate's timing pays for recording a graph
-    record_steps(getattr(ar, "model", None), decoders.values())
+    return drive(
+        calibrate_steps(
+            build, ar, prompts, candidates=candidates, max_new_tokens=max_new_tokens, passes=passes,
+            progress=progress,
+        )
+    )  # fmt: skip
+
+
+def calibrate_steps(
+    build: Callable[[TreeConfig], Decoder],
+    ar: Decoder,
+    prompts: Sequence[list[int]],
+    *,
+    candidates: Sequence[TreeConfig] = CANDIDATES,
+    max_new_tokens: int = CALIBRATION_TOKENS,
+    passes: int = 2,
+    progress: bool = True,
+) -> Steps[dict]:
+    """:func:`calibrate` as pausable steps (``pausable.py``): a run a pause interrupts is timed again."""
+    decoders = {}
     try:
+        for i, tree in enumerate(candidates):
+            decoders[i] = build(tree)
+            yield from checkpoint()
+        # no candidate's timing pays for recording a graph
+        record_steps(getattr(ar, "model", None), decoders.values())
         with _live_cache_only([ar, *decoders.values()]):
-            return _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress)
+            timing = _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress)
+            return (yield from timing)
     finally:
         _release(decoders.values())
 
@@ -216,19 +225,17 @@ def _release(decoders: Iterable[Decoder]) -> None:
     gc.collect()
 
 
-def _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress) -> dict:
+def _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress) -> Steps[dict]:
     """:func:`calibrate`'s timing loop over the recorded ``decoders`` (one per candidate)."""
     from tqdm.auto import tqdm
 
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    warm = SamplingParams(max_new_tokens=4)
     for dec in [ar, *decoders.values()]:
-        list(dec.generate(prompts[0], warm))
+        yield from warm(dec, prompts[0], SamplingParams(max_new_tokens=4))
     # a first AR run: the tokens every full run writes (every decoder writes AR's), the unit a
     # leader's time is counted in
-    t0 = time.perf_counter()
-    total_tokens = sum(len(ev.tokens) for ids in prompts for ev in ar.generate(ids, params))
-    ar_speed = total_tokens / max(time.perf_counter() - t0, 1e-9)
+    total_tokens, seconds = yield from timed(ar, prompts, params)
+    ar_speed = total_tokens / seconds
     speed = {key: 0.0 for key in decoders}
     with tqdm(total=passes * len(decoders), desc="tune tree", unit="shape", disable=not progress) as bar:
         for p in range(passes):
@@ -238,11 +245,11 @@ def _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, 
                     bar.update(1)
                     continue
                 if i % AR_EVERY == 0:
-                    ar_speed = max(ar_speed, _tok_per_s(ar, prompts, params))
+                    ar_speed = max(ar_speed, (yield from rate(ar, prompts, params)))
                 # every candidate writes the same tokens (greedy), so one that is still running
                 # after 1 / PRUNE times the leader's time is below PRUNE x its speed: stop it there
                 deadline = total_tokens / (PRUNE * leader) if leader > 0 and total_tokens else math.inf
-                speed[key] = max(speed[key], _tok_per_s(dec, prompts, params, deadline))
+                speed[key] = max(speed[key], (yield from rate(dec, prompts, params, deadline)))
                 bar.update(1)
     table = [
         {"tree": asdict(tree), "tok_per_s": speed[i], "speedup": speed[i] / ar_speed}
@@ -273,6 +280,21 @@ def final(
     by one from prompt to prompt, so a slow minute of the machine falls on all of them alike.
     Each entrant keeps its fastest run of every prompt (noise only slows), and its speed is its
     tokens over the sum of those times."""
+    return drive(
+        final_steps(ar, decoders, prompts, max_new_tokens=max_new_tokens, rounds=rounds, progress=progress)
+    )
+
+
+def final_steps(
+    ar: Decoder,
+    decoders: dict[str, Decoder],
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int = FINAL_TOKENS,
+    rounds: int = FINAL_ROUNDS,
+    progress: bool = True,
+) -> Steps[dict[str, float]]:
+    """:func:`final` as pausable steps (``pausable.py``): a run a pause interrupts is timed again."""
     from tqdm.auto import tqdm
 
     entrants = {"ar": ar, **decoders}
@@ -283,16 +305,15 @@ def final(
     tokens = {name: [0] * len(prompts) for name in names}
     with _live_cache_only(entrants.values()):
         for dec in entrants.values():
-            list(dec.generate(prompts[0], SamplingParams(max_new_tokens=4)))
+            yield from warm(dec, prompts[0], SamplingParams(max_new_tokens=4))
         total = rounds * len(prompts) * len(names)
         with tqdm(total=total, desc="method final", unit="run", disable=not progress) as bar:
             for r in range(rounds):
                 for j, ids in enumerate(prompts):
                     turn = (r * len(prompts) + j) % len(names)
                     for name in names[turn:] + names[:turn]:
-                        t0 = time.perf_counter()
-                        tokens[name][j] = sum(len(ev.tokens) for ev in entrants[name].generate(ids, params))
-                        best[name][j] = min(best[name][j], time.perf_counter() - t0)
+                        tokens[name][j], seconds = yield from timed(entrants[name], [ids], params)
+                        best[name][j] = min(best[name][j], seconds)
                         bar.update(1)
     speed = {name: sum(tokens[name]) / max(sum(best[name]), 1e-9) for name in names}
     return {name: speed[name] / max(speed["ar"], 1e-9) for name in decoders}
@@ -312,6 +333,15 @@ def _write_cache(path: Path, cache: dict) -> None:
     tmp.replace(path)
 
 
+# what --method auto chose: (method, the tree it was measured with or None for ar, speedup over AR
+# by candidate)
+Choice = tuple[str, TreeConfig | None, dict[str, float]]
+
+
+class NotTuned(LookupError):
+    """A timing the cache does not hold, asked of a ``cache_only`` :class:`Tuner`."""
+
+
 @dataclass(frozen=True)
 class Tuner:
     """What every tuning run of one stack shares: how to build a decoder for (method, tree),
@@ -325,6 +355,7 @@ class Tuner:
     verify_logits: str = "auto"
     progress: bool = True
     table: bool = False  # the model has an n-gram table: the candidates include its shapes
+    cache_only: bool = False  # read timings from the cache only; a missing one raises NotTuned
 
     def _key(self, method: str) -> str:
         from evospec.models.packing import PackedLinear
@@ -351,13 +382,16 @@ class Tuner:
         # v7: every graph recorded and warmed before timing, stopping chains among the candidates
         return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v7"])
 
-    def _cached(self, key: str, measure: Callable[[], dict]) -> dict:
+    def _cached(self, key: str, measure: Callable[[], Steps[dict]]) -> Steps[dict]:
         """The cache's entry ``key``, measured by ``measure`` and stored first if missing (the
-        file is read again before the write: another process may have tuned meanwhile)."""
+        file is read again before the write: another process may have tuned meanwhile); with
+        ``cache_only``, a missing entry raises :class:`NotTuned` instead."""
         path = _cache_file()
         cache = json.loads(path.read_text()) if path.exists() else {}
         if key not in cache:
-            result = measure()
+            if self.cache_only:
+                raise NotTuned(key)
+            result = yield from measure()
             cache = json.loads(path.read_text()) if path.exists() else {}
             cache[key] = result
             _write_cache(path, cache)
@@ -372,9 +406,13 @@ class Tuner:
 
     def tuning(self, method: str) -> dict:
         """The cached (or freshly measured) calibration of ``method``: ``calibrate``'s result."""
+        return drive(self.tuning_steps(method))
 
-        def measure() -> dict:
-            return calibrate(
+    def tuning_steps(self, method: str) -> Steps[dict]:
+        """:meth:`tuning` as pausable steps."""
+
+        def measure() -> Steps[dict]:
+            return calibrate_steps(
                 lambda t: self.build(method, t),
                 ARDecoder(self.loaded.model, self.eos),
                 self._prompts(CALIBRATION_TEXTS),
@@ -382,7 +420,7 @@ class Tuner:
                 progress=self.progress,
             )
 
-        return self._cached(self._key(method), measure)
+        return (yield from self._cached(self._key(method), measure))
 
     def tree(self, method: str) -> TreeConfig:
         """The fastest measured shape for ``method`` (``--tree auto``); prints it."""
@@ -405,12 +443,20 @@ class Tuner:
         """The cached (or freshly measured) :func:`final` of ``finalists`` at their tuned trees:
         speedup over AR by name. The key names the trees too: a calibration measured again to
         another shape plays a new final."""
+        return drive(self.final_steps(finalists, trees))
 
-        def measure() -> dict:
-            decoders = {name: self.build(name, trees[name]) for name in finalists}
+    def final_steps(self, finalists: Sequence[str], trees: dict[str, TreeConfig]) -> Steps[dict[str, float]]:
+        """:meth:`final` as pausable steps."""
+
+        def measure() -> Steps[dict]:
+            prompts = self._prompts(FINAL_TEXTS)
+            decoders = {}
             try:
+                for name in finalists:
+                    decoders[name] = self.build(name, trees[name])
+                    yield from checkpoint()
                 ar = ARDecoder(self.loaded.model, self.eos)
-                speedups = final(ar, decoders, self._prompts(FINAL_TEXTS), progress=self.progress)
+                speedups = yield from final_steps(ar, decoders, prompts, progress=self.progress)
             finally:
                 _release(decoders.values())
             return {"speedups": speedups}
@@ -418,26 +464,38 @@ class Tuner:
         shapes = ";".join(f"{n}={json.dumps(asdict(trees[n]), sort_keys=True)}" for n in finalists)
         version = f"final-v1-{FINAL_ROUNDS}x{len(FINAL_TEXTS)}"
         key = "|".join([self._key("final:" + ",".join(finalists)), version, shapes])
-        return self._cached(key, measure)["speedups"]
+        return (yield from self._cached(key, measure))["speedups"]
 
-    def method(self, candidates: Sequence[str]) -> tuple[str, TreeConfig | None, dict[str, float]]:
+    def method(self, candidates: Sequence[str]) -> Choice:
         """The fastest lossless method here (``--method auto``): (name, its tuned tree, speedup
         over AR per candidate). Each candidate is calibrated at its best tree shape; the leading
         ones (:data:`FINALISTS`, calibrated at :data:`FINAL_FLOOR` x AR or more) then meet AR in
         one interleaved :func:`final`, whose speedups replace their calibrations'. The faster
         finalist wins, and ``ar`` (tree None) when its speedup does not exceed :data:`AUTO_MARGIN`
         or no candidate reached the final."""
+        return drive(self.method_steps(candidates))
+
+    def cached_method(self, candidates: Sequence[str]) -> Choice | None:
+        """:meth:`method`'s answer where every timing it needs is cached; None where one is not
+        (nothing is measured)."""
+        try:
+            return drive(replace(self, cache_only=True, progress=False).method_steps(candidates))
+        except NotTuned:
+            return None
+
+    def method_steps(self, candidates: Sequence[str]) -> Steps[Choice]:
+        """:meth:`method` as pausable steps."""
         speedups: dict[str, float] = {}
         trees: dict[str, TreeConfig] = {}
         for name in candidates:
-            res = self.tuning(name)
+            res = yield from self.tuning_steps(name)
             speedups[name] = res.get("speedup", res["tok_per_s"] / max(res["ar_tok_per_s"], 1e-9))
             trees[name] = TreeConfig(**res["tree"])
         ranked = sorted(speedups, key=speedups.__getitem__, reverse=True)
         finalists = [n for n in ranked[:FINALISTS] if speedups[n] >= FINAL_FLOOR]
         calibrated = dict(speedups)
         if finalists:
-            speedups.update(self.final(finalists, trees))
+            speedups.update((yield from self.final_steps(finalists, trees)))
         # only a finalist can win: the others' calibrations are what the final corrects
         best = max(finalists, key=speedups.__getitem__, default=None)
         chosen = best if best is not None and speedups[best] > AUTO_MARGIN else "ar"

@@ -134,3 +134,14 @@ def sampled_second_tokens(dec, prompt: list[int], temperature: float, n: int) ->
         counts[[t for ev in evs for t in ev.tokens][1]] += 1
         accepted += sum(ev.accepted for ev in evs)
     return counts, accepted
+
+
+def steps_of(fn):
+    """``fn`` as pausable steps (``decoding/pausable.py``): a generator that yields once, then
+    returns ``fn``'s result."""
+
+    def steps(*args, **kwargs):
+        yield
+        return fn(*args, **kwargs)
+
+    return steps

@@ -12,6 +12,7 @@ from evospec.decoding import tune
 from evospec.decoding.events import StepEvent
 from evospec.decoding.tree import TreeConfig
 from evospec.models.packing import PackedLinear
+from tests.decoding.spec_helpers import steps_of
 
 SLOW, FAST = TreeConfig(top_k=1, depth=2, total_tokens=2), TreeConfig(top_k=2, depth=3, total_tokens=6)
 
@@ -121,7 +122,7 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
         calls.append(len(prompts))
         return _calibrated({"top_k": 3, "depth": 4, "total_tokens": 10})
 
-    monkeypatch.setattr(tune, "calibrate", fake_calibrate)
+    monkeypatch.setattr(tune, "calibrate_steps", steps_of(fake_calibrate))
     loaded = _loaded()
     for _ in range(2):
         tree = tune.Tuner(lambda m, t: None, loaded, "h", progress=False).tree("nanospec")
@@ -188,7 +189,7 @@ def test_a_models_ngram_table_adds_its_shapes_to_the_candidates(tmp_path, monkey
         seen.append(candidates)
         return _calibrated({"top_k": 1, "depth": 1, "total_tokens": 1, "lookup": 3, "table_lookup": 1})
 
-    monkeypatch.setattr(tune, "calibrate", fake_calibrate)
+    monkeypatch.setattr(tune, "calibrate_steps", steps_of(fake_calibrate))
     loaded = _loaded()
     tree = tune.Tuner(lambda m, t: None, loaded, "h|ngrams-t", progress=False, table=True).tree("ngram")
     assert tree.table_lookup == 1 and seen == [tune.NGRAM_TABLE_CANDIDATES]
@@ -293,8 +294,8 @@ def _method_tuner(monkeypatch, calibrated: dict, played: dict | None, seen: list
         seen.append(list(names))
         return {n: played[n] for n in names}
 
-    monkeypatch.setattr(tune.Tuner, "tuning", fake_tuning)
-    monkeypatch.setattr(tune.Tuner, "final", fake_final)
+    monkeypatch.setattr(tune.Tuner, "tuning_steps", steps_of(fake_tuning))
+    monkeypatch.setattr(tune.Tuner, "final_steps", steps_of(fake_final))
     return tune.Tuner(lambda m, t: None, _loaded(), "h", progress=False)
 
 
@@ -339,7 +340,7 @@ def test_the_final_is_cached_per_finalists(tmp_path, monkeypatch):
         built.append((method, tree))
         return _Sleepy(0.0)
 
-    monkeypatch.setattr(tune, "final", fake_final)
+    monkeypatch.setattr(tune, "final_steps", steps_of(fake_final))
     monkeypatch.setattr(tune, "ARDecoder", lambda model, eos: _Sleepy(0.0))
     trees = {"ngram": TreeConfig(1, 1, 1, lookup=3), "frspec": TreeConfig(1, 2, 2)}
     for _ in range(2):

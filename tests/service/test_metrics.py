@@ -17,6 +17,7 @@ def test_health(ar_server) -> None:
         "status": "ok",
         "model": MODEL_NAME,
         "method": "ar",
+        "idle_work": None,
         "queue_depth": 0,
         "active": False,
         "running": 0,
