@@ -93,10 +93,17 @@ def run(srv: Server, args, ready_s: float, t0: float) -> dict:
         if sum(not r["timing"] for r in rows) >= args.after:
             break
         time.sleep(args.gap)
+    return {"summary": summarize(rows, ready_s, ended), "rows": rows}
+
+
+def summarize(rows: list[dict], ready_s: float, ended_s: float | None) -> dict:
+    """Time to healthy and to the idle work's end; per phase (``timing`` True / False) the
+    requests, the methods that served them and the medians of their total time and TTFT
+    (failed requests left out); whether every answered request got the same text."""
     texts = {r["text"] for r in rows if r["ok"]}
     summary = {
         "ready_s": ready_s,
-        "idle_work_ended_s": ended,
+        "idle_work_ended_s": ended_s,
         "requests": len(rows),
         "one_text": len(texts) == 1,
     }
@@ -108,7 +115,7 @@ def run(srv: Server, args, ready_s: float, t0: float) -> dict:
             "median_total_s": statistics.median(r["total_s"] for r in sel) if sel else None,
             "median_ttft_s": statistics.median(r["ttft_s"] for r in sel) if sel else None,
         }
-    return {"summary": summary, "rows": rows}
+    return summary
 
 
 if __name__ == "__main__":
