@@ -4,9 +4,9 @@ answers while the method is still being timed, and after.
 Contract. This script
 
 1. makes a fresh ``EVOSPEC_HOME`` in a temporary folder that links the real one's converted
-   models, indices and compiled kernels (``--home``, default ``~/.cache/evospec``) but holds no
-   tuning cache, so the server meets the machine as new -- the builds a first start also pays
-   once (kernels, indices) are left out;
+   models, indices and compiled kernels (``--home``, default ``~/.cache/evospec``; ``--link``
+   names the folders linked, the others are built by the server as on a new machine) but holds
+   no tuning cache, so the server meets the machine as new;
 2. starts ``--evospec`` (default: this checkout's ``.venv/bin/evospec``) ``serve --method auto``
    on a free port and times the launch until ``/health`` answers 200;
 3. sends one greedy streamed chat request at a time, ``--gap`` seconds apart, each noting the
@@ -44,6 +44,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--evospec", default=str(ROOT / ".venv" / "bin" / "evospec"))
     ap.add_argument("--home", default="~/.cache/evospec", help="the EVOSPEC_HOME whose builds are linked")
+    ap.add_argument(
+        "--link",
+        default="models,indices,kernels",
+        help="which of its folders to link (the rest are built afresh)",
+    )
     ap.add_argument("--gap", type=float, default=3.0, help="seconds between two requests")
     ap.add_argument("--after", type=int, default=5, help="requests answered once the idle work is over")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -54,7 +59,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="evospec-first-start-") as tmp:
         fresh = Path(tmp) / "home"
         fresh.mkdir()
-        for part in ("models", "indices", "kernels"):
+        for part in filter(None, args.link.split(",")):
             if (home / part).exists():
                 (fresh / part).symlink_to(home / part)
         port = free_port()
