@@ -158,34 +158,10 @@ def _live_cache_only(decoders: Iterable[Decoder]) -> Iterator[None]:
 
 
 def calibrate(
-    build: Callable[[TreeConfig], Decoder],
-    ar: Decoder,
-    prompts: Sequence[list[int]],
-    *,
-    candidates: Sequence[TreeConfig] = CANDIDATES,
-    max_new_tokens: int = CALIBRATION_TOKENS,
-    passes: int = 2,
-    progress: bool = True,
+    build: Callable[[TreeConfig], Decoder], ar: Decoder, prompts: Sequence[list[int]], **options
 ) -> dict:
-    """Time every candidate on ``prompts`` (greedy), with AR timed on the same prompts before
-    every :data:`AR_EVERY`-th of them; the shape with the best speedup over AR, and the table.
-
-    Noise on a shared machine only ever slows a run down, and here it comes in bursts (one
-    calibration saw AR runs anywhere from 83 to 175 tok/s; the ratio of neighbouring runs
-    swung from 0.66x to 2.08x for near-identical shapes). So each side keeps its best run: a
-    candidate's speedup is its best tok/s over the best AR run, and AR, timed all through the
-    calibration, is measured at the machine's best state during it. Passes
-    after the first skip shapes slower than :data:`PRUNE` times the leader (big trees on a CPU:
-    they would take most of the calibration's time and cannot win), and any run is stopped
-    once it has taken 1 / :data:`PRUNE` times the leader's time (every candidate writes the
-    same greedy tokens, so it cannot reach PRUNE x the leader's speed any more).
-    """
-    return drive(
-        calibrate_steps(
-            build, ar, prompts, candidates=candidates, max_new_tokens=max_new_tokens, passes=passes,
-            progress=progress,
-        )
-    )  # fmt: skip
+    """:func:`calibrate_steps` run to its end at once (``pausable.drive``)."""
+    return drive(calibrate_steps(build, ar, prompts, **options))
 
 
 def calibrate_steps(
@@ -198,7 +174,21 @@ def calibrate_steps(
     passes: int = 2,
     progress: bool = True,
 ) -> Steps[dict]:
-    """:func:`calibrate` as pausable steps (``pausable.py``): a run a pause interrupts is timed again."""
+    """Time every candidate on ``prompts`` (greedy), with AR timed on the same prompts before
+    every :data:`AR_EVERY`-th of them; the shape with the best speedup over AR, and the table.
+
+    Noise on a shared machine only ever slows a run down, and here it comes in bursts (one
+    calibration saw AR runs anywhere from 83 to 175 tok/s; the ratio of neighbouring runs
+    swung from 0.66x to 2.08x for near-identical shapes). So each side keeps its best run: a
+    candidate's speedup is its best tok/s over the best AR run, and AR, timed all through the
+    calibration, is measured at the machine's best state during it. Passes
+    after the first skip shapes slower than :data:`PRUNE` times the leader (big trees on a CPU:
+    they would take most of the calibration's time and cannot win), and any run is stopped
+    once it has taken 1 / :data:`PRUNE` times the leader's time (every candidate writes the
+    same greedy tokens, so it cannot reach PRUNE x the leader's speed any more).
+
+    Pausable steps (``pausable.py``): a run a pause interrupts is timed again.
+    """
     decoders = {}
     try:
         for i, tree in enumerate(candidates):
@@ -267,22 +257,10 @@ def _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, 
 
 
 def final(
-    ar: Decoder,
-    decoders: dict[str, Decoder],
-    prompts: Sequence[list[int]],
-    *,
-    max_new_tokens: int = FINAL_TOKENS,
-    rounds: int = FINAL_ROUNDS,
-    progress: bool = True,
+    ar: Decoder, decoders: dict[str, Decoder], prompts: Sequence[list[int]], **options
 ) -> dict[str, float]:
-    """Speedup over AR of each of ``decoders`` (greedy), timed interleaved with AR: in every
-    round each prompt is decoded once by every entrant, AR among them, in an order that rotates
-    by one from prompt to prompt, so a slow minute of the machine falls on all of them alike.
-    Each entrant keeps its fastest run of every prompt (noise only slows), and its speed is its
-    tokens over the sum of those times."""
-    return drive(
-        final_steps(ar, decoders, prompts, max_new_tokens=max_new_tokens, rounds=rounds, progress=progress)
-    )
+    """:func:`final_steps` run to its end at once (``pausable.drive``)."""
+    return drive(final_steps(ar, decoders, prompts, **options))
 
 
 def final_steps(
@@ -294,7 +272,12 @@ def final_steps(
     rounds: int = FINAL_ROUNDS,
     progress: bool = True,
 ) -> Steps[dict[str, float]]:
-    """:func:`final` as pausable steps (``pausable.py``): a run a pause interrupts is timed again."""
+    """Speedup over AR of each of ``decoders`` (greedy), timed interleaved with AR: in every
+    round each prompt is decoded once by every entrant, AR among them, in an order that rotates
+    by one from prompt to prompt, so a slow minute of the machine falls on all of them alike.
+    Each entrant keeps its fastest run of every prompt (noise only slows), and its speed is its
+    tokens over the sum of those times. Pausable steps (``pausable.py``): a run a pause
+    interrupts is timed again."""
     from tqdm.auto import tqdm
 
     entrants = {"ar": ar, **decoders}
