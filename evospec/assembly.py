@@ -76,25 +76,29 @@ class StackSettings:
 
 
 @dataclass
-class DeferredAuto:
-    """``--method auto`` still to be measured: its pausable steps (``decoding/pausable.py``; a
-    server's engine runs them in idle time, ``service/idle.py``) and how to build the decoder
-    of what they choose."""
+class Deferred:
+    """A timing still to be made on this machine -- ``--method auto``'s, or ``--tree auto``'s for
+    the method served -- while ``provisional`` serves: its pausable steps (``decoding/
+    pausable.py``; a server's engine runs them in idle time, ``service/idle.py``) and how to
+    build the decoder of what they choose."""
 
-    steps: Callable[[], Steps[Choice]]  # Tuner.method_steps over the candidates
+    label: str  # "method auto" or "tree auto for <method>": what the log lines start with
+    provisional: str  # the method whose decoder serves meanwhile (stack.decoders' key)
+    steps: Callable[[], Steps[Choice]]  # Tuner.method_steps over the candidates, or tree_steps
     build: Callable[[str, TreeConfig], Decoder]
 
     def finish(self, stack: Stack, choice: Choice) -> Decoder:
-        """The chosen method's decoder (recorded, with the tree it was measured at), now the
-        stack's ``auto``; the decoder it served meanwhile is left to its user to close."""
+        """The chosen method's decoder (recorded, with the tree it was measured at), now in the
+        stack's decoders; the decoder that served meanwhile is left to its user to close."""
         name, tree, _ = choice
         decoder = self.build(name, tree or stack.settings.tree)
         record_steps(stack.loaded.model, [decoder])
-        stack.decoders.pop(stack.resolved.get(AUTO, ""), None)
+        stack.decoders.pop(self.provisional, None)
         stack.decoders[name] = decoder
-        stack.resolved[AUTO] = name
+        if self.label == "method auto":
+            stack.resolved[AUTO] = name
         stack.deferred = None
-        stack.facts.append(f"method auto: {choice_fact(choice)}")
+        stack.facts.append(f"{self.label}: {choice_fact(choice)}")
         return decoder
 
 
@@ -112,7 +116,7 @@ class Stack:
     facts: list[str]  # one line per loaded part
     resolved: dict[str, str] = field(default_factory=dict)  # "auto" -> the method it chose
     ngrams: Any | None = None  # the model's n-gram table (decoding/ngram_table.py), if one was found
-    deferred: DeferredAuto | None = None  # "auto" still to be measured (assemble's defer_auto)
+    deferred: Deferred | None = None  # a timing still to be made (assemble's defer_tuning)
 
     @property
     def codec(self):
@@ -130,11 +134,12 @@ class Stack:
         return self.decoders[self.resolved.get(name, name)]
 
 
-def assemble(settings: StackSettings, *, progress: bool = True, defer_auto: bool = False) -> Stack:
+def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bool = False) -> Stack:
     """Load everything ``settings`` names; bad paths, shapes or stale indices surface as
-    ValueError / CheckpointError / IndexLoadError. ``defer_auto`` (a server): where ``auto``'s
-    timings are not cached yet, resolve it to ``ngram`` for now and leave the measuring to
-    ``Stack.deferred`` instead of doing it here."""
+    ValueError / CheckpointError / IndexLoadError. ``defer_tuning`` (a server): where the
+    timings ``auto`` or a tuned tree needs are not cached yet, serve ``ngram`` (``auto``) or the
+    method at a small chain for now and leave the measuring to ``Stack.deferred`` instead of
+    doing it here."""
     import torch
 
     from evospec.models.loading import load_model, resolve_device
@@ -180,7 +185,7 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_auto: bool
 
     resolved: dict[str, str] = {}
     auto_tree = None
-    from evospec.decoding.tune import AUTO_CANDIDATES, Tuner, candidates_for
+    from evospec.decoding.tune import AUTO_CANDIDATES, Tuner
 
     drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights, draft)}"
     if draft3_path is not None:  # the *-e3 methods' shapes depend on the EAGLE-3 head
@@ -188,7 +193,7 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_auto: bool
     if ngrams_path is not None:  # the table's shapes join the candidates
         drafts += f"|ngrams-{head_id(ngrams_path)}"
     tuner = Tuner(build, loaded, drafts, eos, settings.verify_logits, progress, table=ngrams is not None)
-    deferred = None
+    deferred, auto_tree = None, None
     if AUTO in settings.methods:
         candidates = [
             n
@@ -196,14 +201,7 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_auto: bool
             if method_spec(n).head is None
             or (draft is not None and (indices is not None or not method_spec(n).needs_indices))
         ]
-        choice = tuner.cached_method(candidates) if defer_auto else tuner.method(candidates)
-        if choice is None:  # not measured on this machine yet: measured while serving
-            deferred = DeferredAuto(lambda: replace(tuner, progress=False).method_steps(candidates), build)
-            resolved[AUTO], auto_tree = "ngram", candidates_for("ngram", ngrams is not None)[0]
-            facts.append(f"method auto: {auto_fact()}")
-        else:
-            resolved[AUTO], auto_tree = choice[:2]
-            facts.append(f"method auto: {choice_fact(choice)}")
+        resolved[AUTO], auto_tree, deferred = _resolve_auto(tuner, candidates, defer_tuning, facts)
     wanted = [resolved.get(n, n) for n in settings.methods]
     decoders: dict[str, Decoder] = {}
     for spec in [method_spec(n) for n in dict.fromkeys(wanted)]:
@@ -211,7 +209,13 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_auto: bool
         if spec.name == resolved.get(AUTO) and auto_tree is not None:
             tree = auto_tree  # the shape the choice was measured with
         elif settings.tune_tree and spec.speculative:
-            tree = tuner.tree(spec.drafts_like)  # an adaptive method drafts like its vocabulary policy
+            cached = tuner.cached_tree(spec.drafts_like) if defer_tuning else tuner.tree(spec.drafts_like)
+            tree = cached or TreeConfig(1, 1, 1, lookup=3, table_lookup=int(ngrams is not None))
+            if cached is None and deferred is None:  # timed while serving, at a small chain meanwhile
+                deferred = Deferred(
+                    f"tree auto for {spec.name}", spec.name, _tree_steps(tuner, spec), tuner.build
+                )
+                facts.append(f"tree auto for {spec.name}: {tree_fact()}")
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     record_steps(loaded.model, decoders.values())
@@ -220,11 +224,44 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_auto: bool
     )
 
 
-def auto_fact() -> str:
-    """What a server says while ``--method auto`` is measured beside serving."""
+def _resolve_auto(tuner, candidates: list[str], defer: bool, facts: list[str]):
+    """``auto``'s method and tree, and the :class:`Deferred` timing where ``defer`` and the
+    cache has none (``ngram`` serves meanwhile); the ``method auto:`` line goes to ``facts``."""
+    from evospec.decoding.tune import candidates_for
+
+    choice = tuner.cached_method(candidates) if defer else tuner.method(candidates)
+    if choice is not None:
+        facts.append(f"method auto: {choice_fact(choice)}")
+        return choice[0], choice[1], None
+    steps = lambda: replace(tuner, progress=False).method_steps(candidates)  # noqa: E731
+    facts.append(
+        "method auto: serving ngram (context lookup: no draft, lossless) while the candidates are "
+        "timed against ar in the engine's idle time (a few minutes of idle CPU); the choice is "
+        "cached for later starts"
+    )
     return (
-        "serving ngram (context lookup: no draft, lossless) while the candidates are timed against ar "
-        "in the engine's idle time (a few minutes of idle CPU); the choice is cached for later starts"
+        "ngram",
+        candidates_for("ngram", tuner.table)[0],
+        Deferred("method auto", "ngram", steps, tuner.build),
+    )
+
+
+def _tree_steps(tuner, spec: MethodSpec) -> Callable[[], Steps[Choice]]:
+    """``--tree auto``'s timing of ``spec`` as pausable steps that give a :data:`Choice`."""
+    from evospec.decoding.tune import speedup_of
+
+    def steps() -> Steps[Choice]:
+        res = yield from replace(tuner, progress=False).tuning_steps(spec.drafts_like)
+        return spec.name, TreeConfig(**res["tree"]), {spec.name: speedup_of(res)}
+
+    return steps
+
+
+def tree_fact() -> str:
+    """What a server says while a tuned tree is measured beside serving."""
+    return (
+        "serving a 1-token chain after context lookup while the shapes are timed against ar in the "
+        "engine's idle time; the choice is cached for later starts"
     )
 
 

@@ -8,8 +8,9 @@ suspended on the model) before the engine serves a request or runs a control cal
 while its queue is empty and no request runs, and serves the decoder ``done`` returns from then
 on; a job that raises is logged and dropped, and the engine goes on serving what it served.
 
-What runs here: ``--method auto`` timing its candidates on a server's first start on a machine
-(``evospec/assembly.py: DeferredAuto``), so that the server answers from its first second.
+What runs here: ``--method auto`` timing its candidates (or ``--tree auto`` its shapes) on a
+server's first start on a machine (``evospec/assembly.py: Deferred``), so that the server answers
+from its first second.
 """
 
 from __future__ import annotations

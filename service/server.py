@@ -4,9 +4,9 @@ Owns: turning a config into a running server -- the decoder stack (``evospec/ass
 model, tokenizer, draft head, indices, decoder), the :class:`Engine`, the app -- a line per
 loaded part and the ready-to-paste curl line, printed to stderr just before uvicorn starts --
 and the restart state around uvicorn's run (``persistence.py``: restored before the engine
-serves, snapshotted periodically and once more after it stopped). ``--method auto`` not yet
-measured on this machine serves ``ngram`` at once and is timed in the engine's idle time
-(:func:`auto_job`).
+serves, snapshotted periodically and once more after it stopped). ``--method auto`` (or ``--tree
+auto``) not yet measured on this machine serves ``ngram`` (a small chain) at once and is timed
+in the engine's idle time (:func:`tuning_job`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     stacks = []
 
     def prepare():  # on the engine thread: it loads, tunes and then runs the model
-        stacks.append(assemble(config.stack_settings(), progress=progress, defer_auto=True))
+        stacks.append(assemble(config.stack_settings(), progress=progress, defer_tuning=True))
         return stacks[0].decoder(config.method)
 
     engine = Engine(
@@ -62,7 +62,7 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     for line in stack.facts:
         print(f"[evospec] {line}", file=log)
     if stack.deferred is not None:
-        engine.run_when_idle(auto_job(stack, log))
+        engine.run_when_idle(tuning_job(stack, log))
     print(f"[evospec] {batching_fact(engine, config.max_batch)}", file=log)
     served = ServedModel(
         name=config.served_model_name or stack.loaded.name,
@@ -78,9 +78,10 @@ def build(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
     return Built(app, engine, served, keeper)
 
 
-def auto_job(stack: Stack, log: TextIO) -> IdleJob:
-    """``--method auto``'s timings as the engine's idle work: the server answers with the
-    provisional method meanwhile, and with the chosen one (cached for later starts) after."""
+def tuning_job(stack: Stack, log: TextIO) -> IdleJob:
+    """The timings ``--method auto`` or ``--tree auto`` still needs, as the engine's idle work:
+    the server answers with the provisional decoder meanwhile, and with the chosen one (cached
+    for later starts) after."""
     deferred = stack.deferred
 
     def done(choice) -> Decoder:
@@ -88,7 +89,8 @@ def auto_job(stack: Stack, log: TextIO) -> IdleJob:
         print(f"[evospec] {stack.facts[-1]}; now serving {decoder.name}", file=log, flush=True)
         return decoder
 
-    return IdleJob("method auto: timing the candidates", deferred.steps(), done)
+    what = "the candidates" if deferred.label == "method auto" else "the shapes"
+    return IdleJob(f"{deferred.label}: timing {what}", deferred.steps(), done)
 
 
 def batching_fact(engine: Engine, max_batch: int) -> str:

@@ -321,6 +321,11 @@ def _write_cache(path: Path, cache: dict) -> None:
 Choice = tuple[str, TreeConfig | None, dict[str, float]]
 
 
+def speedup_of(result: dict) -> float:
+    """A calibration's speedup over AR (older cache entries hold only the two speeds)."""
+    return result.get("speedup", result["tok_per_s"] / max(result["ar_tok_per_s"], 1e-9))
+
+
 class NotTuned(LookupError):
     """A timing the cache does not hold, asked of a ``cache_only`` :class:`Tuner`."""
 
@@ -405,6 +410,13 @@ class Tuner:
 
         return (yield from self._cached(self._key(method), measure))
 
+    def cached_tree(self, method: str) -> TreeConfig | None:
+        """:meth:`tree` where its timing is cached; None where it is not (nothing is measured)."""
+        try:
+            return TreeConfig(**drive(replace(self, cache_only=True).tuning_steps(method))["tree"])
+        except NotTuned:
+            return None
+
     def tree(self, method: str) -> TreeConfig:
         """The fastest measured shape for ``method`` (``--tree auto``); prints it."""
         result = self.tuning(method)
@@ -472,7 +484,7 @@ class Tuner:
         trees: dict[str, TreeConfig] = {}
         for name in candidates:
             res = yield from self.tuning_steps(name)
-            speedups[name] = res.get("speedup", res["tok_per_s"] / max(res["ar_tok_per_s"], 1e-9))
+            speedups[name] = speedup_of(res)
             trees[name] = TreeConfig(**res["tree"])
         ranked = sorted(speedups, key=speedups.__getitem__, reverse=True)
         finalists = [n for n in ranked[:FINALISTS] if speedups[n] >= FINAL_FLOOR]

@@ -182,5 +182,54 @@ def test_a_server_answers_at_once_while_method_auto_is_timed(tmp_path, tiny, cod
         again.engine.stop()
 
 
+def test_a_served_methods_tree_auto_is_timed_beside_serving(tmp_path, tiny, codec, monkeypatch) -> None:
+    """``serve --method eagle2 --tree auto`` without the timing: eagle2 serves at once at a
+    1-token chain after context lookup, then at the shape the timing chose; later starts read it."""
+    from evospec.decoding import tune
+    from evospec.models.eagle import new_eagle_for, save_eagle
+    from service.config import ServeConfig
+    from service.server import build
+    from tests.indices.helpers import write_model_folder
+
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path / "home"))
+    gate, calibrated = threading.Event(), []
+
+    def fake_calibrate(build, ar, prompts, candidates, **kw):
+        calibrated.append(candidates)
+        while not gate.wait(0.002):
+            yield from pausable.checkpoint()
+        tree = {"top_k": 2, "depth": 3, "total_tokens": 6}
+        return {"tree": tree, "tok_per_s": 1.3, "ar_tok_per_s": 1.0, "speedup": 1.3, "table": []}
+
+    monkeypatch.setattr(tune, "calibrate_steps", fake_calibrate)
+    folder = write_model_folder(tmp_path / "tiny-folder", tiny, codec)
+    head = save_eagle(new_eagle_for(tiny, seed=3), tmp_path / "head", dtype=torch.float32)
+    config = ServeConfig(model=str(folder), method="eagle2", draft=str(head), weights="fp32", tune_tree=True)
+    log = io.StringIO()
+    engine = build(config, progress=False, log=log).engine
+    try:
+        assert engine.method == "eagle2" and engine.decoder.tree == TreeConfig(1, 1, 1, lookup=3)
+        assert wait_for(lambda: engine.snapshot().idle_work == "tree auto for eagle2: timing the shapes")
+        first = engine.decoder
+        gate.set()
+        assert wait_for(lambda: engine.decoder is not first, timeout=30)
+        assert engine.method == "eagle2" and engine.decoder.tree == TreeConfig(2, 3, 6)
+        assert "tree auto for eagle2: eagle2 (measured speedup over ar: eagle2 1.30x)" in log.getvalue()
+        ids = codec.encode("The quick brown fox")
+        sink = Collect()
+        engine.submit(GenerationRequest(ids, SamplingParams(max_new_tokens=10), timeout_s=30), sink)
+        assert sink.done.wait(10) and [t for it in sink.items[:-1] for t in it.tokens] == ar_ids(
+            tiny, codec, ids, 10
+        )
+    finally:
+        engine.stop()
+    again = build(config, progress=False, log=io.StringIO()).engine  # cached: no idle work
+    try:
+        assert again.decoder.tree == TreeConfig(2, 3, 6) and again.snapshot().idle_work is None
+        assert len(calibrated) == 1
+    finally:
+        again.stop()
+
+
 def _no_indices(*args, **kwargs):
     raise FileNotFoundError("no shared data folder")
