@@ -151,7 +151,7 @@ def generate_speculative(
         new, reason = rule.clip([*accepted, bonus], produced)
         produced += len(new)
         stats, path_logits = None, None
-        if vocab is not None or adapt is not None or params.logprobs is not None:
+        if (vocab is not None and vocab.observes) or adapt is not None or params.logprobs is not None:
             path_logits = rows.stack(path.tolist()) if lazy else rows[path]  # [a + 1, V]
         if vocab is not None or adapt is not None:
             verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]

@@ -173,6 +173,12 @@ class ActiveVocab:
         self._loaded: tuple[torch.Tensor | None, int | None] = (None, None)
 
     @property
+    def observes(self) -> bool:
+        """Whether :meth:`end_round` hands its policy the round (which then needs the path's target
+        logits); coverage and OOV read the verified ids only."""
+        return self.policy is not None and getattr(self.policy, "observes", True)
+
+    @property
     def mask(self) -> torch.Tensor:
         """[V] bool: this round's active vocabulary (all True for the full head)."""
         return self._mask
@@ -249,7 +255,7 @@ class ActiveVocab:
         tree_tokens: torch.Tensor,  # [N] incl. the root
         path: torch.Tensor,  # [a + 1] node indices of the verified path, root first
         verified: torch.Tensor,  # [a + 1] accepted ids then the bonus id
-        path_logits: torch.Tensor,  # [a + 1, V] the target's logits along ``path``
+        path_logits: torch.Tensor | None,  # [a + 1, V] the target's logits along ``path`` (observes)
         hidden: torch.Tensor,  # [N, D] its features of every node
     ) -> VocabRoundStats:
         timings = self.head.take_timings()
@@ -264,7 +270,7 @@ class ActiveVocab:
             gather_s=timings.gather_s,
             rows_gathered=timings.rows_gathered,
         )
-        if self.policy is not None:
+        if self.observes:
             t0 = time.perf_counter()
             fb = RoundFeedback(tree_tokens, verified, path_logits, hidden[path[-1]], oov, self._round)
             self.policy.observe(fb)

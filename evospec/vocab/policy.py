@@ -47,7 +47,9 @@ class RoundFeedback:
 
     tree_tokens: torch.Tensor  # [N] draft tree token ids, node 0 = root (last committed token)
     verified: torch.Tensor  # [a + 1] accepted ids then the bonus id
-    path_logits: torch.Tensor  # [a + 1, V] target logits at the path nodes; row -1 produced the bonus
+    # [a + 1, V] target logits at the path nodes, row -1 produced the bonus (a policy that does
+    # not learn from rounds, ``observes`` False, is handed no feedback at all)
+    path_logits: torch.Tensor | None
     bonus_hidden: torch.Tensor  # [D] target feature at the node whose logits produced the bonus
     oov: bool  # the bonus token was outside the active vocabulary
     round_index: int  # rounds since the request started (0 = first round)
@@ -69,6 +71,7 @@ class VocabPolicy(Protocol):
     name: str
     capacity: int  # most ids the policy ever makes active (sizes the reduced head)
     prefill_top_k: int  # top-K ids per prompt position the policy wants at prefill (0 = none)
+    observes: bool  # learns from rounds (False: no feedback is built for it, no logits gathered)
 
     def start(
         self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden: torch.Tensor | None = None
@@ -124,6 +127,7 @@ class StatelessPolicy:
     """The answers of a policy that learns nothing while serving (no ARC buffer, no stats)."""
 
     name: str
+    observes = True
 
     def take_stats(self) -> PolicyStats:
         return PolicyStats()
@@ -145,6 +149,7 @@ class StaticVocab(StatelessPolicy):
     """FR-Spec: a fixed top-K frequency table."""
 
     prefill_top_k = 0
+    observes = False  # a fixed table
 
     def __init__(self, top_ids: np.ndarray | list[int], vocab_size: int, device="cpu", name: str = "frspec"):
         self.name = name
@@ -313,6 +318,7 @@ class EvoSpecVocab:
 
     name = "evospec"
     prefill_top_k = 0
+    observes = True  # the bonus row's top ids seed its retrieval
 
     def __init__(
         self,
@@ -362,6 +368,7 @@ class NanoSpecEvoVocab:
     """NanoSpec window ∪ EvoSpec ARC buffer within one budget (window = budget - ARC capacity)."""
 
     name = "nanospec+evospec"
+    observes = True  # the verified path's top ids grow its window, the bonus row's seed retrieval
 
     def __init__(
         self,

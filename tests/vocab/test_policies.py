@@ -158,6 +158,32 @@ def test_block_packed_reduced_head_stays_lossless(target, head, method, monkeypa
     assert dec.vocab.head.packed.repacked_blocks > 0
 
 
+@pytest.mark.parametrize("method", POLICIES)
+def test_the_path_logits_are_gathered_only_for_a_policy_that_reads_them(target, head, method, monkeypatch):
+    """frspec's table and the full head learn nothing from a round: their rounds skip gathering the
+    path's [a + 1, V] logits (coverage and OOV come from the verified ids); every other policy
+    gets them each round."""
+    from evospec.vocab.active import ActiveVocab
+
+    dec = make_decoder(
+        method, target, draft=head, tree=TREES[1], vocab=SMALL, indices=bundle(target), eos_ids=(V - 1,)
+    )
+    handed = []
+    end_round = ActiveVocab.end_round
+
+    def spy(self, tree_tokens, path, verified, path_logits, hidden):
+        handed.append(path_logits is not None and tuple(path_logits.shape) == (path.numel(), V))
+        return end_round(self, tree_tokens, path, verified, path_logits, hidden)
+
+    monkeypatch.setattr(ActiveVocab, "end_round", spy)
+    params = SamplingParams(max_new_tokens=16)
+    assert [t for ev in dec.generate(PROMPTS[0], params) for t in ev.tokens] == ar_tokens(
+        target, PROMPTS[0], params, eos=(V - 1,)
+    )
+    assert handed and set(handed) == {method not in ("frspec", "vocabtrim")}
+    assert dec.vocab.observes == (method not in ("frspec", "vocabtrim"))
+
+
 def test_eagle2_reports_full_coverage(target, head):
     dec = make_decoder("eagle2", target, draft=head, tree=TREES[0])
     evs = [ev for ev in dec.generate(PROMPTS[1], SamplingParams(max_new_tokens=12)) if not ev.prefill]
