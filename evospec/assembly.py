@@ -83,6 +83,7 @@ class Deferred:
     build the decoder of what they choose."""
 
     label: str  # "method auto" or "tree auto for <method>": what the log lines start with
+    timing: str  # what is timed: "the candidates" (methods) or "the shapes" (trees)
     provisional: str  # the method whose decoder serves meanwhile (stack.decoders' key)
     steps: Callable[[], Steps[Choice]]  # Tuner.method_steps over the candidates, or tree_steps
     build: Callable[[str, TreeConfig], Decoder]
@@ -95,7 +96,7 @@ class Deferred:
         record_steps(stack.loaded.model, [decoder])
         stack.decoders.pop(self.provisional, None)
         stack.decoders[name] = decoder
-        if self.label == "method auto":
+        if stack.resolved.get(AUTO) == self.provisional:  # auto resolves to the choice now
             stack.resolved[AUTO] = name
         stack.deferred = None
         stack.facts.append(f"{self.label}: {choice_fact(choice)}")
@@ -212,10 +213,9 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bo
             cached = tuner.cached_tree(spec.drafts_like) if defer_tuning else tuner.tree(spec.drafts_like)
             tree = cached or TreeConfig(1, 1, 1, lookup=3, table_lookup=int(ngrams is not None))
             if cached is None and deferred is None:  # timed while serving, at a small chain meanwhile
-                deferred = Deferred(
-                    f"tree auto for {spec.name}", spec.name, _tree_steps(tuner, spec), tuner.build
-                )
-                facts.append(f"tree auto for {spec.name}: {tree_fact()}")
+                label, steps = f"tree auto for {spec.name}", _tree_steps(tuner, spec)
+                deferred = Deferred(label, "the shapes", spec.name, steps, tuner.build)
+                facts.append(f"{label}: {tree_fact()}")
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     record_steps(loaded.model, decoders.values())
@@ -233,7 +233,10 @@ def _resolve_auto(tuner, candidates: list[str], defer: bool, facts: list[str]):
     if choice is not None:
         facts.append(f"method auto: {choice_fact(choice)}")
         return choice[0], choice[1], None
-    steps = lambda: replace(tuner, progress=False).method_steps(candidates)  # noqa: E731
+
+    def steps() -> Steps[Choice]:
+        return replace(tuner, progress=False).method_steps(candidates)
+
     facts.append(
         "method auto: serving ngram (context lookup: no draft, lossless) while the candidates are "
         "timed against ar in the engine's idle time (a few minutes of idle CPU); the choice is "
@@ -242,7 +245,7 @@ def _resolve_auto(tuner, candidates: list[str], defer: bool, facts: list[str]):
     return (
         "ngram",
         candidates_for("ngram", tuner.table)[0],
-        Deferred("method auto", "ngram", steps, tuner.build),
+        Deferred("method auto", "the candidates", "ngram", steps, tuner.build),
     )
 
 

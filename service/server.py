@@ -89,8 +89,7 @@ def tuning_job(stack: Stack, log: TextIO) -> IdleJob:
         print(f"[evospec] {stack.facts[-1]}; now serving {decoder.name}", file=log, flush=True)
         return decoder
 
-    what = "the candidates" if deferred.label == "method auto" else "the shapes"
-    return IdleJob(f"{deferred.label}: timing {what}", deferred.steps(), done)
+    return IdleJob(f"{deferred.label}: timing {deferred.timing}", deferred.steps(), done)
 
 
 def batching_fact(engine: Engine, max_batch: int) -> str:
