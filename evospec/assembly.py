@@ -210,12 +210,8 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bo
         if spec.name == resolved.get(AUTO) and auto_tree is not None:
             tree = auto_tree  # the shape the choice was measured with
         elif settings.tune_tree and spec.speculative:
-            cached = tuner.cached_tree(spec.drafts_like) if defer_tuning else tuner.tree(spec.drafts_like)
-            tree = cached or TreeConfig(1, 1, 1, lookup=3, table_lookup=int(ngrams is not None))
-            if cached is None and deferred is None:  # timed while serving, at a small chain meanwhile
-                label, steps = f"tree auto for {spec.name}", _tree_steps(tuner, spec)
-                deferred = Deferred(label, "the shapes", spec.name, steps, tuner.build)
-                facts.append(f"{label}: {tree_fact()}")
+            tree, later = _tuned_tree(tuner, spec, defer_tuning and deferred is None, facts)
+            deferred = deferred or later
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     record_steps(loaded.model, decoders.values())
@@ -247,6 +243,19 @@ def _resolve_auto(tuner, candidates: list[str], defer: bool, facts: list[str]):
         candidates_for("ngram", tuner.table)[0],
         Deferred("method auto", "the candidates", "ngram", steps, tuner.build),
     )
+
+
+def _tuned_tree(tuner, spec: MethodSpec, defer: bool, facts: list[str]) -> tuple[TreeConfig, Deferred | None]:
+    """``--tree auto``'s shape for ``spec``: cached or measured now; with ``defer`` and nothing
+    cached, a 1-token chain after context lookup (and the table's guesses) and the
+    :class:`Deferred` timing that replaces it (its line goes to ``facts``)."""
+    cached = tuner.cached_tree(spec.drafts_like) if defer else tuner.tree(spec.drafts_like)
+    if cached is not None:
+        return cached, None
+    label = f"tree auto for {spec.name}"
+    facts.append(f"{label}: {tree_fact()}")
+    small = TreeConfig(1, 1, 1, lookup=3, table_lookup=int(tuner.table))
+    return small, Deferred(label, "the shapes", spec.name, _tree_steps(tuner, spec), tuner.build)
 
 
 def _tree_steps(tuner, spec: MethodSpec) -> Callable[[], Steps[Choice]]:
