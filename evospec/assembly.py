@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 AUTO = "auto"  # a method name that resolves to the fastest lossless method measured here
+# what a server says while a tuned tree is measured beside serving
+TREE_FACT = (
+    "serving a 1-token chain after context lookup while the shapes are timed against ar in the "
+    "engine's idle time; the choice is cached for later starts"
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,8 @@ class Deferred:
         if stack.resolved.get(AUTO) == self.provisional:  # auto resolves to the choice now
             stack.resolved[AUTO] = name
         stack.deferred = None
-        stack.facts.append(f"{self.label}: {choice_fact(choice)}")
+        shape = f"; tree {tree}" if self.timing == "the shapes" else ""  # what a tree's timing chose
+        stack.facts.append(f"{self.label}: {choice_fact(choice)}{shape}")
         return decoder
 
 
@@ -253,7 +259,7 @@ def _tuned_tree(tuner, spec: MethodSpec, defer: bool, facts: list[str]) -> tuple
     if cached is not None:
         return cached, None
     label = f"tree auto for {spec.name}"
-    facts.append(f"{label}: {tree_fact()}")
+    facts.append(f"{label}: {TREE_FACT}")
     small = TreeConfig(1, 1, 1, lookup=3, table_lookup=int(tuner.table))
     return small, Deferred(label, "the shapes", spec.name, _tree_steps(tuner, spec), tuner.build)
 
@@ -269,16 +275,8 @@ def _tree_steps(tuner, spec: MethodSpec) -> Callable[[], Steps[Choice]]:
     return steps
 
 
-def tree_fact() -> str:
-    """What a server says while a tuned tree is measured beside serving."""
-    return (
-        "serving a 1-token chain after context lookup while the shapes are timed against ar in the "
-        "engine's idle time; the choice is cached for later starts"
-    )
-
-
 def choice_fact(choice: Choice) -> str:
-    """The line that reports ``--method auto``'s choice."""
+    """The line that reports what ``--method auto`` (or a deferred ``--tree auto``) chose."""
     table = ", ".join(f"{n} {x:.2f}x" for n, x in choice[2].items())
     return f"{choice[0]} (measured speedup over ar: {table})"
 

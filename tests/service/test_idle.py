@@ -214,7 +214,10 @@ def test_a_served_methods_tree_auto_is_timed_beside_serving(tmp_path, tiny, code
         gate.set()
         assert wait_for(lambda: engine.decoder is not first, timeout=30)
         assert engine.method == "eagle2" and engine.decoder.tree == TreeConfig(2, 3, 6)
-        assert "tree auto for eagle2: eagle2 (measured speedup over ar: eagle2 1.30x)" in log.getvalue()
+        assert (
+            "tree auto for eagle2: eagle2 (measured speedup over ar: eagle2 1.30x); tree "
+            f"{TreeConfig(2, 3, 6)}; now serving eagle2" in log.getvalue()
+        )
         ids = codec.encode("The quick brown fox")
         sink = Collect()
         engine.submit(GenerationRequest(ids, SamplingParams(max_new_tokens=10), timeout_s=30), sink)
