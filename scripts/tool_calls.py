@@ -3,14 +3,15 @@
 Each request in :data:`CALLS` (a question and the tool it wants, written for this: no data set
 needed) goes through what ``POST /v1/chat/completions`` does: ``ChatRequest.template_messages()``
 (the tools described in the system message) and ``output_schema`` (the grammar); the default
-model then decodes the answer with ``ar`` and with ``ngram`` (alternating which goes first,
-``--passes`` times). ``--choice named``: ``tool_choice: "required"`` with the question's one
+model then decodes the answer with ``ar``, with ``ngram`` and with ``ngram`` without
+jump-forward guesses (``decoding/json_guess.py``; ``tree.jump_forward`` 0), in a rotating
+order, ``--passes`` times. ``--choice named``: ``tool_choice: "required"`` with the question's one
 tool (the answer is its arguments); ``required``: all four tools offered, the model choosing one
 (a JSON envelope, read back by ``service/tool_reader.py``); ``auto``: the same, plus
 :data:`REPLIES` (questions no tool answers), where the model may reply in text. Printed: each
 answer (first pass), whether it closed as JSON the schema takes, whether it called the tool the
-question wants (or, for :data:`REPLIES`, replied), and ngram's time over ar's (median); every
-ngram output is checked equal to ar's.
+question wants (or, for :data:`REPLIES`, replied), each ngram arm's time over ar's and over the
+other's (medians) with its MAL; every ngram output is checked equal to ar's.
 
     .venv/bin/python scripts/tool_calls.py --passes 3 [--choice named|required|auto]
 """
@@ -21,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -84,6 +86,14 @@ REPLIES = (  # questions no tool answers: under auto, a reply is right
 TOOLS = [WEATHER, FLIGHT, EVENT, SEARCH]
 
 
+# each ratio: the first arm's time over the second's, per request
+RATIOS = {
+    "ngram x ar": ("ar", "ngram"),
+    "ngram-nojump x ar": ("ar", "ngram-nojump"),
+    "ngram x ngram-nojump": ("ngram-nojump", "ngram"),
+}
+
+
 def _verdict(text: str, choice: str, tool: dict | None) -> str:
     """What the answer did: "called NAME" or "replied", and whether that is what was wanted."""
     if choice == "named":
@@ -100,12 +110,29 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--choice", choices=["named", "required", "auto"], default="named")
+    ap.add_argument(
+        "--grammars",
+        choices=["cold", "warm"],
+        default="cold",
+        help="cold: each arm decodes with a grammar of its own, built for it (a server's first "
+        "request with a schema: every mask computed as it is met); warm: the arms share one, "
+        "decoded once untimed first (a server that keeps the schema's grammar, from its second "
+        "request on)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     stack = assemble(StackSettings(methods=("ar", "ngram"), weights="int4"), progress=False)
     codec = stack.codec
+    ngram = stack.decoder("ngram")
+    # arm -> (decoder, its tree): the ngram arms share one decoder, its tree set per run
+    decoders = {
+        "ar": (stack.decoder("ar"), None),
+        "ngram": (ngram, ngram.tree),
+        "ngram-nojump": (ngram, replace(ngram.tree, jump_forward=0)),
+    }
     asks = CALLS + (REPLIES if args.choice == "auto" else ())
-    ratios, tokens, closed, right, mismatches = [], 0, 0, 0, 0
+    ratios, tokens, closed, right, mismatches = {k: [] for k in RATIOS}, 0, 0, 0, 0
+    rounds = dict.fromkeys(decoders, 0)
     for p in range(args.passes):
         for i, (question, tool) in enumerate(asks):
             body = {"model": "m", "messages": [{"role": "user", "content": question}]}
@@ -114,16 +141,31 @@ def main() -> None:
             else:
                 body |= {"tools": TOOLS, "tool_choice": args.choice}
             request = ChatRequest.model_validate(body)
-            grammar = JsonGrammar(stack.json_tokens, request.output_schema[1])
             ids = codec.encode_chat(request.template_messages())
-            params = SamplingParams(max_new_tokens=args.max_tokens, penalties=Penalties(grammar=grammar))
+
+            def params_with(grammar: JsonGrammar) -> SamplingParams:
+                return SamplingParams(max_new_tokens=args.max_tokens, penalties=Penalties(grammar=grammar))
+
+            grammar = JsonGrammar(stack.json_tokens, request.output_schema[1])
+            params = params_with(grammar)
+            if args.grammars == "warm":  # the grammar's masks computed before any arm is timed
+                list(stack.decoder("ar").generate(ids, params))
             took, out = {}, {}
-            for method in ("ar", "ngram") if (i + p) % 2 else ("ngram", "ar"):
+            order = list(decoders)
+            for method in order[(i + p) % 3 :] + order[: (i + p) % 3]:
+                decoder, tree = decoders[method]
+                if tree is not None:
+                    decoder.tree = tree
+                if args.grammars == "cold":
+                    params = params_with(JsonGrammar(stack.json_tokens, request.output_schema[1]))
                 t0 = time.perf_counter()
-                out[method] = [t for ev in stack.decoder(method).generate(ids, params) for t in ev.tokens]
+                events = list(decoder.generate(ids, params))
                 took[method] = time.perf_counter() - t0
-            mismatches += out["ar"] != out["ngram"]
-            ratios.append(took["ar"] / took["ngram"])
+                out[method] = [t for ev in events for t in ev.tokens]
+                rounds[method] += len(events) - 1  # the prefill's event aside
+            mismatches += (out["ar"] != out["ngram"]) + (out["ar"] != out["ngram-nojump"])
+            for name, (slow, fast) in RATIOS.items():
+                ratios[name].append(took[slow] / took[fast])
             if p == 0:
                 text = codec.decode(out["ar"])
                 state = grammar.advance(grammar.start(), out["ar"])
@@ -138,8 +180,13 @@ def main() -> None:
     print(f"{closed}/{len(asks)} answers closed as JSON their schema takes; {per_call:.1f} tokens each")
     if args.choice != "named":
         print(f"{right}/{len(asks)} called the tool the question wants (or replied where none does)")
-    median = statistics.median(ratios)
-    print(f"ngram x ar, whole answer incl. prefill (median of {len(ratios)}): {median:.3f}")
+    for name, values in ratios.items():
+        print(
+            f"{name}, whole answer incl. prefill (median of {len(values)}): {statistics.median(values):.3f}"
+        )
+    decoded = rounds["ar"]  # one token a round
+    for method in ("ngram", "ngram-nojump"):
+        print(f"{method}: MAL {decoded / rounds[method]:.3f} ({rounds[method]} rounds)")
     print(f"ngram outputs differing from ar's: {mismatches}")
 
 

@@ -3,10 +3,11 @@ schema describes.
 
 Owns: :class:`JsonState` (where a text stands: the open containers with their progress, the
 value being read, the lexer's position), :class:`JsonMachine` (one schema's byte automaton:
-:meth:`JsonMachine.step`, :meth:`JsonMachine.walk`), :class:`TokenTable` (one model's tokens as
-bytes) and :class:`JsonGrammar` (a table and a schema: :meth:`JsonGrammar.blocked`, the [V] mask
-of tokens whose bytes the state refuses -- everything but EOS once the value is closed, EOS
-before -- and :meth:`JsonGrammar.advance`). A request with ``response_format`` ``json_object``
+:meth:`JsonMachine.step`, :meth:`JsonMachine.walk`) and :class:`JsonGrammar` (a model's
+``json_tokens.TokenTable`` and a schema: :meth:`JsonGrammar.blocked`, the [V] mask of tokens
+whose bytes the state refuses -- everything but EOS once the value is closed, EOS before --,
+:meth:`JsonGrammar.advance`, and :meth:`JsonGrammar.only_byte`, what ``json_guess.py`` guesses
+from). A request with ``response_format`` ``json_object``
 (the schema ``json_schema.OBJECT``) or ``json_schema`` picks from rows whose blocked tokens are
 -inf (``penalties.adjusted``), so every method -- plain steps, each verified draft node with its
 own path, batch members -- picks from the same constrained rows: greedy output is the same, and
@@ -47,6 +48,7 @@ from evospec.decoding.json_schema import (
     Schema,
     first_bytes,
 )
+from evospec.decoding.json_tokens import TokenTable
 
 MAX_WS = 20  # whitespace bytes in a row between tokens of the grammar
 MAX_DEPTH = 16  # open containers
@@ -65,6 +67,7 @@ BINT = 13  # in an integer with bounds, while they still matter; aux: its text s
 FMT = 14  # in a string of a format; aux: where its automaton stands (json_formats.py)
 
 _WS = frozenset(b" \t\n\r")
+_TOKEN_STARTS = b'"{}[],:-0123456789tfn'  # what may begin a JSON token (a value, or , : } ])
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _DIGITS = frozenset(b"0123456789")
 _ESCAPES = frozenset(b'"\\/bfnrt')
@@ -170,6 +173,16 @@ class JsonMachine:
             at = json_formats.step(fmt, state.aux, b)
             return None if at is None else JsonState(FMT, state.frames, state.node, at)
         return None  # DONE
+
+    def candidates(self, state: JsonState) -> Sequence[int] | frozenset[int]:
+        """The bytes that may follow ``state`` (a superset; whitespace left out between tokens,
+        where it is always free): a JSON token's first bytes, a property name's next ones."""
+        if state.mode <= AFTER:
+            return _TOKEN_STARTS
+        if state.mode == PKEY:
+            more, tags = self._name_trie(*state.frames[-1])[state.aux]
+            return more | {ord('"')} if tags else more
+        return range(256)
 
     def _between(self, state: JsonState, b: int) -> JsonState | None:
         """Byte ``b`` (not whitespace) where the grammar expects a token (modes VALUE .. AFTER)."""
@@ -422,55 +435,6 @@ def _trie(words) -> dict[bytes, tuple[frozenset[int], tuple]]:
     return {p: (frozenset(n), tuple(tags.get(p, ()))) for p, n in nexts.items()}
 
 
-class TokenTable:
-    """One model's tokens as bytes. ``pieces[i]``: token i's bytes, None for a token that is
-    never text (special / added tokens); ``eos_ids`` end the text once the value is closed;
-    ``vocab_size``: the model's row length (>= len(pieces))."""
-
-    def __init__(self, pieces: Sequence[bytes | None], eos_ids: Sequence[int], vocab_size: int) -> None:
-        if vocab_size < len(pieces):
-            raise ValueError(f"JSON grammar: {len(pieces)} token pieces for a {vocab_size}-token row")
-        if not eos_ids:
-            raise ValueError("JSON grammar: the model names no EOS token to end the value with")
-        self.pieces = [p if p else None for p in pieces]
-        self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
-        self.vocab_size = vocab_size
-        first = torch.full((vocab_size,), 256, dtype=torch.long)  # 256: no byte (never text)
-        second = torch.full((vocab_size,), 256, dtype=torch.long)  # 256: a one-byte token
-        self.plain = torch.zeros(vocab_size, dtype=torch.bool)  # only bytes a string takes as they are
-        self.texts = torch.zeros(vocab_size, dtype=torch.bool)
-        self.chars = torch.zeros(vocab_size, dtype=torch.long)  # code points begun (UTF-8 lead bytes)
-        for i, p in enumerate(self.pieces):
-            if p is not None:
-                first[i] = p[0]
-                second[i] = p[1] if len(p) > 1 else 256
-                self.plain[i] = all(c >= 0x20 and c not in b'"\\' for c in p)
-                self.texts[i] = True
-                self.chars[i] = sum(1 for c in p if c & 0xC0 != 0x80)
-        self.pair = first * 257 + second  # [V]: index into a state's (first, second) byte table
-        self._padded: torch.Tensor | None = None
-
-    @property
-    def padded(self) -> torch.Tensor:
-        """[V, L] every token's bytes, padded with 256 (no byte) to the longest (built once;
-        int16: 8 MB for 49k tokens)."""
-        if self._padded is None:
-            longest = max((len(p) for p in self.pieces if p is not None), default=1)
-            out = torch.full((self.vocab_size, longest), 256, dtype=torch.int16)
-            for i, p in enumerate(self.pieces):
-                if p is not None:
-                    out[i, : len(p)] = torch.tensor(list(p))
-            self._padded = out
-        return self._padded
-
-    @classmethod
-    def for_codec(cls, codec, eos_ids: Sequence[int], vocab_size: int) -> TokenTable:
-        """The table of ``codec``'s tokens (``TextCodec``; ~0.9 s for 49k tokens)."""
-        added = set(codec.added_ids)
-        pieces = [None if i in added else codec.token_bytes(i) for i in range(codec.vocab_size)]
-        return cls(pieces, eos_ids, vocab_size)
-
-
 class JsonGrammar:
     """A model's tokens under one schema (default: any object, JSON mode), with its masks."""
 
@@ -479,6 +443,7 @@ class JsonGrammar:
         self._cache: OrderedDict[JsonState, torch.Tensor] = OrderedDict()
         self._keep = max(32, CACHE_BYTES // table.vocab_size)  # masks kept
         self._dfas: dict[Pattern, torch.Tensor] = {}  # a pattern's moves, for walking tokens at once
+        self._only: OrderedDict[JsonState, int | None] = OrderedDict()  # only_byte's answers
 
     def start(self) -> JsonState:
         return self.machine.start()
@@ -510,6 +475,19 @@ class JsonGrammar:
         if len(self._cache) > self._keep:
             self._cache.popitem(last=False)
         return mask
+
+    def only_byte(self, state: JsonState) -> int | None:
+        """The one byte that may come next in ``state``, whitespace aside between tokens (where
+        it is always free); None where there are several or none (kept like the masks)."""
+        if state in self._only:
+            self._only.move_to_end(state)
+            return self._only[state]
+        step = self.machine.step
+        taken = [b for b in self.machine.candidates(state) if step(state, b) is not None]
+        self._only[state] = only = taken[0] if len(taken) == 1 else None
+        if len(self._only) > 64 * self._keep:
+            self._only.popitem(last=False)
+        return only
 
     def _compute(self, state: JsonState) -> torch.Tensor:
         table, step = self.table, self.machine.step

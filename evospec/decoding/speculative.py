@@ -30,10 +30,12 @@ from evospec.adapt.online import OnlineAdapter
 from evospec.decoding.budget import Budget, cache_for, check_reuse, plan_budget
 from evospec.decoding.drafter import Drafter
 from evospec.decoding.events import StepEvent
+from evospec.decoding.json_guess import JsonGuess
 from evospec.decoding.logprobs import for_tokens
 from evospec.decoding.lookup import LookupDraft
 from evospec.decoding.ngram_table import NgramTable
 from evospec.decoding.node_logits import NodeLogits
+from evospec.decoding.penalties import Generated
 from evospec.decoding.prefix import PrefixCache
 from evospec.decoding.proposal import DraftSampler
 from evospec.decoding.sampling import SamplingParams, pick_token
@@ -128,6 +130,7 @@ def generate_speculative(
     lookup = lookup if lookup.active else None
     if lookup is not None:
         lookup.reset([*prompt, root])
+    jump = _jump_forward(tree_cfg, generated, root)
     if vocab is not None:
         vocab.start(ids[0], hidden)
     if adapt is not None:
@@ -136,7 +139,9 @@ def generate_speculative(
     while True:
         t0 = time.perf_counter()
         prefix = cache.length
-        guess = lookup.propose() if lookup is not None else []
+        guess = jump.propose() if jump is not None else []
+        if not guess and lookup is not None:
+            guess = lookup.propose()
         looked_up = bool(guess) or drafter is None
         if looked_up:
             tree = chain_tree(root, guess, prefix, device)
@@ -184,6 +189,8 @@ def generate_speculative(
             pending.add(feats, [*accepted, bonus])
         if lookup is not None:
             lookup.extend([*accepted, bonus])
+        if jump is not None:
+            jump.extend(new)
         root = bonus
 
 
@@ -233,6 +240,16 @@ def _draft_tree(
     tree = build_tree(drafter, root, root_logp, root_ids, prefix, tree_cfg, sampler)
     drafter.rewind()
     return tree
+
+
+def _jump_forward(tree_cfg: TreeConfig, generated: Generated | None, root: int) -> JsonGuess | None:
+    """The request's jump-forward guesses where its output is held to a JSON grammar (and
+    ``tree_cfg.jump_forward`` is on), following the output from its first token ``root``."""
+    if not tree_cfg.jump_forward or generated is None or generated.grammar is None:
+        return None
+    jump = JsonGuess(generated.grammar, tree_cfg.jump_forward)
+    jump.extend([root])
+    return jump
 
 
 def _sampler(tree_cfg: TreeConfig, params: SamplingParams, gen: torch.Generator) -> DraftSampler | None:

@@ -34,6 +34,12 @@ class TreeConfig:
         "the model's n-gram table (built from its own answers; --ngrams) predicts instead of drafting; "
         "0: off",
     )
+    jump_forward: int = setting(
+        4,
+        "JSON mode / schemas: in rounds where the grammar leaves no choice (a property's name, its "
+        "quotes and colon, a closing bracket), verify up to this many tokens of that text, spaced as "
+        "the answer spaces it, before context lookup; 0: off",
+    )
     min_prob: float = setting(
         0.0,
         "chain (top-k-tree 1): draft the next token only while the draft's probability of the whole "
@@ -51,9 +57,17 @@ class TreeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.sample_drafts, bool):
             raise ValueError(f"tree.sample_drafts must be true or false, got {self.sample_drafts!r}")
-        for name in ("top_k", "depth", "total_tokens", "lookup", "lookup_ngram", "table_lookup"):
+        for name in (
+            "top_k",
+            "depth",
+            "total_tokens",
+            "lookup",
+            "lookup_ngram",
+            "table_lookup",
+            "jump_forward",
+        ):
             v = getattr(self, name)
-            least = 0 if name in ("lookup", "table_lookup") else 1
+            least = 0 if name in ("lookup", "table_lookup", "jump_forward") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"tree.{name} must be an integer >= {least}, got {v!r}")
         p = self.min_prob
@@ -68,12 +82,12 @@ class TreeConfig:
     def max_nodes(self) -> int:
         """Upper bound on nodes incl. the root (for preallocating caches)."""
         pool = self.top_k + (self.depth - 1) * self.top_k * self.top_k
-        return 1 + max(min(self.total_tokens, pool), self.lookup, self.table_lookup)
+        return 1 + max(min(self.total_tokens, pool), self.lookup_rows)
 
     @property
     def lookup_rows(self) -> int:
         """The most tokens a model-free round verifies after its root."""
-        return max(self.lookup, self.table_lookup)
+        return max(self.lookup, self.table_lookup, self.jump_forward)
 
     @property
     def draft_slots(self) -> int:
