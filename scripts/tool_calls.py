@@ -11,9 +11,10 @@ tool (the answer is its arguments); ``required``: all four tools offered, the mo
 :data:`REPLIES` (questions no tool answers), where the model may reply in text. Printed: each
 answer (first pass), whether it closed as JSON the schema takes, whether it called the tool the
 question wants (or, for :data:`REPLIES`, replied), each ngram arm's time over ar's and over the
-other's (medians) with its MAL; every ngram output is checked equal to ar's.
+other's (medians; the whole call, and its decoding after the prefill) with its MAL; every ngram
+output is checked equal to ar's.
 
-    .venv/bin/python scripts/tool_calls.py --passes 3 [--choice named|required|auto]
+    .venv/bin/python scripts/tool_calls.py --passes 3 [--choice named|required|auto] [--grammars cold|warm]
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def main() -> None:
     }
     asks = CALLS + (REPLIES if args.choice == "auto" else ())
     ratios, tokens, closed, right, mismatches = {k: [] for k in RATIOS}, 0, 0, 0, 0
+    decode_ratios = {k: [] for k in RATIOS}  # the same, the prefill left out
     rounds = dict.fromkeys(decoders, 0)
     for p in range(args.passes):
         for i, (question, tool) in enumerate(asks):
@@ -150,7 +152,7 @@ def main() -> None:
             params = params_with(grammar)
             if args.grammars == "warm":  # the grammar's masks computed before any arm is timed
                 list(stack.decoder("ar").generate(ids, params))
-            took, out = {}, {}
+            took, decode, out = {}, {}, {}
             order = list(decoders)
             for method in order[(i + p) % 3 :] + order[: (i + p) % 3]:
                 decoder, tree = decoders[method]
@@ -159,13 +161,18 @@ def main() -> None:
                 if args.grammars == "cold":
                     params = params_with(JsonGrammar(stack.json_tokens, request.output_schema[1]))
                 t0 = time.perf_counter()
-                events = list(decoder.generate(ids, params))
+                events, first = [], None
+                for ev in decoder.generate(ids, params):
+                    events.append(ev)
+                    first = first or time.perf_counter()  # the prefill's event
                 took[method] = time.perf_counter() - t0
+                decode[method] = t0 + took[method] - first
                 out[method] = [t for ev in events for t in ev.tokens]
                 rounds[method] += len(events) - 1  # the prefill's event aside
             mismatches += (out["ar"] != out["ngram"]) + (out["ar"] != out["ngram-nojump"])
             for name, (slow, fast) in RATIOS.items():
                 ratios[name].append(took[slow] / took[fast])
+                decode_ratios[name].append(decode[slow] / max(decode[fast], 1e-9))
             if p == 0:
                 text = codec.decode(out["ar"])
                 state = grammar.advance(grammar.start(), out["ar"])
@@ -181,8 +188,9 @@ def main() -> None:
     if args.choice != "named":
         print(f"{right}/{len(asks)} called the tool the question wants (or replied where none does)")
     for name, values in ratios.items():
+        whole, after = statistics.median(values), statistics.median(decode_ratios[name])
         print(
-            f"{name}, whole answer incl. prefill (median of {len(values)}): {statistics.median(values):.3f}"
+            f"{name} (medians of {len(values)}): whole answer incl. prefill {whole:.3f}, decoding {after:.3f}"
         )
     decoded = rounds["ar"]  # one token a round
     for method in ("ngram", "ngram-nojump"):
