@@ -10,7 +10,11 @@
 
 namespace evospec_int4 {
 
-constexpr int64_t kRows = 4;    // activation rows sharing one unpacking of a weight group
+#if defined(EVOSPEC_ZMM)
+constexpr int64_t kRows = 8;    // activation rows sharing one unpacking of a weight group (32 zmm)
+#else
+constexpr int64_t kRows = 4;    // (16 ymm registers: past 4 rows the sums would spill)
+#endif
 constexpr int64_t kAhead = 8;   // weight groups prefetched ahead (2.5 KB: past the end is harmless)
 constexpr int64_t kBlock = 320;  // bytes per tile group: 256 of codes, 16 float16 scales, 16 zeros
 
@@ -55,7 +59,15 @@ void tile_block(int64_t nr, const uint8_t* packed, int64_t groups, const int8_t*
     case 1: return tile_rows<1>(packed, groups, codes, ascale, asum, k, out, n);
     case 2: return tile_rows<2>(packed, groups, codes, ascale, asum, k, out, n);
     case 3: return tile_rows<3>(packed, groups, codes, ascale, asum, k, out, n);
+#if defined(EVOSPEC_ZMM)
+    case 4: return tile_rows<4>(packed, groups, codes, ascale, asum, k, out, n);
+    case 5: return tile_rows<5>(packed, groups, codes, ascale, asum, k, out, n);
+    case 6: return tile_rows<6>(packed, groups, codes, ascale, asum, k, out, n);
+    case 7: return tile_rows<7>(packed, groups, codes, ascale, asum, k, out, n);
+    default: return tile_rows<8>(packed, groups, codes, ascale, asum, k, out, n);
+#else
     default: return tile_rows<4>(packed, groups, codes, ascale, asum, k, out, n);
+#endif
   }
 }
 

@@ -148,7 +148,7 @@ template <int NR>
 inline void group_dots_u4(const IV* w, const int8_t* codes, int64_t k, IV* out) {
 #if defined(EVOSPEC_ZMM) || defined(__AVXVNNI__)
 #ifdef EVOSPEC_ZMM
-  constexpr int kChains = NR == 1 ? 4 : 2;
+  constexpr int kChains = NR == 1 ? 4 : NR <= 4 ? 2 : 1;  // past 4 rows the rows are the chains
 #else
   constexpr int kChains = NR == 1 ? 2 : 1;  // two ymm halves a chain, and 16 ymm registers in all
 #endif
