@@ -27,7 +27,11 @@
 
 namespace {
 
-constexpr int64_t kRows = 4;     // activation rows sharing one read of a weight group
+#if defined(EVOSPEC_ZMM)
+constexpr int64_t kRows = 8;     // activation rows sharing one read of a weight group (32 zmm)
+#else
+constexpr int64_t kRows = 4;     // (16 ymm registers: past 4 rows the sums would spill)
+#endif
 constexpr int64_t kAhead = 4;    // weight groups prefetched ahead (2 KB: past the end is harmless)
 constexpr int64_t kBlock = 512;  // bytes per tile group: 16 outputs x 32 inputs
 
@@ -43,7 +47,7 @@ void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const
                const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
   using namespace evospec_vnni;
 #ifdef EVOSPEC_ZMM
-  constexpr int kChains = NR == 1 ? 4 : 2;
+  constexpr int kChains = NR == 1 ? 4 : NR <= 4 ? 2 : 1;  // past 4 rows the rows are the chains
 #else
   constexpr int kChains = NR == 1 ? 2 : 1;  // two ymm halves a chain, and 16 ymm registers in all
 #endif
@@ -82,7 +86,15 @@ void tile_block(int64_t nr, const uint8_t* packed, const float* wscale, int64_t 
     case 1: return tile_rows<1>(packed, wscale, groups, codes, ascale, asum, k, out, n);
     case 2: return tile_rows<2>(packed, wscale, groups, codes, ascale, asum, k, out, n);
     case 3: return tile_rows<3>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+#if defined(EVOSPEC_ZMM)
+    case 4: return tile_rows<4>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    case 5: return tile_rows<5>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    case 6: return tile_rows<6>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    case 7: return tile_rows<7>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    default: return tile_rows<8>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+#else
     default: return tile_rows<4>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+#endif
   }
 }
 
