@@ -9,7 +9,7 @@ that parse as one JSON object (free answers also after stripping a Markdown code
 time the grammar's masks take per token (their first computation included). Every JSON-mode
 ngram output is checked equal to JSON-mode ``ar``'s.
 
-    .venv/bin/python scripts/json_mode_cost.py --passes 3 --max-tokens 96
+    .venv/bin/python scripts/json_mode_cost.py --passes 3 --max-tokens 96 [--jump-forward 0]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -73,9 +74,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument(
+        "--jump-forward",
+        type=int,
+        default=None,
+        help="ngram's tree.jump_forward (guesses of what the grammar forces); default: its own",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     stack = assemble(StackSettings(methods=("ar", "ngram"), weights="int4"), progress=False)
+    if args.jump_forward is not None:
+        ngram = stack.decoder("ngram")
+        ngram.tree = replace(ngram.tree, jump_forward=args.jump_forward)
     codec = stack.codec
     t0 = time.perf_counter()
     grammar = JsonGrammar(stack.json_tokens)

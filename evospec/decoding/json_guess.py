@@ -32,8 +32,8 @@ MAX_GUESS_BYTES = 64  # a guess's forced text at most (a long property name and 
 
 
 class JsonGuess:
-    """One request's forced-structure guesses; ``reset`` with the state at the start of the
-    output, ``extend`` with each verified token, ``propose`` at each round."""
+    """One request's forced-structure guesses: ``extend`` with each verified token of the output
+    (its first included), ``propose`` at each round."""
 
     def __init__(self, grammar: JsonGrammar, limit: int) -> None:
         if limit < 1:
@@ -44,10 +44,6 @@ class JsonGuess:
         self._run = b""  # whitespace written since that byte, where the grammar is between tokens
         # (byte, next byte, depth) -> the whitespace between them, the latest last
         self._style: dict[tuple[int, int, int], bytes] = {}
-
-    def reset(self, state: JsonState | None = None) -> None:
-        self.state = state if state is not None else self.grammar.start()
-        self._last, self._run, self._style = None, b"", {}
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Follow verified tokens byte by byte, learning the answer's whitespace (a token the
@@ -108,7 +104,10 @@ class JsonGuess:
                     state = nxt
                     out.append(w)
                 run = b""
-            state = step(state, b)
+            nxt = step(state, b)
+            if nxt is None:  # the whitespace ran past the grammar's limit
+                break
+            state = nxt
             out.append(b)
             last = (b, len(state.frames))
         return bytes(out)
