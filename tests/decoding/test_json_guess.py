@@ -11,11 +11,11 @@ import torch
 from evospec.decoding.json_grammar import AFTER, JsonGrammar, TokenTable
 from evospec.decoding.json_guess import JsonGuess
 from evospec.decoding.json_schema import compile_schema
-from evospec.decoding.penalties import Generated, Penalties, adjusted
-from evospec.decoding.sampling import SamplingParams, target_probs
+from evospec.decoding.penalties import Penalties
+from evospec.decoding.sampling import SamplingParams
 from evospec.decoding.tree import TreeConfig
 from tests.decoding.spec_helpers import ar_tokens, chi2_pvalue, prompt_of, spec_events, tiny_target
-from tests.decoding.test_json_mode import EOS, TOKENS, VOCAB
+from tests.decoding.test_json_mode import EOS, TOKENS, VOCAB, second_token_law
 
 STRING = {"type": "string"}
 SCHEMA = {"type": "object", "properties": {"key": STRING, "a": STRING, "b": {"type": "integer"}}}
@@ -120,19 +120,9 @@ def test_sampled_guesses_follow_the_masked_distribution(grammar):
     """Under sampling a guessed token is accepted with the target's probability of it (a
     model-free proposal): the second token's law is the masked one's, guesses or not."""
     sharp = tiny_target(4, sharp=1.0, eos=(EOS,))
-    penalties = Penalties(grammar=grammar)
     prompt = prompt_of(8, 5)
-    params = SamplingParams(max_new_tokens=2, temperature=1.0, penalties=penalties)
-
-    def probs(ids: list[int], generated: list[int]) -> torch.Tensor:
-        logits = sharp(
-            torch.tensor([ids]), torch.arange(len(ids)), sharp.new_cache(len(ids)), logits="last"
-        ).logits
-        row = adjusted(logits[0, -1], penalties, Generated(generated, grammar=grammar))
-        return target_probs(row, params).double()
-
-    p1 = probs(prompt, [])
-    exact = sum(p1[x] * probs([*prompt, x], [x]) for x in range(VOCAB) if p1[x] > 1e-7).float()
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, penalties=Penalties(grammar=grammar))
+    exact = second_token_law(sharp, grammar, prompt, params)
     chain = TreeConfig(top_k=1, depth=1, total_tokens=1, jump_forward=4)
     n, counts, guessed = 1500, torch.zeros(VOCAB), 0
     for s in range(n):

@@ -112,25 +112,30 @@ def test_drafted_json_paths_are_judged_in_their_own_order(target, grammar):
         assert max(ev.accepted for ev in events) >= 2
 
 
-def test_sampled_json_mode_follows_the_masked_distribution(grammar):
-    """The second token's law under the mask of the state the first token leads to, against
-    drafted chains verified by the ratio test (a verification that judged the second token in
-    the first one's state would put mass where this law has none)."""
-    sharp = tiny_target(4, sharp=1.0, eos=(EOS,))
-    penalties = Penalties(grammar=grammar)
-    prompt = prompt_of(8, 5)
-    params = SamplingParams(max_new_tokens=2, temperature=1.0, penalties=penalties)
+def second_token_law(target, grammar: JsonGrammar, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """[V] the exact law of the second token sampled under ``grammar``: the sum over first
+    tokens x of p(x) times the law under the mask of the state x leads to."""
+    penalties = params.penalties
 
     def probs(ids: list[int], generated: list[int]) -> torch.Tensor:
-        logits = sharp(
-            torch.tensor([ids]), torch.arange(len(ids)), sharp.new_cache(len(ids)), logits="last"
+        logits = target(
+            torch.tensor([ids]), torch.arange(len(ids)), target.new_cache(len(ids)), logits="last"
         ).logits
         row = adjusted(logits[0, -1], penalties, Generated(generated, grammar=grammar))
         return target_probs(row, params).double()
 
     p1 = probs(prompt, [])
-    firsts = [x for x in range(VOCAB) if p1[x] > 1e-7]
-    exact = sum(p1[x] * probs([*prompt, x], [x]) for x in firsts).float()
+    return sum(p1[x] * probs([*prompt, x], [x]) for x in range(VOCAB) if p1[x] > 1e-7).float()
+
+
+def test_sampled_json_mode_follows_the_masked_distribution(grammar):
+    """The second token's law under the mask of the state the first token leads to, against
+    drafted chains verified by the ratio test (a verification that judged the second token in
+    the first one's state would put mass where this law has none)."""
+    sharp = tiny_target(4, sharp=1.0, eos=(EOS,))
+    prompt = prompt_of(8, 5)
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, penalties=Penalties(grammar=grammar))
+    exact = second_token_law(sharp, grammar, prompt, params)
     n, counts, accepted = 1500, torch.zeros(VOCAB), 0
     drafter = perturbed_drafter(sharp, noise=0.3)
     for s in range(n):
