@@ -1,19 +1,38 @@
 """String formats a JSON schema may name, as small byte automata: ``date``, ``time``,
 ``date-time`` (RFC 3339) and ``uuid`` (and a ``pattern``'s automaton, ``json_regex.py``, behind
-the same three functions).
+the same three functions); ``email``, ``hostname``, ``ipv4`` and ``uri`` as the patterns of
+:data:`PATTERNS`.
 
-Owns: :data:`FORMATS`, :func:`start`, :func:`step` and :func:`done` over a position ``at`` --
+Owns: :data:`FORMATS`, :data:`PATTERNS`, :func:`start`, :func:`step` and :func:`done` over a
+position ``at`` --
 a short tuple, so that the JSON grammar's states (``json_grammar.py``) repeat across values and
 their masks are computed once: a date keeps where it is and, once its year is read, only
 whether the year is a leap year; a month only the number of its days. Every text these take is
 a valid value of its format (the month's days, leap years, 00-23 hours, 00-59 minutes and
 seconds, offsets up to 23:59); they are the usual spellings, not every one a parser takes
-(no lower-case ``t`` or ``z``, no space for ``T``, no leap second). Knows bytes only.
+(no lower-case ``t`` or ``z``, no space for ``T``, no leap second). The patterns' texts are
+the usual spellings too: an address of dot-separated atoms at a host with a letters-only top
+label; host labels of letters, digits and inner hyphens (their 63-byte limit is not counted); a
+``uri`` with a scheme, ``://``, a host, a port of 1-9999, then path, query and fragment of
+unreserved and sub-delimiter characters (no percent escapes): what Pydantic's ``EmailStr``,
+``IPv4Address`` and ``AnyUrl`` / ``HttpUrl`` validate. Knows bytes only.
 """
 
 from __future__ import annotations
 
 FORMATS = ("date", "time", "date-time", "uuid")
+_LABEL = r"[A-Za-z0-9]+(-+[A-Za-z0-9]+)*"
+_HOST = rf"{_LABEL}(\.{_LABEL})*"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_PATH = r"[A-Za-z0-9._~!$&'()*+,;=:@/-]"  # RFC 3986's unreserved and sub-delimiters, ":@/"
+_QUERY = r"[A-Za-z0-9._~!$&'()*+,;=:@/?-]"  # ... and "?" (a query's and a fragment's)
+# formats spelled as patterns (``json_regex.py``): the schema compiles them as it compiles one
+PATTERNS = {
+    "email": rf"^[A-Za-z0-9_%+-]+(\.[A-Za-z0-9_%+-]+)*@{_HOST}\.[A-Za-z]{{2,}}$",
+    "hostname": rf"^{_HOST}$",
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+    "uri": rf"^[A-Za-z][A-Za-z0-9+.-]*://{_HOST}(:[1-9][0-9]{{0,3}})?(/{_PATH}*)?(\?{_QUERY}*)?(#{_QUERY}*)?$",
+}
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _UUID_DASHES = (8, 13, 18, 23)
 

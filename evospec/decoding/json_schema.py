@@ -10,7 +10,9 @@ The supported subset is what structured-output clients send (OpenAI's strict sub
 are written in the schema's order, optional ones may be left out), ``additionalProperties``
 (with no ``properties``: the values of free keys), ``items`` / ``prefixItems`` / ``minItems`` /
 ``maxItems``, ``minLength`` / ``maxLength`` (in code points; an escape is one), ``format``
-``date`` / ``time`` / ``date-time`` / ``uuid`` (``json_formats.py``), ``pattern`` (a regular
+``date`` / ``time`` / ``date-time`` / ``uuid`` and ``email`` / ``hostname`` / ``ipv4`` / ``uri`` (the
+last four as patterns, beside an implied ``minLength`` of 1 as Pydantic's ``AnyUrl`` writes it;
+``json_formats.py``), ``pattern`` (a regular
 expression's subset, ``json_regex.py``), ``enum`` /
 ``const``, ``anyOf`` / ``oneOf`` whose alternatives begin differently (a string, a number, an
 object, an array, ``true`` / ``false``, ``null``: how Pydantic writes an optional field) or are
@@ -26,12 +28,13 @@ unchecked. The root is an object or an array, or a union of them. Knows JSON onl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from evospec.decoding.json_formats import FORMATS
+from evospec.decoding.json_formats import FORMATS, PATTERNS
 from evospec.decoding.json_regex import Pattern, compile_pattern
 
 ANY, ANY_OBJECT, ANY_ARRAY, STRING, NUMBER, TRUE_FALSE_NULL = range(6)  # every schema's first nodes
@@ -52,6 +55,12 @@ _KEYS = {
     "boolean": {"type"},
     "null": {"type"},
 }
+
+
+@functools.cache
+def _format_pattern(fmt: str) -> Pattern:
+    """A format spelled as a pattern (``json_formats.PATTERNS``), compiled once."""
+    return compile_pattern(PATTERNS[fmt])
 
 
 class SchemaError(ValueError):
@@ -280,13 +289,13 @@ class _Compiler:
                 raise SchemaError(f"{where}: {exc}") from None
         if "format" in s:
             fmt = s["format"]
-            if fmt not in FORMATS:
-                raise SchemaError(
-                    f"{where}: format {json.dumps(fmt)[:40]} is not supported ({', '.join(FORMATS)} are)"
-                )
-            if lo or hi is not None:
+            if fmt not in FORMATS and fmt not in PATTERNS:
+                names = ", ".join((*FORMATS, *PATTERNS))
+                raise SchemaError(f"{where}: format {json.dumps(fmt)[:40]} is not supported ({names} are)")
+            implied = fmt in PATTERNS and lo <= 1  # a pattern format's texts are never empty (AnyUrl's)
+            if (lo and not implied) or hi is not None:
                 raise SchemaError(f"{where}: a format with minLength / maxLength is not supported")
-            return self.add(Node("string", fmt=fmt))
+            return self.add(Node("string", fmt=_format_pattern(fmt) if fmt in PATTERNS else fmt))
         return self.add(Node("string", min_len=lo, max_len=hi)) if lo or hi is not None else STRING
 
     def literals(self, s: dict[str, Any], where: str) -> int:

@@ -140,7 +140,7 @@ def _nested(depth: int) -> dict:
             "no integer",
         ),
         ({"type": "object", "properties": {"a": {"type": "integer", "minimum": True}}}, "bound"),
-        ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}, "format"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "ipv6"}}}, "format"),
         (
             {"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"type": "string"}]}}},
             "allOf",
@@ -344,7 +344,7 @@ def test_pydantic_dates_times_and_uuids_are_written_as_their_formats():
     assert _done(machine, value.model_dump_json())
     assert not _done(machine, value.model_dump_json().replace("1999-12-31", "1999-02-30"))
     with pytest.raises(SchemaError, match="format"):
-        compile_schema({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}})
+        compile_schema({"type": "object", "properties": {"e": {"type": "string", "format": "ipv6"}}})
 
 
 class Num(pydantic.BaseModel):

@@ -38,7 +38,7 @@ DATED = {  # a parameter the grammar cannot check
     "type": "function",
     "function": {
         "name": "f",
-        "parameters": {"type": "object", "properties": {"d": {"type": "string", "format": "email"}}},
+        "parameters": {"type": "object", "properties": {"d": {"type": "string", "format": "ipv6"}}},
     },
 }
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
