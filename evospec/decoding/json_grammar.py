@@ -54,7 +54,6 @@ MAX_WS = 20  # whitespace bytes in a row between tokens of the grammar
 MAX_DEPTH = 16  # open containers
 # masks kept per grammar (a byte a token: 341 of 49k tokens), least recently used dropped
 CACHE_BYTES = 16 << 20
-FEW = 4096  # allowed ids a state's greedy pick reads alone (sampling.greedy_pick)
 
 # lexer positions; between tokens (aux: the whitespace run so far):
 VALUE, FIRST_ITEM, FIRST_KEY, KEY, COLON, AFTER = range(6)
@@ -445,7 +444,6 @@ class JsonGrammar:
         self._keep = max(32, CACHE_BYTES // table.vocab_size)  # masks kept
         self._dfas: dict[Pattern, torch.Tensor] = {}  # a pattern's moves, for walking tokens at once
         self._only: OrderedDict[JsonState, int | None] = OrderedDict()  # only_byte's answers
-        self._few: dict[JsonState, torch.Tensor | None] = {}  # few_allowed's answers
 
     def start(self) -> JsonState:
         return self.machine.start()
@@ -477,17 +475,6 @@ class JsonGrammar:
         if len(self._cache) > self._keep:
             self._cache.popitem(last=False)
         return mask
-
-    def few_allowed(self, state: JsonState) -> torch.Tensor | None:
-        """[n] the ids ``state`` allows, ascending, where they are at most :data:`FEW` (a
-        structural state's); None where more are (kept with the state's mask)."""
-        mask = self.blocked(state)
-        if state not in self._few:
-            count = mask.numel() - int(mask.sum())
-            self._few[state] = (~mask).nonzero().flatten() if count <= FEW else None
-            if len(self._few) > self._keep:
-                self._few.pop(next(iter(self._few)))
-        return self._few[state]
 
     def only_byte(self, state: JsonState) -> int | None:
         """The one byte that may come next in ``state``, whitespace aside between tokens (where

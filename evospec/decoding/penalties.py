@@ -68,12 +68,7 @@ class Penalties:
     @property
     def history(self) -> bool:
         """Whether the adjustment depends on what came before (not only ``logit_bias``)."""
-        return bool(self.history_counts or self.grammar)
-
-    @property
-    def history_counts(self) -> bool:
-        """Whether it depends on which ids came before and how often (the three penalties)."""
-        return bool(self.presence or self.frequency or self.repetition != 1.0)
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.grammar)
 
     def start(self, prompt: Sequence[int], emitted: Sequence[int] = ()) -> Generated | None:
         """The history a loop keeps for a request with ``prompt`` that has already emitted

@@ -202,20 +202,7 @@ def pick_token(
 ) -> int:
     """One token from logits [V] adjusted by ``params.penalties`` for the ids ``generated`` so
     far: argmax when greedy, else a draw from :func:`target_probs`."""
+    logits = adjusted(logits, params.penalties, generated)
     if params.greedy:
-        return greedy_pick(logits, params.penalties, generated)
-    return draw(target_probs(adjusted(logits, params.penalties, generated), params), gen)
-
-
-def greedy_pick(logits: torch.Tensor, penalties: Penalties, generated: Generated | None) -> int:
-    """``greedy_ids`` of logits [V] adjusted by ``penalties`` for ``generated``: where a JSON
-    grammar is the only adjustment and its state allows few tokens (a key's next bytes, a
-    closing bracket), the argmax over those alone, not over a masked copy of the row (the same
-    pick: the ids are in order and the rest would be -inf)."""
-    grammar = penalties.grammar
-    if grammar is not None and not (penalties.history_counts or penalties.bias):
-        state = generated.state if generated is not None and generated.state is not None else grammar.start()
-        ids = grammar.few_allowed(state)  # [n] ascending, or None where many are allowed
-        if ids is not None:
-            return int(ids[int(greedy_ids(logits[ids].float()))])
-    return int(greedy_ids(adjusted(logits, penalties, generated)))
+        return int(greedy_ids(logits))
+    return draw(target_probs(logits, params), gen)

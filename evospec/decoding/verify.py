@@ -47,7 +47,7 @@ import torch
 
 from evospec.decoding.node_logits import NodeLogits
 from evospec.decoding.penalties import Generated, Penalties, adjusted
-from evospec.decoding.sampling import SamplingParams, draw, greedy_ids, greedy_pick, target_probs
+from evospec.decoding.sampling import SamplingParams, draw, greedy_ids, target_probs
 from evospec.decoding.tree import DraftTree
 
 Rows = torch.Tensor | NodeLogits  # [N, V] logits of every node, or rows projected on demand
@@ -93,7 +93,7 @@ def greedy_walk(tree: DraftTree, rows: Rows) -> tuple[torch.Tensor, int]:
             children.setdefault(par, {})[tok] = node  # siblings are distinct tokens
     path = [0]
     while True:
-        best = rows.pick(path[-1]) if isinstance(rows, _Adjusted) else int(greedy_ids(rows[path[-1]]))
+        best = int(greedy_ids(rows[path[-1]]))
         child = children.get(path[-1], {}).get(best)
         if child is None:
             return torch.tensor(path, device=tree.tokens.device), best
@@ -184,16 +184,10 @@ class _Adjusted:
         self.parents, self.tokens = tree.parents.tolist(), tree.tokens.tolist()
 
     def __getitem__(self, node: int) -> torch.Tensor:
-        return adjusted(self.rows[node], self.penalties, self._history(node))
-
-    def pick(self, node: int) -> int:
-        """The greedy token of the node's adjusted row (``sampling.greedy_pick``)."""
-        return greedy_pick(self.rows[node], self.penalties, self._history(node))
-
-    def _history(self, node: int) -> Generated:
         path, up = [], node
         while up > 0:  # the root's token is already in ``generated``
             path.append(self.tokens[up])
             up = self.parents[up]
         path.reverse()  # root first: the JSON grammar reads the tokens in order
-        return self.generated.plus(path) if path and self.penalties.history else self.generated
+        history = self.generated.plus(path) if path and self.penalties.history else self.generated
+        return adjusted(self.rows[node], self.penalties, history)

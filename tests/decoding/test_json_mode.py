@@ -12,7 +12,7 @@ import torch
 from evospec.decoding.drafter import TargetDrafter
 from evospec.decoding.json_grammar import DONE, JsonGrammar, TokenTable
 from evospec.decoding.penalties import Generated, Penalties, adjusted
-from evospec.decoding.sampling import SamplingParams, greedy_ids, greedy_pick, target_probs
+from evospec.decoding.sampling import SamplingParams, greedy_ids, target_probs
 from evospec.decoding.tree import TreeConfig
 from tests.decoding.spec_helpers import (
     VOCAB,
@@ -146,24 +146,3 @@ def test_sampled_json_mode_follows_the_masked_distribution(grammar):
         accepted += sum(ev.accepted for ev in evs)
     assert accepted > n // 10
     assert chi2_pvalue(counts, exact) > 1e-3
-
-
-def test_a_greedy_pick_over_the_few_allowed_ids_is_the_masked_row_s(grammar):
-    """``greedy_pick`` reads only a structural state's allowed ids: the same token as the
-    argmax of the masked row, ties (the first id) and NaN (the first NaN) included."""
-    gen = torch.Generator().manual_seed(0)
-    states = [grammar.start(), *(walk(t) for t in (b"{", b'{"a', b'{"a":', b'{"a": 1', b'{"a": [1,'))]
-    few = 0
-    for state in states:
-        history = Generated(grammar=grammar)
-        history.state = state
-        few += grammar.few_allowed(state) is not None
-        for trial in range(20):
-            row = torch.randn(VOCAB, generator=gen)
-            if trial % 4 == 1:
-                row = row.round()  # ties
-            if trial % 4 == 2:
-                row[torch.randint(0, VOCAB, (3,), generator=gen)] = float("nan")
-            want = int(greedy_ids(adjusted(row, Penalties(grammar=grammar), history)))
-            assert greedy_pick(row, Penalties(grammar=grammar), history) == want
-    assert few >= 3  # the fast path was taken
