@@ -11,7 +11,8 @@ synchronisation happens only at the accept boundary.
 With context lookup on (``TreeConfig.lookup``), a round whose context repeats an earlier
 n-gram verifies that n-gram's continuation instead of a drafted tree (``lookup.py``); with the
 n-gram table on (``TreeConfig.table_lookup``), a round where the context finds nothing verifies
-the table's guesses (``ngram_table.py``).
+the table's guesses (``ngram_table.py``). Under a JSON grammar (``TreeConfig.jump_forward``), a
+round where the grammar forces text verifies that text before either (``json_guess.py``).
 
 Two optional observers ride along: ``vocab`` (the active vocabulary, which owns the
 drafter's head function) and ``adapt`` (the online adapter: it sees the committed pairs at
