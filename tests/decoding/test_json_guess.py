@@ -131,3 +131,9 @@ def test_sampled_guesses_follow_the_masked_distribution(grammar):
         guessed += sum(ev.tree_size for ev in events)
     assert guessed > n // 4  # the first token often leaves a key to guess
     assert chi2_pvalue(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.5])
+def test_a_bad_jump_forward_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match=r"tree\.jump_forward must be an integer >= 0"):
+        TreeConfig(jump_forward=bad)
