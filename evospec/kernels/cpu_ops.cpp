@@ -226,11 +226,12 @@ at::Tensor act_mul_bf16(const at::Tensor& gu, const char* name) {
 at::Tensor silu_mul_bf16(const at::Tensor& gu) { return act_mul_bf16<silu_mul_row>(gu, "silu_mul_bf16"); }
 at::Tensor gelu_mul_bf16(const at::Tensor& gu) { return act_mul_bf16<gelu_mul_row>(gu, "gelu_mul_bf16"); }
 
-at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed) {  // int4_matmul.cpp's op
+// int4_matmul.cpp's op on a layer's weight: the target model's, streamed (read once a forward)
+at::Tensor int4_rows(const at::Tensor& x, const at::Tensor& packed) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("evospec::int4_matmul", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(x, packed);
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>();
+  return op.call(x, packed, true);
 }
 
 // stack_team (llama_layer.cpp) serves the layers unless EVOSPEC_LAYER_TEAM=0 (read at each

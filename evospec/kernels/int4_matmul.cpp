@@ -4,7 +4,8 @@
 // Contract (see int4_matmul.py for the packing and the torch reference):
 //   int4_vnni() -> bool: whether this build has the kernel (compiled for AVX2 + FMA + F16C or later)
 //   int4_isa() -> str: which instruction set it uses ("avx512-vnni", "avx-vnni", "avx2"; "none")
-//   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320]) -> x's dtype [M, N]
+//   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320], stream = false) -> x's dtype [M, N];
+//     stream: the weight is read once a forward (vnni.h, prefetch_weight)
 // Weights: w[n, k] = q * scale[n, g] + zero[n, g] for q in 0..15 (g = k / 32). Tile t holds
 // outputs 16t..16t+15; its group g is 320 contiguous bytes (one stream to read): 4 blocks of 64,
 // block b byte 4 l + j holding q[16t + l, 32g + 8b + j] in its low nibble and
@@ -51,7 +52,7 @@ std::string int4_isa() {  // which instruction set the int8-activation kernels u
 #endif
 }
 
-at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, bool stream) {
 #ifndef EVOSPEC_VNNI
   TORCH_CHECK(false, "int4_matmul: this build has no int8-activation kernel (AVX2 or later; check int4_vnni() first)");
   return x;
@@ -75,9 +76,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
   // Threads split the output tiles; each thread runs every row block over its tiles.
   at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
     if (bf16)
-      tile_range(wp, groups, first, last, codes, ascale, asum, m, k, static_cast<uint16_t*>(op), n);
+      tile_range(wp, groups, first, last, codes, ascale, asum, m, k, static_cast<uint16_t*>(op), n, stream);
     else
-      tile_range(wp, groups, first, last, codes, ascale, asum, m, k, static_cast<float*>(op), n);
+      tile_range(wp, groups, first, last, codes, ascale, asum, m, k, static_cast<float*>(op), n, stream);
   });
   return out;
 #endif
@@ -88,7 +89,12 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed) {
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_vnni() -> bool", &int4_vnni);
   m.def("int4_isa() -> str", &int4_isa);
-  m.def("int4_matmul(Tensor x, Tensor packed) -> Tensor");
+  m.def("int4_matmul(Tensor x, Tensor packed, bool stream=False) -> Tensor");
+  m.def("set_prefetch_override(int mode) -> ()", [](int64_t mode) {  // TEMPORARY A/B
+#ifdef EVOSPEC_VNNI
+    evospec_vnni::g_prefetch_override = static_cast<int>(mode);
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("int4_matmul", &int4_matmul); }

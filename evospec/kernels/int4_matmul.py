@@ -70,9 +70,10 @@ def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes, rows(packed[..., 256:288]), rows(packed[..., 288:320])
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``x`` [M, K] float32 or bfloat16 -> [M, N] in ``x``'s dtype (the compiled op)."""
-    return torch.ops.evospec.int4_matmul(x, packed)
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, stream: bool = False) -> torch.Tensor:
+    """``x`` [M, K] float32 or bfloat16 -> [M, N] in ``x``'s dtype (the compiled op). ``stream``:
+    the weight is read once a forward, so it is prefetched non-temporally (the same result)."""
+    return torch.ops.evospec.int4_matmul(x, packed, stream)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

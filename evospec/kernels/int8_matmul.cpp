@@ -2,7 +2,8 @@
 // registered as a torch op.
 //
 // Contract (see int8_matmul.py for the packing and the torch reference):
-//   int8_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 512], scale f32 [N]) -> x's dtype [M, N]
+//   int8_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 512], scale f32 [N], stream = false)
+//     -> x's dtype [M, N]; stream: the weight is read once a forward (vnni.h, prefetch_weight)
 // Weights: w[n, k] = (u - 128) * scale[n], u in 1..255 (symmetric int8 codes plus 128, so that
 // vpdpbusd, unsigned x signed, takes them as they lie). Tile t holds outputs 16t..16t+15; its
 // group g is 512 contiguous bytes: 8 blocks of 64, block j byte 4 l + i holding
@@ -39,12 +40,13 @@ constexpr int64_t kBlock = 512;  // bytes per tile group: 16 outputs x 32 inputs
 
 using evospec_vnni::kGroup;
 using evospec_vnni::kTile;
+using evospec_vnni::prefetch_weight;
 
 // Rows 0..NR-1 of one tile: out[r * n + 0..15]. As in int4_matmul.cpp, each row's 8 dot
 // products go to independent int32 chains (integer sums: exact in any order).
 template <int NR, typename Out>
 void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const int8_t* codes,
-               const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
+               const float* ascale, const float* asum, int64_t k, Out* out, int64_t n, bool stream) {
   using namespace evospec_vnni;
 #ifdef EVOSPEC_ZMM
   constexpr int kChains = NR == 1 ? 4 : NR <= 4 ? 2 : 1;  // past 4 rows the rows are the chains
@@ -55,7 +57,7 @@ void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const
   for (int r = 0; r < NR; ++r) acc[r] = fv_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wp = packed + g * kBlock;
-    for (int b = 0; b < 8; ++b) _mm_prefetch(reinterpret_cast<const char*>(wp + kAhead * kBlock + 64 * b), _MM_HINT_T0);
+    for (int b = 0; b < 8; ++b) prefetch_weight(wp + kAhead * kBlock + 64 * b, stream);
     IV d[NR][kChains];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < kChains; ++c) d[r][c] = iv_zero();
@@ -81,26 +83,26 @@ void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const
 
 template <typename Out>
 void tile_block(int64_t nr, const uint8_t* packed, const float* wscale, int64_t groups, const int8_t* codes,
-                const float* ascale, const float* asum, int64_t k, Out* out, int64_t n) {
+                const float* ascale, const float* asum, int64_t k, Out* out, int64_t n, bool stream) {
   switch (nr) {
-    case 1: return tile_rows<1>(packed, wscale, groups, codes, ascale, asum, k, out, n);
-    case 2: return tile_rows<2>(packed, wscale, groups, codes, ascale, asum, k, out, n);
-    case 3: return tile_rows<3>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    case 1: return tile_rows<1>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
+    case 2: return tile_rows<2>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
+    case 3: return tile_rows<3>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
 #if defined(EVOSPEC_ZMM)
-    case 4: return tile_rows<4>(packed, wscale, groups, codes, ascale, asum, k, out, n);
-    case 5: return tile_rows<5>(packed, wscale, groups, codes, ascale, asum, k, out, n);
-    case 6: return tile_rows<6>(packed, wscale, groups, codes, ascale, asum, k, out, n);
-    case 7: return tile_rows<7>(packed, wscale, groups, codes, ascale, asum, k, out, n);
-    default: return tile_rows<8>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    case 4: return tile_rows<4>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
+    case 5: return tile_rows<5>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
+    case 6: return tile_rows<6>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
+    case 7: return tile_rows<7>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
+    default: return tile_rows<8>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
 #else
-    default: return tile_rows<4>(packed, wscale, groups, codes, ascale, asum, k, out, n);
+    default: return tile_rows<4>(packed, wscale, groups, codes, ascale, asum, k, out, n, stream);
 #endif
   }
 }
 
 #endif
 
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale) {
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, bool stream) {
 #ifndef EVOSPEC_VNNI
   TORCH_CHECK(false, "int8_matmul: this build has no int8-activation kernel (AVX2 or later; check int4_vnni() first)");
   return x;
@@ -131,9 +133,9 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
         const float *as = act.scale + r0 * groups, *su = act.sum + r0 * groups;
         const float* ws = sp + t * kTile;
         if (bf16)
-          tile_block(nr, wt, ws, groups, c, as, su, k, static_cast<uint16_t*>(op) + r0 * n + t * kTile, n);
+          tile_block(nr, wt, ws, groups, c, as, su, k, static_cast<uint16_t*>(op) + r0 * n + t * kTile, n, stream);
         else
-          tile_block(nr, wt, ws, groups, c, as, su, k, static_cast<float*>(op) + r0 * n + t * kTile, n);
+          tile_block(nr, wt, ws, groups, c, as, su, k, static_cast<float*>(op) + r0 * n + t * kTile, n, stream);
       }
     }
   });
@@ -143,6 +145,6 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(evospec, m) { m.def("int8_matmul(Tensor x, Tensor packed, Tensor scale) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(evospec, m) { m.def("int8_matmul(Tensor x, Tensor packed, Tensor scale, bool stream=False) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("int8_matmul", &int8_matmul); }

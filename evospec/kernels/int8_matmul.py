@@ -51,9 +51,12 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return (u.to(torch.int16) - 128).to(torch.int8)
 
 
-def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x`` [M, K] float32 or bfloat16, ``scale`` float32 [N] -> [M, N] in ``x``'s dtype."""
-    return torch.ops.evospec.int8_matmul(x, packed, scale)
+def int8_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, stream: bool = False
+) -> torch.Tensor:
+    """``x`` [M, K] float32 or bfloat16, ``scale`` float32 [N] -> [M, N] in ``x``'s dtype;
+    ``stream`` as :func:`~evospec.kernels.int4_matmul.int4_matmul`'s."""
+    return torch.ops.evospec.int8_matmul(x, packed, scale, stream)
 
 
 def int8_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

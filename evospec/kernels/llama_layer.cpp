@@ -60,11 +60,14 @@ Span share(int64_t total, int tid, int team) {
   return {first, first + per + (tid < extra ? 1 : 0)};
 }
 
-// A packed int4 weight [tiles, groups, 320]: its output width is tiles * 16, its input groups * 32.
+// A packed int4 weight [tiles, groups, 320]: its output width is tiles * 16, its input groups * 32;
+// `stream`: read once a forward, prefetched non-temporally (vnni.h, prefetch_weight).
 struct Weight {
   const uint8_t* data;
   int64_t tiles, groups;
-  explicit Weight(const at::Tensor& w) : data(w.data_ptr<uint8_t>()), tiles(w.size(0)), groups(w.size(1)) {}
+  bool stream;
+  Weight(const at::Tensor& w, bool stream)
+      : data(w.data_ptr<uint8_t>()), tiles(w.size(0)), groups(w.size(1)), stream(stream) {}
   int64_t out() const { return tiles * kTile; }
   int64_t in() const { return groups * kGroup; }
 };
@@ -95,7 +98,8 @@ inline void to_f32(const uint16_t* src, int64_t k, float* dst) {
 // Rows' products of one weight over the codes: thread tid's share of the output tiles.
 void matmul(const Weight& w, const Codes& c, int64_t m, uint16_t* out, int tid, int team) {
   const Span s = share(w.tiles, tid, team);
-  evospec_int4::tile_range(w.data, w.groups, s.first, s.last, c.codes, c.scale, c.sum, m, w.in(), out, w.out());
+  evospec_int4::tile_range(w.data, w.groups, s.first, s.last, c.codes, c.scale, c.sum, m, w.in(), out, w.out(),
+                           w.stream);
 }
 
 // A new K or V row of Dh floats into the cache (float16: rounded to nearest even, as copy_ does).
@@ -287,10 +291,10 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
 
 namespace {
 
-// The checked weights of `layers` and the plan of a forward through them (sizes, cache, attention
-// jobs) in the calling thread's buffers, `extra` floats per row of them spare (ping-pong rows).
+// The checked weights of `layers` (`stream`: the target model's, read once a forward; a draft's
+// are read again next round).
 std::vector<LayerWeights> layer_weights(const std::vector<StackLayer>& layers, int64_t d, int64_t dh, int64_t hq,
-                                        int64_t hk) {
+                                        int64_t hk, bool stream) {
   TORCH_CHECK(!layers.empty(), "llama_layer: no layers");
   std::vector<LayerWeights> ws;
   for (const auto& l : layers) {
@@ -298,7 +302,8 @@ std::vector<LayerWeights> layer_weights(const std::vector<StackLayer>& layers, i
       TORCH_CHECK(packed_int4(*w), "llama_layer: weights must be contiguous uint8 [N/16, K/32, 320]");
     TORCH_CHECK(norm_weight(l.post, d) && (!l.next || norm_weight(*l.next, d)),
                 "llama_layer: norm weights must be contiguous float32 [D]");
-    ws.push_back({Weight(l.qkv), Weight(l.o), Weight(l.gate_up), Weight(l.down), l.post.data_ptr<float>(),
+    ws.push_back({Weight(l.qkv, stream), Weight(l.o, stream), Weight(l.gate_up, stream), Weight(l.down, stream),
+                  l.post.data_ptr<float>(),
                   l.next ? l.next->data_ptr<float>() : nullptr});
     const auto& w = ws.back();
     TORCH_CHECK(w.qkv.in() == d && w.qkv.out() == (hq + 2 * hk) * dh && w.o.in() == hq * dh && w.o.out() == d &&
@@ -401,7 +406,7 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
                                               const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
                                               int64_t hq, int64_t hk, double scale, double eps) {
   const int64_t m = b * n, d = x.size(1), dh = cos.size(-1);
-  const auto ws = layer_weights(layers, d, dh, hq, hk);
+  const auto ws = layer_weights(layers, d, dh, hq, hk, true);
   const int team_size = at::get_num_threads();
   thread_local Scratch sc;
   const Plan p = make_plan(ws, layers.front().layer, d, cos, sin, k_cache, v_cache, end, b, n, d, hq, hk, scale, eps,
@@ -431,7 +436,7 @@ std::tuple<at::Tensor, at::Tensor> stack_seqs_team(const at::Tensor& x, const at
                                                    at::TensorList v_caches, at::IntArrayRef ends, int64_t hq,
                                                    int64_t hk, double scale, double eps) {
   const int64_t b = x.size(0), d = x.size(1), dh = cos.size(-1);
-  const auto ws = layer_weights(layers, d, dh, hq, hk);
+  const auto ws = layer_weights(layers, d, dh, hq, hk, true);
   const int team_size = at::get_num_threads();
   const int64_t l0 = layers.front().layer;
   thread_local Scratch sc;
@@ -469,12 +474,12 @@ at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std
   TORCH_CHECK(pairs.scalar_type() == at::kFloat && pairs.dim() == 2 && pairs.is_contiguous() && pairs.size(0) == b * n,
               "draft_step: pairs must be contiguous float32 [B n, 2 D]");
   TORCH_CHECK(packed_int4(fc_w), "draft_step: fc must be contiguous uint8 [D/16, 2 D/32, 320]");
-  const Weight fc(fc_w);
+  const Weight fc(fc_w, false);
   const int64_t m = b * n, d = fc.out(), kin = pairs.size(1), dh = cos.size(-1);
   TORCH_CHECK(fc.in() == kin, "draft_step: fc takes ", fc.in(), " inputs, the pairs have ", kin);
   const bool bias = fc_b.has_value() && fc_b->defined();
   TORCH_CHECK(!bias || norm_weight(*fc_b, d), "draft_step: fc's bias must be contiguous float32 [D]");
-  const auto ws = layer_weights({layer}, d, dh, hq, hk);
+  const auto ws = layer_weights({layer}, d, dh, hq, hk, false);
   TORCH_CHECK(!ws.front().next, "draft_step: the draft layer has no next norm");
   const int team_size = at::get_num_threads();
   thread_local Scratch sc;
@@ -496,7 +501,7 @@ at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std
 #pragma omp barrier
     const Span tiles = share(fc.tiles, tid, team);
     evospec_int4::tile_range(fc.data, fc.groups, tiles.first, tiles.last, p.codes.codes, p.codes.scale, p.codes.sum,
-                             m, kin, x, d);
+                             m, kin, x, d, fc.stream);
 #pragma omp barrier
     for (int64_t r = rows.first; r < rows.last; ++r) {  // x = fc + bias, codes(x): no input norm (EAGLE)
       if (bp)

@@ -171,7 +171,7 @@ def load_model(
             from evospec.models.gguf_loader import read_gguf_codes
 
             codes = read_gguf_codes(loaded.gguf)
-        loaded.quant = quantize_linears(loaded.model, weights, codes)
+        loaded.quant = quantize_linears(loaded.model, weights, codes, stream=True)
         loaded.weights = weights
     if pack:
         pack_linears(loaded.model)  # what is still an fp32 nn.Linear

@@ -72,6 +72,15 @@ def test_each_row_gets_the_bits_it_gets_alone():
 
 
 @needs_vnni
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_a_streamed_weight_gives_the_same_bits(m):
+    _, w = _weight(64, 128, seed=m)
+    x = torch.randn(m, 128).bfloat16()
+    assert torch.equal(int4_matmul(x, w, stream=True), int4_matmul(x, w))
+    assert torch.equal(int4_matmul(x, w, stream=True), int4_matmul_ref(x, w))
+
+
+@needs_vnni
 def test_the_product_is_close_to_the_dense_one():
     codes, w = _weight(96, 256, seed=5)
     x = torch.randn(4, 256)

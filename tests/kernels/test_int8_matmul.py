@@ -58,6 +58,16 @@ def test_each_row_gets_the_bits_it_gets_alone():
 
 
 @needs_vnni
+@pytest.mark.parametrize("m", [1, 5, 9])
+def test_a_streamed_weight_gives_the_same_bits(m):
+    mm = _weight(64, 128, seed=m)
+    x = torch.randn(m, 128)
+    streamed = int8_matmul(x, mm.packed, mm.scale_f32, stream=True)
+    assert torch.equal(streamed, int8_matmul(x, mm.packed, mm.scale_f32))
+    assert torch.equal(streamed, int8_matmul_ref(x, mm.packed, mm.scale_f32))
+
+
+@needs_vnni
 def test_a_quantised_linear_runs_the_kernel_close_to_torchs(monkeypatch):
     monkeypatch.delenv(QUANT_KERNEL_ENV, raising=False)
     mm = _weight(96, 256, seed=5)

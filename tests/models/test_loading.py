@@ -36,6 +36,16 @@ def _assert_matches(loaded: LoadedModel, pair: TinyPair) -> None:
     assert (full_forward(loaded.model, tokens) - hf_logits(pair.hf, tokens)).abs().max() <= TOL
 
 
+def test_a_quantised_target_streams_its_weights(saved: dict[str, tuple[TinyPair, Path]]) -> None:
+    from evospec.models.quant import QuantLinear, kernels_available
+
+    if not kernels_available("int8"):
+        pytest.skip("torch without the int8 CPU kernel")
+    loaded = load_model(saved["llama"][1], weights="int8", progress=False)
+    quant = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert quant and all(m.matmul.stream for m in quant)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_folder_loads_and_matches(family: str, saved: dict[str, tuple[TinyPair, Path]]) -> None:
     pair, folder = saved[family]

@@ -101,6 +101,22 @@ def test_quantize_linears_swaps_fuses_and_keeps_the_lm_head_rows():
     assert torch.equal(attn.k_proj(x), k)  # a fused member answers with its slice
 
 
+def test_a_target_streams_its_weights_and_a_draft_keeps_them():
+    """The loader quantises a target with ``stream`` (read once a forward: prefetched past the
+    caches); a draft's quantised copy keeps the default (read again every round)."""
+    from evospec.models.eagle import new_eagle_for, quantised_head
+
+    def streams(model):
+        return {m.matmul.stream for m in model.modules() if isinstance(m, QuantLinear)}
+
+    target = tiny_target(0)
+    head = new_eagle_for(target, seed=3).attach(target)
+    quantize_linears(target, "int4", stream=True)
+    assert streams(target) == {True}  # the int4 layers and the int8 LM head
+    assert streams(quantised_head(head, "int4")) == {False}
+    assert streams(quantised_head(head, "int8")) == {False}
+
+
 def test_quantize_linears_uses_given_codes_unchanged():
     lin = nn.Linear(64, 32, bias=False)
     holder = nn.Sequential(lin)
@@ -108,7 +124,10 @@ def test_quantize_linears_uses_given_codes_unchanged():
     report = quantize_linears(holder, "int4", {"0.weight": codes})
     x = torch.randn(1, 64)
     assert report.from_codes == 1
-    assert torch.allclose(holder[0](x), x @ codes.dequantize().T, atol=0.05, rtol=0.02)
+    # relative to the codes' product (int8 activations: ~1% off), not the layer's own weight
+    # (an independent draw: ~100% off); elementwise tolerances failed for half of all seeds
+    ref = x @ codes.dequantize().T
+    assert (holder[0](x) - ref).norm() < 0.03 * ref.norm()
 
 
 @pytest.mark.parametrize("fmt,tol", [("bf16", 0.02), ("int8", 0.05), ("int4", 0.25)])
