@@ -90,11 +90,6 @@ TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_vnni() -> bool", &int4_vnni);
   m.def("int4_isa() -> str", &int4_isa);
   m.def("int4_matmul(Tensor x, Tensor packed, bool stream=False) -> Tensor");
-  m.def("set_prefetch_override(int mode) -> ()", [](int64_t mode) {  // TEMPORARY A/B
-#ifdef EVOSPEC_VNNI
-    evospec_vnni::g_prefetch_override = static_cast<int>(mode);
-#endif
-  });
 }
 
 TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("int4_matmul", &int4_matmul); }

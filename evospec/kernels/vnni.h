@@ -41,14 +41,11 @@ namespace evospec_vnni {
 constexpr int64_t kGroup = 32;  // input columns per activation scale (and per int4 weight group)
 constexpr int64_t kTile = 16;   // output columns per zmm of int32 sums
 
-inline int g_prefetch_override = -1;  // TEMPORARY A/B: -1 per weight, 0 all T0, 1 all NTA
-
 // Prefetch a weight's bytes ahead of the tile loop. A streamed weight (the target model's: ~94 MB
 // a step for SmolLM2, three times the L3) is fetched non-temporally, so it does not evict what
 // the next step or the draft reads again (the KV cache, the draft's weights, activations); a
 // weight read again soon (a draft's, its reduced LM head) is fetched into every level.
 inline void prefetch_weight(const void* p, bool stream) {
-  if (g_prefetch_override >= 0) stream = g_prefetch_override == 1;
   if (stream)
     _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
   else
