@@ -43,10 +43,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--max-batch",
-        type=int,
+        type=_max_batch,
         default=None,
+        metavar="N|auto",
         help="most requests generated together once several wait: plain decoding, one token each per "
-        "step, where the model can (int4 Llama-style on the CPU ops); 1 = one at a time (default: 4)",
+        "step, where the model can (int4 Llama-style on the CPU ops); 1 = one at a time; auto = as "
+        "many as one pass of the int4 kernel over a weight takes: 8 on AVX-512 CPUs, 4 elsewhere "
+        "(default: auto)",
     )
     s.add_argument(
         "--prefill-chunk",
@@ -109,3 +112,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(serve_config(args), progress=not args.no_progress)
     return 0
+
+
+def _max_batch(text: str) -> int | str:
+    """argparse type of ``--max-batch``: ``auto`` or an integer (checked with the config)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or auto, got {text!r}") from None

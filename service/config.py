@@ -21,6 +21,7 @@ from typing import Any
 from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import DRAFT_WEIGHTS, METHOD_SPECS, METHODS, VERIFY_LOGITS
 from evospec.decoding.tree import TreeConfig
+from evospec.models.batch_step import AUTO_BATCH
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.options import WEIGHT_CHOICES
 from evospec.settings import SettingsError, check_type, section_from_mapping
@@ -57,7 +58,9 @@ class ServeConfig:
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
-    max_batch: int = 4  # requests generated together where the model can (engine.py); 1: one at a time
+    # requests generated together where the model can (engine.py); 1: one at a time; "auto": as
+    # many as one pass of the int4 kernel over a weight takes (8 on AVX-512, 4 elsewhere)
+    max_batch: int | str = "auto"
     prefill_chunk: int = 128  # prompt tokens a joining request prefills between two batched steps
     request_timeout: float = 300.0  # seconds from arrival to the last token (queue wait included)
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
@@ -157,7 +160,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "host": (str,),
     "port": (int,),
     "max_queue": (int,),
-    "max_batch": (int,),
+    "max_batch": (int, str),
     "prefill_chunk": (int,),
     "request_timeout": (int, float),
     "max_tokens_limit": (int,),
@@ -185,8 +188,9 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"port {c.port} is outside 0..65535")
     if c.max_queue < 1:
         out.append(f"max_queue must be >= 1, got {c.max_queue}")
-    if c.max_batch < 1:
-        out.append(f"max_batch must be >= 1 (1: one request at a time), got {c.max_batch}")
+    if c.max_batch != AUTO_BATCH and (isinstance(c.max_batch, str) or c.max_batch < 1):
+        one = "1: one request at a time"
+        out.append(f"max_batch must be >= 1 ({one}) or {AUTO_BATCH!r}, got {c.max_batch!r}")
     if c.prefill_chunk < 1:
         out.append(f"prefill_chunk must be >= 1, got {c.prefill_chunk}")
     if not c.request_timeout > 0:

@@ -65,7 +65,7 @@ from evospec.decoding.logprobs import prompt_logprobs
 from evospec.decoding.methods import Decoder
 from evospec.decoding.sampling import SamplingParams, derived_seed
 from evospec.decoding.stats import RequestStats
-from evospec.models.batch_step import batched_steps_apply
+from evospec.models.batch_step import AUTO_BATCH, batch_size, batched_steps_apply
 from evospec.vocab.active import ActiveVocab
 from service.idle import IdleJob
 from service.requests import (  # noqa: F401 (re-exported: what flows through the engine)
@@ -112,17 +112,20 @@ class Engine:
         decoder: Decoder | None = None,
         *,
         max_queue: int = 64,
-        max_batch: int = 1,
+        max_batch: int | str = 1,
         prefill_chunk: int = PREFILL_CHUNK,
         listeners: Sequence[Callable[[Done], None]] = (),
     ) -> None:
         """``decoder`` None: it is built on the engine thread by ``start(prepare)``. ``max_batch``:
-        the most requests generated together where the decoder's model can (else 1);
-        ``prefill_chunk``: prompt tokens a joining request prefills between two batched steps."""
+        the most requests generated together where the decoder's model can (else 1; ``"auto"``:
+        ``batch_step.batch_size``'s); ``prefill_chunk``: prompt tokens a joining request
+        prefills between two batched steps."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_batch < 1 or prefill_chunk < 1:
-            raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {max_batch} and {prefill_chunk}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_batch != AUTO_BATCH:  # a clear ValueError now ("auto" is resolved with the model)
+            batch_size(max_batch)
         self.decoder: Decoder | None = None
         self.vocab: ActiveVocab | None = None
         self.adapter: OnlineAdapter | None = None
@@ -155,10 +158,10 @@ class Engine:
         self.adapter = decoder.adapt
         model = getattr(decoder, "model", None)
         self._batch = None
-        if self.max_batch > 1 and model is not None and batched_steps_apply(model):
-            self._batch = DecodeBatch(
-                model, getattr(decoder, "eos_ids", ()), self.max_batch, self.prefill_chunk
-            )
+        if self.max_batch != 1 and model is not None and batched_steps_apply(model):
+            size = batch_size(self.max_batch)
+            if size > 1:
+                self._batch = DecodeBatch(model, getattr(decoder, "eos_ids", ()), size, self.prefill_chunk)
 
     @property
     def batching(self) -> bool:

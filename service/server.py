@@ -92,11 +92,14 @@ def tuning_job(stack: Stack, log: TextIO) -> IdleJob:
     return IdleJob(f"{deferred.label}: timing {deferred.timing}", deferred.steps(), done)
 
 
-def batching_fact(engine: Engine, max_batch: int) -> str:
-    """The start-up line that says how concurrent requests are served."""
+def batching_fact(engine: Engine, max_batch: int | str) -> str:
+    """The start-up line that says how concurrent requests are served (``max_batch``: as
+    configured; the engine's snapshot has what it resolved to)."""
     if engine.batching:
+        size = engine.snapshot().max_batch
+        how = " (--max-batch auto: one pass of the int4 kernel over a weight)" if max_batch == "auto" else ""
         return (
-            f"concurrent requests: up to {max_batch} generated together once several wait "
+            f"concurrent requests: up to {size} generated together once several wait{how} "
             "(plain decoding, one token each per step; a lone request runs its method)"
         )
     why = "--max-batch 1" if max_batch == 1 else "this model cannot step several sequences in one forward"

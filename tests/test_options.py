@@ -56,7 +56,7 @@ def test_max_batch_flag_reaches_the_serve_config(tmp_path) -> None:
     from service.command import serve_config
     from service.config import ServeConfig
 
-    assert serve_config(build_parser().parse_args(["serve"])).max_batch == ServeConfig().max_batch == 4
+    assert serve_config(build_parser().parse_args(["serve"])).max_batch == ServeConfig().max_batch == "auto"
     path = tmp_path / "c.yaml"
     path.write_text("max_batch: 2\n")
     assert serve_config(build_parser().parse_args(["serve", "--config", str(path)])).max_batch == 2
@@ -64,8 +64,11 @@ def test_max_batch_flag_reaches_the_serve_config(tmp_path) -> None:
         ["serve", "--config", str(path), "--max-batch", "1", "--prefill-chunk", "64"]
     )
     assert (serve_config(flag).max_batch, serve_config(flag).prefill_chunk) == (1, 64)
+    assert serve_config(build_parser().parse_args(["serve", "--max-batch", "auto"])).max_batch == "auto"
     with pytest.raises(ValueError, match="max_batch must be >= 1"):
         serve_config(build_parser().parse_args(["serve", "--max-batch", "0"]))
+    with pytest.raises(SystemExit):  # argparse: "must be an integer >= 1 or auto"
+        build_parser().parse_args(["serve", "--max-batch", "many"])
 
 
 def test_defaults_agree_with_the_serve_config() -> None:

@@ -4,6 +4,8 @@
 // Contract (see int4_matmul.py for the packing and the torch reference):
 //   int4_vnni() -> bool: whether this build has the kernel (compiled for AVX2 + FMA + F16C or later)
 //   int4_isa() -> str: which instruction set it uses ("avx512-vnni", "avx-vnni", "avx2"; "none")
+//   int4_block_rows() -> int: the activation rows one pass over a weight tile takes (8 on AVX-512,
+//                             4 elsewhere: int4_tiles.h, kRows)
 //   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320], stream = false) -> x's dtype [M, N];
 //     stream: the weight is read once a forward (vnni.h, prefetch_weight)
 // Weights: w[n, k] = q * scale[n, g] + zero[n, g] for q in 0..15 (g = k / 32). Tile t holds
@@ -43,6 +45,8 @@ bool int4_vnni() {
   return false;
 #endif
 }
+
+int64_t int4_block_rows() { return kRows; }  // activation rows one pass over a weight tile takes
 
 std::string int4_isa() {  // which instruction set the int8-activation kernels use (vnni.h)
 #ifdef EVOSPEC_VNNI
@@ -89,6 +93,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, bool strea
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_vnni() -> bool", &int4_vnni);
   m.def("int4_isa() -> str", &int4_isa);
+  m.def("int4_block_rows() -> int", &int4_block_rows);
   m.def("int4_matmul(Tensor x, Tensor packed, bool stream=False) -> Tensor");
 }
 

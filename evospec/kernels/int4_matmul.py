@@ -37,6 +37,13 @@ def kernel_isa() -> str:
     return str(torch.ops.evospec.int4_isa()) if vnni_available() else "none"
 
 
+def block_rows() -> int:
+    """The activation rows our kernels take in one pass over a weight tile: 8 where they are
+    built for AVX-512 (32 zmm registers), 4 elsewhere; past it a forward reads each tile again.
+    1 without the kernels."""
+    return int(torch.ops.evospec.int4_block_rows()) if vnni_available() else 1
+
+
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """``codes`` [N, K] (0..15), ``scale``/``zero`` [N, K/32] (``w = q * scale + zero``) ->
     packed uint8 [N/16, K/32, 320] (N % 16 == 0): per tile of 16 outputs and group of 32 inputs,

@@ -28,6 +28,22 @@ from evospec.models.fused import input_norm, int4_layers, stack_weights
 from evospec.models.kv_cache import KVCache
 from evospec.models.transformer import Transformer
 
+AUTO_BATCH = "auto"  # a batch size: as many sequences as one pass of the kernels over a weight takes
+
+
+def batch_size(max_batch: int | str) -> int:
+    """``max_batch`` as a number of sequences: :data:`AUTO_BATCH` is the rows our int4 kernel
+    takes in one pass over each weight tile (``kernels/int4_matmul.py: block_rows``; 8 on
+    AVX-512, 4 elsewhere) -- on a memory-bound CPU, rows up to it cost a fraction of a step each,
+    past it a second pass over every tile. ValueError for anything else but an integer >= 1."""
+    if max_batch == AUTO_BATCH:
+        from evospec.kernels.int4_matmul import block_rows
+
+        return block_rows()
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an integer >= 1 or {AUTO_BATCH!r}, got {max_batch!r}")
+    return max_batch
+
 
 def batched_steps_apply(model: Transformer) -> bool:
     """Whether :func:`step_sequences` serves ``model``: a Llama-style model on the fused CPU ops

@@ -137,6 +137,7 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("max_queue: 0\n", "max_queue must be >= 1"),
         ("max_batch: 0\n", "max_batch must be >= 1"),
         ("max_batch: 2.5\n", "max_batch must be int"),
+        ("max_batch: many\n", "max_batch must be >= 1 (1: one request at a time) or 'auto', got 'many'"),
         ("prefill_chunk: 0\n", "prefill_chunk must be >= 1"),
         ("request_timeout: 0\n", "request_timeout must be > 0"),
         ("max_tokens_limit: -1\n", "max_tokens_limit must be >= 1"),

@@ -198,12 +198,26 @@ def test_batching_needs_room_for_two_and_a_model_that_steps_sequences_together(m
     with pytest.raises(ValueError, match="prefill_chunk"):
         Engine(make_decoder("ar", model), max_batch=2, prefill_chunk=0)
     assert Engine(make_decoder("ar", model), max_batch=2, prefill_chunk=7)._batch.chunk == 7
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1 or 'auto'"):
+        Engine(make_decoder("ar", model), max_batch="many")
+
+
+def test_an_auto_batch_takes_the_rows_one_pass_of_the_kernel_takes(model):
+    from evospec.kernels.int4_matmul import block_rows, kernel_isa
+
+    rows = block_rows()
+    assert rows == (8 if kernel_isa() == "avx512-vnni" else 4)
+    engine = Engine(make_decoder("ar", model), max_batch="auto")
+    assert engine.batching and engine.snapshot().max_batch == rows
+    assert not Engine(make_decoder("ar", tiny_target(0)), max_batch="auto").batching  # fp32: one at a time
 
 
 def test_the_start_up_line_says_how_concurrent_requests_are_served(model):
     from service.server import batching_fact
 
     assert "up to 4 generated together" in batching_fact(Engine(make_decoder("ar", model), max_batch=4), 4)
+    auto = batching_fact(Engine(make_decoder("ar", model), max_batch="auto"), "auto")
+    assert "generated together once several wait (--max-batch auto" in auto
     assert "one at a time (--max-batch 1)" in batching_fact(Engine(make_decoder("ar", model), max_batch=1), 1)
     fp32 = Engine(make_decoder("ar", tiny_target(0)), max_batch=4)
     assert "cannot step several sequences" in batching_fact(fp32, 4)
