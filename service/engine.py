@@ -55,7 +55,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from evospec.adapt.online import OnlineAdapter
@@ -77,6 +77,7 @@ from service.requests import (  # noqa: F401 (re-exported: what flows through th
     EngineStopped,
     GenerationRequest,
     Item,
+    LiveRequest,
     OOVEvent,
     Outcome,
     PromptLogprobs,
@@ -87,19 +88,6 @@ from service.requests import (  # noqa: F401 (re-exported: what flows through th
 
 log = logging.getLogger("evospec.service.engine")
 HAND_BACK_MIN_TOKENS = 8  # a lone batched request goes back to the method with at least this many left
-
-
-@dataclass
-class _Live:
-    """A request being generated: where its items go and what it has produced so far."""
-
-    request: GenerationRequest
-    sink: Sink
-    start: float  # monotonic: when the engine took it
-    stats: RequestStats = field(default_factory=RequestStats)
-    first: float | None = None  # submission -> first token
-    emitted: list[int] = field(default_factory=list)
-    running: bool = False  # counted in the engine's running requests until it finishes
 
 
 class Engine:
@@ -132,7 +120,7 @@ class Engine:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self._batch: DecodeBatch | None = None
-        self._members: dict[str, _Live] = {}  # batched requests, by request id (engine thread)
+        self._members: dict[str, LiveRequest] = {}  # batched requests, by request id (engine thread)
         if decoder is not None:
             self._adopt(decoder)
         self.max_queue = max_queue
@@ -359,12 +347,12 @@ class Engine:
             except queue.Empty:
                 return
             request.cancel(Outcome.SHUTDOWN)
-            self._finish(_Live(request, sink, time.monotonic()), Outcome.SHUTDOWN, None)
+            self._finish(LiveRequest(request, sink, time.monotonic()), Outcome.SHUTDOWN, None)
 
-    def _take(self, request: GenerationRequest, sink: Sink) -> tuple[_Live, Outcome | None]:
+    def _take(self, request: GenerationRequest, sink: Sink) -> tuple[LiveRequest, Outcome | None]:
         """Start a dequeued request: its live state, and the outcome it already has (cancelled
         while it waited, or past its deadline)."""
-        live = _Live(request, sink, time.monotonic(), running=True)
+        live = LiveRequest(request, sink, time.monotonic(), running=True)
         with self._lock:
             self._running += 1
         outcome = request.cancelled_by
@@ -372,7 +360,7 @@ class Engine:
             outcome = Outcome.TIMEOUT
         return live, outcome
 
-    def _deliver_event(self, live: _Live, ev: StepEvent) -> Outcome | None:
+    def _deliver_event(self, live: LiveRequest, ev: StepEvent) -> Outcome | None:
         """Count, book and deliver one event; the outcome it leads to, if any (the request ends)."""
         request = live.request
         if live.first is None:
@@ -402,7 +390,7 @@ class Engine:
         if self._score(live):
             self._alone(live, request.prompt_ids, request.params)
 
-    def _score(self, live: _Live) -> bool:
+    def _score(self, live: LiveRequest) -> bool:
         """Deliver the prompt's logprobs where the request asks (``echo``: a prefill of its own,
         every row's logits kept); whether it goes on to generate (a failure, or a request that
         only scores, ends here)."""
@@ -422,7 +410,7 @@ class Engine:
         return True
 
     def _alone(
-        self, live: _Live, prompt: Sequence[int], params: SamplingParams, resumed: bool = False
+        self, live: LiveRequest, prompt: Sequence[int], params: SamplingParams, resumed: bool = False
     ) -> None:
         """Generate ``live``'s request with the decoder's method from ``prompt`` (``resumed``: the
         request's prompt and the tokens it emitted in the batch, whose first event is then a
@@ -464,7 +452,7 @@ class Engine:
         self._finish(live, outcome, error)
 
     # -- batched requests (engine thread) -------------------------------------------------------
-    def _hand_over(self, live: _Live) -> str | None:
+    def _hand_over(self, live: LiveRequest) -> str | None:
         """Move a request the decoder began into the batch: its decoder's live cache now holds
         its prompt and emitted tokens but the last (the prefix reuse's bookkeeping), which
         :meth:`_join` copies like any shared prefix; the next step feeds its last token. Returns
@@ -541,7 +529,7 @@ class Engine:
         key, params = request.request_id, request.params
         batch.join(key, prompt, params, cache=cache, reuse=reuse, emitted=emitted, budget=budget)
 
-    def _after(self, live: _Live, outcome: Outcome | None, error: str | None = None) -> None:
+    def _after(self, live: LiveRequest, outcome: Outcome | None, error: str | None = None) -> None:
         if outcome is None:
             return
         key = live.request.request_id
@@ -581,7 +569,7 @@ class Engine:
         for live in list(self._members.values()):
             self._after(live, outcome, error)
 
-    def _finish(self, live: _Live, outcome: Outcome, error: str | None) -> None:
+    def _finish(self, live: LiveRequest, outcome: Outcome, error: str | None) -> None:
         request = live.request
         now = time.monotonic()
         done = Done(

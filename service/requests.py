@@ -5,7 +5,8 @@ Owns: :class:`GenerationRequest` (one typed unit of work, with its cancellation 
 :class:`PromptLogprobs` (a scored prompt, before its tokens),
 :data:`Sink` (the engine's per-request callback), :class:`AsyncSink` (its asyncio end),
 :class:`EngineSnapshot` (the counters /health, /metrics and /admin/state read),
-:class:`OOVEvent`, the submission errors :class:`EngineBusy` and :class:`EngineStopped`, and
+:class:`OOVEvent`, :class:`LiveRequest` (the engine's record of a request it generates), the
+submission errors :class:`EngineBusy` and :class:`EngineStopped`, and
 :func:`deliver` / :func:`run_control` (an item to a sink, a control call into its future).
 Knows token ids and decoding events only.
 """
@@ -111,6 +112,20 @@ class EngineBusy(Exception):
 
 class EngineStopped(Exception):
     """The engine thread is not running."""
+
+
+@dataclass
+class LiveRequest:
+    """A request being generated (the engine thread's): where its items go and what it has
+    produced so far."""
+
+    request: GenerationRequest
+    sink: Sink
+    start: float  # monotonic: when the engine took it
+    stats: RequestStats = field(default_factory=RequestStats)
+    first: float | None = None  # submission -> first token
+    emitted: list[int] = field(default_factory=list)
+    running: bool = False  # counted in the engine's running requests until it finishes
 
 
 @dataclass(frozen=True)
