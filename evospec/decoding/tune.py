@@ -10,9 +10,10 @@ depends on the machine, the model, the draft head and the vocabulary method. The
 measures instead of modelling: it decodes a few calibration prompts
 (:data:`CALIBRATION_TEXTS`, written for this purpose: no data set, so a fresh install can
 tune) with every candidate shape and plain AR between them, in two passes (each keeps its best
-run), keeps the fastest shape, and caches the choice in ``$EVOSPEC_HOME/tuning/trees.json``
-under a key naming all of those. If no shape beats AR the result says so (``beats_ar: false``)
-and the fastest shape is still returned.
+run); the leading shapes then meet AR again in one interleaved :func:`final` over more prompts
+(:data:`TREE_FINALISTS`), which picks the shape; the choice is cached in
+``$EVOSPEC_HOME/tuning/trees.json`` under a key naming all of those. If no shape beats AR the
+result says so (``beats_ar: false``) and the fastest shape is still returned.
 """
 
 from __future__ import annotations
@@ -126,6 +127,14 @@ def candidates_for(method: str, table: bool = False) -> tuple[TreeConfig, ...]:
 
 AR_EVERY = 3  # AR is timed before every third shape of a pass
 PRUNE = 0.4  # later passes skip a shape whose best run is below this share of the leader's
+# The tree final: the leading shapes of a calibration (at most TREE_FINALISTS, each calibrated at
+# TREE_FINAL_SHARE of the leader's speed or more) meet AR again in one interleaved final over
+# FINAL_TEXTS, which picks the shape. A calibration keeps each shape's best of two runs over 4
+# prompts: on a host that drifts 20% from minute to minute the best of a dozen such maxima is a
+# lucky run as often as a fast shape (wave 40: frspec's calibration chose a 2-token chain
+# without context lookup, 0.99x AR in the bench, where the shape it chose a run earlier made 1.17x).
+TREE_FINALISTS = 3
+TREE_FINAL_SHARE = 0.9
 
 
 def machine_key() -> str:
@@ -173,9 +182,12 @@ def calibrate_steps(
     max_new_tokens: int = CALIBRATION_TOKENS,
     passes: int = 2,
     progress: bool = True,
+    final_prompts: Sequence[list[int]] = (),
 ) -> Steps[dict]:
     """Time every candidate on ``prompts`` (greedy), with AR timed on the same prompts before
     every :data:`AR_EVERY`-th of them; the shape with the best speedup over AR, and the table.
+    With ``final_prompts``, the leading shapes then play a final on them (:func:`_tree_final`),
+    which picks the shape.
 
     Noise on a shared machine only ever slows a run down, and here it comes in bursts (one
     calibration saw AR runs anywhere from 83 to 175 tok/s; the ratio of neighbouring runs
@@ -198,9 +210,39 @@ def calibrate_steps(
         record_steps(getattr(ar, "model", None), decoders.values())
         with _live_cache_only([ar, *decoders.values()]):
             timing = _time_candidates(ar, decoders, candidates, prompts, max_new_tokens, passes, progress)
-            return (yield from timing)
+            result = yield from timing
+        if final_prompts:
+            result = yield from _tree_final(ar, decoders, result, final_prompts, progress)
+        return result
     finally:
         _release(decoders.values())
+
+
+def _tree_final(ar: Decoder, decoders: dict, result: dict, prompts, progress: bool) -> Steps[dict]:
+    """``result`` (a calibration of ``decoders``, one per row of its table) after its leading
+    shapes -- :data:`TREE_FINALISTS` at most, calibrated at :data:`TREE_FINAL_SHARE` of the
+    leader's speed or more -- play :func:`final_steps` on ``prompts``: the final's fastest is the
+    tree, its speedup the result's (each finalist's row gains ``final_speedup``)."""
+    rows = result["table"]
+    lead = max(row["tok_per_s"] for row in rows)
+    ranked = sorted(range(len(rows)), key=lambda i: rows[i]["tok_per_s"], reverse=True)
+    finalists = [i for i in ranked[:TREE_FINALISTS] if rows[i]["tok_per_s"] >= TREE_FINAL_SHARE * lead]
+    if len(finalists) < 2:
+        return result
+    played = yield from final_steps(
+        ar, {str(i): decoders[i] for i in finalists}, prompts, progress=progress, desc="tree final"
+    )
+    for i in finalists:
+        rows[i]["final_speedup"] = played[str(i)]
+    best = max(finalists, key=lambda i: played[str(i)])
+    speedup = played[str(best)]
+    return {
+        **result,
+        "tree": rows[best]["tree"],
+        "tok_per_s": speedup * result["ar_tok_per_s"],  # in the calibration's AR units
+        "speedup": speedup,
+        "beats_ar": speedup > 1.0,
+    }
 
 
 def _release(decoders: Iterable[Decoder]) -> None:
@@ -271,6 +313,7 @@ def final_steps(
     max_new_tokens: int = FINAL_TOKENS,
     rounds: int = FINAL_ROUNDS,
     progress: bool = True,
+    desc: str = "method final",
 ) -> Steps[dict[str, float]]:
     """Speedup over AR of each of ``decoders`` (greedy), timed interleaved with AR: in every
     round each prompt is decoded once by every entrant, AR among them, in an order that rotates
@@ -290,7 +333,7 @@ def final_steps(
         for dec in entrants.values():
             yield from warm(dec, prompts[0], SamplingParams(max_new_tokens=4))
         total = rounds * len(prompts) * len(names)
-        with tqdm(total=total, desc="method final", unit="run", disable=not progress) as bar:
+        with tqdm(total=total, desc=desc, unit="run", disable=not progress) as bar:
             for r in range(rounds):
                 for j, ids in enumerate(prompts):
                     turn = (r * len(prompts) + j) % len(names)
@@ -367,8 +410,9 @@ class Tuner:
         # v1 read training data; v3: the candidates gained the 1-token chain; v4: context lookup
         # and a prompt that answers from its context (older entries never tried them); v6: AR timed
         # beside every shape; the n-gram table's shapes are in the candidates where draft_id names one;
-        # v7: every graph recorded and warmed before timing, stopping chains among the candidates
-        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v7"])
+        # v7: every graph recorded and warmed before timing, stopping chains among the candidates;
+        # v8: the leading shapes play a final (TREE_FINALISTS)
+        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v8"])
 
     def _cached(self, key: str, measure: Callable[[], Steps[dict]]) -> Steps[dict]:
         """The cache's entry ``key``, measured by ``measure`` and stored first if missing (the
@@ -406,6 +450,7 @@ class Tuner:
                 self._prompts(CALIBRATION_TEXTS),
                 candidates=candidates_for(method, self.table),
                 progress=self.progress,
+                final_prompts=self._prompts(FINAL_TEXTS),
             )
 
         return (yield from self._cached(self._key(method), measure))

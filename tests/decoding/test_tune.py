@@ -96,6 +96,62 @@ def test_later_passes_skip_hopeless_shapes():
     assert TreeConfig(**res["tree"]) == FAST
 
 
+class _ByPrompt(_Sleepy):
+    """A decoder whose delay per token depends on the prompt's first id: one speed on the
+    calibration prompt (1), another on the final's (2)."""
+
+    def __init__(self, delays: dict[int, float]) -> None:
+        super().__init__(0.0)
+        self.delays = delays
+
+    def generate(self, prompt, params):
+        self.delay = self.delays[prompt[0]]
+        yield from super().generate(prompt, params)
+
+
+MID = TreeConfig(top_k=1, depth=1, total_tokens=1)
+
+
+def test_the_leading_shapes_play_a_final_that_picks_the_tree():
+    """FAST leads the calibration (2.5x AR), SLOW is close behind (2.38x) and MID far off
+    (1.25x); on the final's prompt FAST is slower than AR and SLOW twice as fast: the final,
+    not the calibration, picks SLOW, and MID does not play."""
+    delays = {FAST: {1: 0.004, 2: 0.012}, SLOW: {1: 0.0042, 2: 0.005}, MID: {1: 0.008, 2: 0.001}}
+    played = []
+
+    def build(tree):
+        dec = _ByPrompt(delays[tree])
+        dec.tree = tree
+        return dec
+
+    real_final = tune.final_steps
+
+    def spy(ar, decoders, prompts, **kw):
+        played.append(sorted(d.tree.total_tokens for d in decoders.values()))
+        return (yield from real_final(ar, decoders, prompts, **kw))
+
+    ar = _ByPrompt({1: 0.01, 2: 0.01})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tune, "final_steps", spy)
+        res = tune.calibrate(
+            build, ar, [[1]], candidates=[FAST, SLOW, MID], max_new_tokens=4, progress=False,
+            final_prompts=[[2]],
+        )  # fmt: skip
+    assert played == [[2, 6]]  # SLOW and FAST; MID below TREE_FINAL_SHARE of the leader
+    assert TreeConfig(**res["tree"]) == SLOW and 1.5 < res["speedup"] < 2.5 and res["beats_ar"]
+    fast, slow, mid = res["table"]
+    assert fast["final_speedup"] < 1.0 < slow["final_speedup"] and "final_speedup" not in mid
+    assert fast["speedup"] > slow["speedup"]  # the calibration's own figures stay in the table
+
+
+def test_a_lone_leader_plays_no_final():
+    res = tune.calibrate(
+        lambda t: _Sleepy({SLOW: 0.02, FAST: 0.002}[t]), _Sleepy(0.01), [[1]], candidates=[SLOW, FAST],
+        max_new_tokens=3, progress=False, final_prompts=[[2]],
+    )  # fmt: skip
+    assert TreeConfig(**res["tree"]) == FAST and all("final_speedup" not in row for row in res["table"])
+
+
 def test_calibrate_reports_when_no_shape_beats_ar():
     res = tune.calibrate(
         lambda t: _Sleepy(0.01), _Sleepy(0.001), [[1]], candidates=[SLOW], max_new_tokens=4, progress=False
@@ -120,6 +176,7 @@ def test_tuned_tree_is_cached_per_key(tmp_path, monkeypatch):
 
     def fake_calibrate(build, ar, prompts, **kw):
         calls.append(len(prompts))
+        assert len(kw["final_prompts"]) == len(tune.FINAL_TEXTS)  # the leading shapes play a final
         return _calibrated({"top_k": 3, "depth": 4, "total_tokens": 10})
 
     monkeypatch.setattr(tune, "calibrate_steps", steps_of(fake_calibrate))
