@@ -413,10 +413,14 @@ def describe_vocab(state: dict) -> str:
 
 
 def describe_weights(loaded) -> str:
-    """``weights int4 (210 from the GGUF's codes, 95 MB)`` or ``weights fp32``."""
+    """``weights int4 (211 linears, 210 from the checkpoint's 4-bit codes, 95 MB, ...)`` or
+    ``weights fp32``; an int4 load that rounded weights to 4 bits says how many, and what keeps
+    them closer to the checkpoint."""
     q = loaded.quant
     if q is None:
         return f"weights {loaded.weights}"
     codes = f"{q.from_codes} from the checkpoint's 4-bit codes, " if loaded.weights == "int4" else ""
+    if loaded.weights == "int4" and q.requantised:
+        codes += f"{q.requantised} rounded to 4 bits from its floats (--weights int8 keeps 8), "
     fused = ", fused CPU ops" if getattr(loaded.model, "fused_ops", False) else ""
     return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB{fused})"

@@ -238,3 +238,21 @@ def test_a_rebuilt_table_is_tuned_afresh(tmp_path) -> None:
     NgramTable.count([[1, 2, 3]], model="m", vocab_size=8, min_count=1).save(a)
     NgramTable.count([[1, 2, 4]], model="m", vocab_size=8, min_count=1).save(b)
     assert head_id(a).startswith("t.safetensors@") and head_id(a) != head_id(b)
+
+
+def test_the_weights_line_says_what_int4_rounded_and_what_it_read_as_it_is() -> None:
+    """A checkpoint's own 4-bit codes are read as they are; weights rounded to 4 bits from its
+    floats (a GGUF's 5-8-bit tensors, a float folder) are counted, with the way to keep 8."""
+    from types import SimpleNamespace
+
+    from evospec.assembly import describe_weights
+    from evospec.models.quant import GroupCodes, QuantReport, quantize_linears
+
+    holder = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False))
+    report = quantize_linears(holder, "int4", {"0.weight": GroupCodes.from_float(torch.randn(32, 64))})
+    assert (report.linears, report.from_codes, report.requantised) == (2, 1, 1)
+    line = describe_weights(SimpleNamespace(quant=report, weights="int4", model=holder))
+    assert "1 from the checkpoint's 4-bit codes, 1 rounded to 4 bits from its floats (--weights int8" in line
+    faithful = QuantReport(linears=211, from_codes=210, nbytes=95_000_000)
+    assert "rounded" not in describe_weights(SimpleNamespace(quant=faithful, weights="int4", model=holder))
+    assert describe_weights(SimpleNamespace(quant=None, weights="fp32", model=holder)) == "weights fp32"

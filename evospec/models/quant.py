@@ -292,10 +292,12 @@ class QuantLinear(nn.Module):
 @dataclass
 class QuantReport:
     """What :func:`quantize_linears` did: linears swapped, how many int4 weights came from the
-    checkpoint's own 4-bit codes, and the bytes the quantised weights occupy."""
+    checkpoint's own 4-bit codes and how many were rounded to 4 bits from its floats (a GGUF's
+    5-, 6- or 8-bit tensors among them), and the bytes the quantised weights occupy."""
 
     linears: int = 0
     from_codes: int = 0
+    requantised: int = 0
     nbytes: int = 0
 
 
@@ -384,6 +386,7 @@ def _make_matmul(
             return None
         given = [codes.get(f"{n}.weight") for n in names]
         report.from_codes += sum(c is not None for c in given)
+        report.requantised += sum(c is None for c in given)
         group = [
             c if c is not None else GroupCodes.from_float(p.weight) for c, p in zip(given, parts, strict=True)
         ]
