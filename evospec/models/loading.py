@@ -153,8 +153,9 @@ def load_model(
     """Load a registered name, a Hugging Face folder or a GGUF file.
 
     ``weights``: format of the linear weights (``fp32`` | ``bf16`` | ``int8`` | ``int4`` |
-    ``auto``, see ``quant.py``; the quantised ones on the CPU only). int4 takes a GGUF's Q4_0 /
-    Q4_1 codes as they are.
+    ``auto``, see ``quant.py``; the quantised ones on the CPU only; ``auto`` is int4 on a CPU, or
+    a registered model's ``auto_weights``: Gemma-3-270M's int8). int4 takes a GGUF's Q4_0 / Q4_1
+    codes as they are.
     ``pack``: reorder the fp32 CPU linear weights once for oneDNN (see ``packing.py``; faster
     decoding and verification, one extra copy of the weights); a no-op on other devices/dtypes.
     ``step_graph``: run one-token steps through a recorded graph on the CPU (``step.py``; same
@@ -163,7 +164,11 @@ def load_model(
     through the fused ops of ``kernels/cpu_ops`` (``fused.py``; built once per machine; off
     where they cannot be built).
     """
-    weights = resolve_weights(weights, device, dtype)  # ValueError before any loading
+    from evospec.models.registry import REGISTRY
+
+    entry = REGISTRY.get(str(ref))
+    auto = entry.auto_weights if entry is not None else "int4"
+    weights = resolve_weights(weights, device, dtype, auto)  # ValueError before any loading
     loaded = _load(ref, dtype=dtype, device=device, progress=progress)
     if weights != "fp32":
         codes = {}

@@ -52,11 +52,12 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 GROUP = 32  # input columns per int4 scale/zero pair (GGUF's Q4 block size)
 
 
-def resolve_weights(fmt: str, device: str, dtype: torch.dtype) -> str:
-    """``auto`` -> int4 on a CPU with float32 activations and the kernel, else fp32; others are
-    checked: the quantised formats run on the CPU with float32 activations only."""
+def resolve_weights(fmt: str, device: str, dtype: torch.dtype, auto: str = "int4") -> str:
+    """``auto`` -> ``auto`` (int4 unless a registered model says otherwise) on a CPU with float32
+    activations and the kernel, else fp32; others are checked: the quantised formats run on the
+    CPU with float32 activations only."""
     if fmt == "auto":
-        return "int4" if device == "cpu" and dtype == torch.float32 and kernels_available("int4") else "fp32"
+        return auto if device == "cpu" and dtype == torch.float32 and kernels_available(auto) else "fp32"
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}: use auto or one of {', '.join(WEIGHT_FORMATS)}")
     if fmt != "fp32" and (device != "cpu" or dtype != torch.float32):

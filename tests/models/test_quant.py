@@ -146,6 +146,8 @@ def test_logits_stay_close_to_fp32(fmt, tol):
 
 def test_resolve_weights():
     assert resolve_weights("auto", "cpu", torch.float32) == "int4"
+    assert resolve_weights("auto", "cpu", torch.float32, "int8") == "int8"  # a registered model's choice
+    assert resolve_weights("auto", "cpu", torch.bfloat16, "int8") == "fp32"
     assert resolve_weights("auto", "cpu", torch.bfloat16) == "fp32"
     assert resolve_weights("auto", "cuda", torch.float32) == "fp32"
     with pytest.raises(ValueError, match="CPU with float32"):

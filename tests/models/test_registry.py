@@ -151,3 +151,14 @@ def test_conversion_from_split_parts(
     ids = torch.tensor([default_model.codec.encode("Hello there, how are")])
     assert torch.equal(full_forward(loaded.model, ids), full_forward(default_model.model, ids))
     assert loaded.codec.encode("Hello there") == default_model.codec.encode("Hello there")
+
+
+def test_auto_weights_follow_the_registered_models_choice(
+    default_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--weights auto`` loads int4 unless the registry names another format for the model
+    (Gemma-3-270M: int8, its GGUF's linears being mostly 5-8-bit)."""
+    assert ENTRY.auto_weights == "int4" and registry.REGISTRY["gemma3-270m"].auto_weights == "int8"
+    monkeypatch.setitem(registry.REGISTRY, DEFAULT_MODEL, dataclasses.replace(ENTRY, auto_weights="int8"))
+    loaded = load_model(DEFAULT_MODEL, progress=False, weights="auto", fused_ops=False, step_graph=False)
+    assert loaded.weights == "int8"
