@@ -63,7 +63,8 @@ def add_weights_arg(p: argparse.ArgumentParser, default: str | None = "auto", *,
         choices=WEIGHT_CHOICES,
         default=default,
         help="format of the target's linear weights on a CPU: int4 (a GGUF's own 4-bit codes, "
-        "group 32), int8 (per row), bf16, fp32; auto = int4 on a CPU with float32 activations, "
+        "group 32), int8 (per row), bf16, fp32; auto = int4 on a CPU with float32 activations "
+        "(int8 for gemma3-270m, whose GGUF is mostly 5-8-bit), "
         f"else fp32{note} (default: {default or 'auto'})",
     )
 
