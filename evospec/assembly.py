@@ -179,7 +179,7 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bo
             loaded.model,
             eos_ids=eos,
             draft=draft3 if method_spec(name).head == "eagle3" else draft,
-            tree=tree,
+            tree=replace(tree, jump_forward=settings.tree.jump_forward),  # a tuned shape's too
             vocab=settings.vocab,
             indices=indices,
             adapt=settings.adapt,

@@ -2,7 +2,9 @@
 
 Owns: the ``generate`` sub-parser and its command. Contract: stdout carries the completion
 text only; one final stats line (tokens, seconds, tok/s, and MAL for speculative methods, as
-``decoding/stats.py`` defines it) goes to stderr. The decoder comes from ``assembly.py``.
+``decoding/stats.py`` defines it) goes to stderr, after one note where a drafted method's tree
+shape has not been measured on this machine yet (a one-shot run measures none unless asked:
+``--tree auto``). The decoder comes from ``assembly.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ import sys
 import time
 
 from evospec import options
+
+UNTUNED = (
+    "no shape measured on this machine yet: a 1-token chain after context lookup (--tree auto, "
+    "`evospec bench --tree auto` or a server's idle time measures one and caches it)"
+)
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +49,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from evospec.tokenizer import IncrementalDecoder
 
     params = options.sampling_params(args)
-    stack = assemble(options.stack_settings(args, [args.method]), progress=not args.no_progress)
+    settings = options.stack_settings(args, [args.method], tune_by_default=True)
+    # one completion measures no tree it was not asked to (--tree auto): with no --tree, the
+    # shape measured earlier on this machine, else a 1-token chain after context lookup
+    defer = args.tree is None and args.method != "auto"
+    stack = assemble(settings, progress=not args.no_progress, defer_tuning=defer)
+    if stack.deferred is not None:
+        print(f"[evospec] {stack.deferred.label}: {UNTUNED}", file=sys.stderr)
     params = options.json_mode(args, params, stack)
     codec = stack.codec
     text = sys.stdin.read() if args.prompt == "-" else args.prompt

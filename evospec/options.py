@@ -18,7 +18,7 @@ from pathlib import Path
 
 from evospec.adapt.config import AdaptConfig
 from evospec.common import non_negative_int, positive_int
-from evospec.decoding.tree_config import TreeConfig
+from evospec.decoding.tree_config import TreeConfig, names_a_shape
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.settings import add_section_flags, section_from_args
 from evospec.vocab.config import VocabConfig
@@ -98,9 +98,18 @@ def add_prefix_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> None:
+TREE_AUTO_DEFAULT = (
+    "'auto' without measuring: the shape measured earlier on this machine, else a 1-token chain "
+    "after context lookup; 'fixed' where tree flags give a shape"
+)
+
+
+def add_draft_args(
+    p: argparse.ArgumentParser, *, overrides: bool = False, tree_default: str = TREE_AUTO_DEFAULT
+) -> None:
     """The draft head, tree, verification and vocabulary flags. ``overrides`` (serve): every flag
-    defaults to None, so only the flags given replace the config file's values."""
+    defaults to None, so only the flags given replace the config file's values. ``tree_default``:
+    what ``--help`` says a missing ``--tree`` means (:func:`tunes_tree` decides)."""
     p.add_argument(
         "--draft",
         default=None,
@@ -124,10 +133,10 @@ def add_draft_args(p: argparse.ArgumentParser, *, overrides: bool = False) -> No
     p.add_argument(
         "--tree",
         choices=["fixed", "auto"],
-        default=None if overrides else "fixed",
+        default=None,
         help="'fixed': the tree flags; 'auto': pick the fastest tree shape for this machine, "
         "model, head and method by a short calibration run on training-side prompts (cached under "
-        "$EVOSPEC_HOME/tuning)",
+        f"$EVOSPEC_HOME/tuning). Default: {tree_default}",
     )
     p.add_argument(
         "--verify-logits",
@@ -260,8 +269,20 @@ def section_overrides(args: argparse.Namespace) -> dict:
     return {name: keys for name, keys in out.items() if keys}
 
 
-def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...]):
-    """The assembly's settings from parsed model/draft/vocabulary/adaptation flags."""
+def tunes_tree(args: argparse.Namespace, *, by_default: bool) -> bool:
+    """``--tree auto``, or (``by_default``) no ``--tree`` and no tree flag that gives a shape."""
+    from evospec.settings import given_flags
+
+    if args.tree is not None:
+        return args.tree == "auto"
+    return by_default and not names_a_shape(given_flags(args, TreeConfig, "tree"))
+
+
+def stack_settings(
+    args: argparse.Namespace, methods: list[str] | tuple[str, ...], *, tune_by_default: bool = False
+):
+    """The assembly's settings from parsed model/draft/vocabulary/adaptation flags (a missing
+    ``--tree``: :func:`tunes_tree` with ``tune_by_default``)."""
     from evospec.assembly import StackSettings
 
     return StackSettings(
@@ -271,7 +292,7 @@ def stack_settings(args: argparse.Namespace, methods: list[str] | tuple[str, ...
         draft3=str(args.draft3) if args.draft3 else None,
         ngrams=args.ngrams,
         tree=tree_config(args),
-        tune_tree=args.tree == "auto",
+        tune_tree=tunes_tree(args, by_default=tune_by_default),
         vocab=vocab_config(args),
         adapt=adapt_config(args),
         verify_logits=args.verify_logits,

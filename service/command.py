@@ -12,6 +12,12 @@ from pathlib import Path
 from evospec import options
 from evospec.models.registry import DEFAULT_MODEL
 
+# --tree's default on serve (service/config.py: ServeConfig.tunes_tree decides)
+SERVE_TREE_DEFAULT = (
+    "'auto', measured in the engine's idle time while a 1-token chain after context lookup serves, "
+    "unless tree flags or the config give a shape ('fixed' then)"
+)
+
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
@@ -80,7 +86,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="minutes between restart snapshots; 0: only at shutdown (default: 10)",
     )
-    options.add_draft_args(s, overrides=True)
+    options.add_draft_args(s, overrides=True, tree_default=SERVE_TREE_DEFAULT)
     options.add_adapt_args(s, debug=False)
     s.add_argument("--no-progress", action="store_true", help="hide progress bars")
     options.add_pack_arg(s)

@@ -21,6 +21,7 @@ from typing import Any
 from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import DRAFT_WEIGHTS, METHOD_SPECS, METHODS, VERIFY_LOGITS
 from evospec.decoding.tree import TreeConfig
+from evospec.decoding.tree_config import names_a_shape
 from evospec.models.batch_step import AUTO_BATCH
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.options import WEIGHT_CHOICES
@@ -44,7 +45,9 @@ class ServeConfig:
     draft3: str | None = None  # EAGLE-3 head folder for eagle3 / *-e3 (default: the one shipped, if any)
     ngrams: str | None = None  # n-gram table for tree.table_lookup ("none": none; default: built/shipped)
     tree: TreeConfig = field(default_factory=TreeConfig)  # ignored by ar
-    tune_tree: bool = False  # true: the fastest tree shape measured on this machine (--tree auto)
+    # true: the fastest tree shape measured on this machine (--tree auto); false: ``tree`` as
+    # given; None (default): measured unless the config or the command line gives a shape
+    tune_tree: bool | None = None
     vocab: VocabConfig = field(default_factory=VocabConfig)  # read by the vocabulary methods only
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # clora, osd, evospec-full; mode: the method's
     device: str = "cpu"  # torch device: "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
@@ -87,6 +90,8 @@ class ServeConfig:
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {unknown}; known keys: {sorted(known)}")
         values = dict(raw)
+        if isinstance(values.get("tree"), dict) and names_a_shape(values["tree"]):
+            values.setdefault("tune_tree", False)  # a shape given is served, unless tune_tree: true
         try:
             for name, section in _SECTIONS.items():
                 if name in values:
@@ -109,7 +114,7 @@ class ServeConfig:
             draft3=self.draft3,
             ngrams=self.ngrams,
             tree=self.tree,
-            tune_tree=self.tune_tree,
+            tune_tree=self.tunes_tree,
             vocab=self.vocab,
             adapt=self.adapt,
             verify_logits=self.verify_logits,
@@ -122,10 +127,24 @@ class ServeConfig:
             prefix_cache_mb=self.prefix_cache_mb,
         )
 
+    @property
+    def tunes_tree(self) -> bool:
+        """Whether the served method's tree shape is measured (``tune_tree``; unset: unless a
+        shape is given: a tree whose shape differs from the defaults)."""
+        if self.tune_tree is not None:
+            return self.tune_tree
+        default = TreeConfig()
+        changed = [
+            f.name for f in fields(TreeConfig) if getattr(self.tree, f.name) != getattr(default, f.name)
+        ]
+        return not names_a_shape(changed)
+
     def with_overrides(self, **overrides: Any) -> ServeConfig:
         """A copy with the given fields replaced; ``None`` values are ignored (flag not given).
         ``tree``, ``vocab``, ``adapt`` take a mapping of the section's keys to change."""
         given = {k: v for k, v in overrides.items() if v is not None}
+        if isinstance(given.get("tree"), dict) and names_a_shape(given["tree"]):
+            given.setdefault("tune_tree", False)  # tree flags fix the shape, unless with --tree auto
         try:
             for name, value in given.items():
                 if name in _SECTIONS:
@@ -154,7 +173,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pack_weights": (bool,),
     "prefix_reuse": (bool,),
     "prefix_cache_mb": (int, type(None)),
-    "tune_tree": (bool,),
+    "tune_tree": (bool, type(None)),
     "verify_logits": (str,),
     "draft_weights": (str,),
     "host": (str,),

@@ -60,6 +60,30 @@ def test_generate_contract(
     assert int(m.group(2)) == 8
 
 
+def test_generate_measures_no_tree_it_was_not_asked_to(
+    default_model: LoadedModel, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drafted method without --tree and with no shape cached: a 1-token chain after context
+    lookup, one note before the stats line, no timing; the same text as plain decoding."""
+    from evospec.decoding import tune
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("generate timed tree shapes")
+
+    monkeypatch.setattr(tune.Tuner, "cached_tree", lambda self, method: None)
+    monkeypatch.setattr(tune, "calibrate_steps", no_timing)
+    argv = ["generate", PROMPT, "--method", "eagle2", "--max-new-tokens", "8", "--no-progress"]
+    argv += ["--weights", "fp32"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == _expected(default_model, default_model.codec.encode(PROMPT), 8) + "\n"
+    note, stats = err.strip().splitlines()
+    assert note.startswith("[evospec] tree auto for eagle2: no shape measured on this machine yet")
+    assert stats.startswith("[evospec] method=eagle2 ")
+    assert main([*argv, "--depth", "2"]) == 0  # a shape given: served as given, no note
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_no_pack_gives_the_same_text(default_model: LoadedModel, capsys: pytest.CaptureFixture[str]) -> None:
     """Packed (default) and plain dense weights: different GEMM kernels, same greedy text."""
     outs = []

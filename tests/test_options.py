@@ -6,6 +6,7 @@ import pytest
 
 from evospec.cli import build_parser
 from evospec.decoding.methods import METHODS
+from evospec.decoding.tree_config import TreeConfig
 from evospec.options import METHOD_HELP, stack_settings
 
 FLAGS = [
@@ -24,7 +25,7 @@ def test_generate_and_bench_build_equal_settings() -> None:
     assert (a.tree.top_k, a.tree.depth, a.tree.total_tokens) == (3, 4, 9)
     assert (a.vocab.frspec_k, a.vocab.w_max, a.vocab.arc_capacity) == (512, 900, 64)
     assert (a.adapt.lr, a.adapt.rank, a.adapt.lora_alpha, a.adapt.seed) == (0.001, 8, 8.0, 7)
-    assert a.verify_logits == "all" and not a.pack_weights and not a.tune_tree
+    assert a.verify_logits == "all" and not a.pack_weights and not a.tune_tree  # a shape given: fixed
 
 
 def test_serve_flags_build_the_same_settings_as_generate() -> None:
@@ -75,7 +76,7 @@ def test_defaults_agree_with_the_serve_config() -> None:
     from service.config import ServeConfig
 
     args = build_parser().parse_args(["generate", "hi", "--method", "evospec"])
-    cli = stack_settings(args, ["evospec"])
+    cli = stack_settings(args, ["evospec"], tune_by_default=True)  # as generate builds it
     served = ServeConfig(method="evospec").stack_settings()
     assert cli == served  # one schema, one set of defaults
 
@@ -142,3 +143,43 @@ def test_draft_weights_flag_reaches_the_stack_and_the_serve_config(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--draft-weights", "int2"])
     assert "invalid choice: 'int2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "tunes"),
+    [
+        ([], True),  # no shape given: measured (generate: the one measured earlier, if any)
+        (["--jump-forward", "2"], True),  # not part of the shape
+        (["--depth", "3"], False),  # a shape given is the shape served
+        (["--lookup", "2"], False),
+        (["--depth", "3", "--tree", "auto"], True),
+        (["--tree", "fixed"], False),
+    ],
+)
+def test_tree_auto_unless_a_shape_is_given(argv: list[str], tunes: bool) -> None:
+    from service.command import serve_config
+
+    parser = build_parser()
+    gen = parser.parse_args(["generate", "hi", "--method", "frspec", *argv])
+    assert stack_settings(gen, ["frspec"], tune_by_default=True).tune_tree is tunes
+    assert serve_config(parser.parse_args(["serve", "--method", "frspec", *argv])).tunes_tree is tunes
+    bench = stack_settings(parser.parse_args(["bench", "--methods", "frspec", *argv]), ["frspec"])
+    assert bench.tune_tree is (argv[-2:] == ["--tree", "auto"])  # a benchmark: the shape it is given
+
+
+def test_a_config_tree_section_fixes_the_shape(tmp_path) -> None:
+    from service.command import serve_config
+    from service.config import ServeConfig, load_config
+
+    assert ServeConfig().tunes_tree and ServeConfig(method="frspec").stack_settings().tune_tree
+    path = tmp_path / "c.yaml"
+    path.write_text("method: frspec\ntree: {top_k: 2, depth: 3, total_tokens: 6}\n")
+    assert not load_config(path).tunes_tree
+    path.write_text("method: frspec\ntree: {jump_forward: 0}\n")
+    assert load_config(path).tunes_tree  # JSON guesses are no shape
+    path.write_text("method: frspec\ntune_tree: true\ntree: {top_k: 2, depth: 3, total_tokens: 6}\n")
+    assert load_config(path).tunes_tree
+    flags = ["serve", "--config", str(path)]
+    assert not serve_config(build_parser().parse_args([*flags, "--depth", "2"])).tunes_tree  # flags win
+    assert serve_config(build_parser().parse_args([*flags, "--jump-forward", "2"])).tunes_tree
+    assert not ServeConfig(tree=TreeConfig(top_k=2)).tunes_tree  # in code: a shape unlike the defaults

@@ -103,7 +103,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--limit", type=positive_int, default=None, help="at most N prompts in all")
     b.add_argument("--json", type=Path, default=None, help="write the results JSON here")
     options.add_model_args(b)
-    options.add_draft_args(b)
+    options.add_draft_args(b, tree_default="'fixed' (a benchmark measures the shape it is given)")
     options.add_adapt_args(b)
     options.add_sampling_args(b, 64)
     b.set_defaults(max_new_tokens=None)

@@ -9,6 +9,14 @@ from dataclasses import dataclass
 from evospec.settings import setting
 
 LOOKUP_MAX_N = 5  # the longest n-gram context lookup tries first
+# fields that are no part of the shape ``--tree auto`` measures: a JSON request's forced text
+NOT_TUNED = frozenset({"jump_forward"})
+
+
+def names_a_shape(keys) -> bool:
+    """Whether settings giving these :class:`TreeConfig` keys choose a shape (what ``--tree
+    auto`` would measure): then that shape is served as given, unless tuning is asked for too."""
+    return bool(set(keys) - NOT_TUNED)
 
 
 @dataclass(frozen=True)

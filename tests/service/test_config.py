@@ -86,10 +86,12 @@ def test_every_method_has_a_preset() -> None:
         "evospec-full-e3.yaml",
     ],
 )
-def test_cpu_presets_use_a_small_tree(name: str) -> None:
+def test_cpu_presets_measure_their_tree(name: str) -> None:
+    """A 4/4/16 tree (17 verified rows a round) decoded at 0.22x plain decoding on a CPU (wave 41):
+    the CPU presets serve the shape measured on the machine."""
     cfg = load_config(CONFIGS / name)
     assert cfg.draft is None and cfg.device == "cpu"  # the model's shipped head
-    assert cfg.tree == TreeConfig(top_k=4, depth=4, total_tokens=16)
+    assert cfg.tune_tree is True and cfg.tunes_tree and cfg.tree == TreeConfig()
     assert cfg.vocab.indices is None  # $EVOSPEC_HOME/indices/<model>
 
 

@@ -183,8 +183,9 @@ def test_a_server_answers_at_once_while_method_auto_is_timed(tmp_path, tiny, cod
 
 
 def test_a_served_methods_tree_auto_is_timed_beside_serving(tmp_path, tiny, codec, monkeypatch) -> None:
-    """``serve --method eagle2 --tree auto`` without the timing: eagle2 serves at once at a
-    1-token chain after context lookup, then at the shape the timing chose; later starts read it."""
+    """``serve --method eagle2`` (tree auto: the default) without the timing: eagle2 serves at
+    once at a 1-token chain after context lookup, then at the shape the timing chose, keeping
+    the JSON guesses asked for; later starts read it."""
     from evospec.decoding import tune
     from evospec.models.eagle import new_eagle_for, save_eagle
     from service.config import ServeConfig
@@ -204,16 +205,20 @@ def test_a_served_methods_tree_auto_is_timed_beside_serving(tmp_path, tiny, code
     monkeypatch.setattr(tune, "calibrate_steps", fake_calibrate)
     folder = write_model_folder(tmp_path / "tiny-folder", tiny, codec)
     head = save_eagle(new_eagle_for(tiny, seed=3), tmp_path / "head", dtype=torch.float32)
-    config = ServeConfig(model=str(folder), method="eagle2", draft=str(head), weights="fp32", tune_tree=True)
+    json_guesses = TreeConfig(jump_forward=2)  # no shape: the tree is still measured
+    config = ServeConfig(
+        model=str(folder), method="eagle2", draft=str(head), weights="fp32", tree=json_guesses
+    )
     log = io.StringIO()
     engine = build(config, progress=False, log=log).engine
     try:
-        assert engine.method == "eagle2" and engine.decoder.tree == TreeConfig(1, 1, 1, lookup=3)
+        assert engine.method == "eagle2"
+        assert engine.decoder.tree == TreeConfig(1, 1, 1, lookup=3, jump_forward=2)
         assert wait_for(lambda: engine.snapshot().idle_work == "tree auto for eagle2: timing the shapes")
         first = engine.decoder
         gate.set()
         assert wait_for(lambda: engine.decoder is not first, timeout=30)
-        assert engine.method == "eagle2" and engine.decoder.tree == TreeConfig(2, 3, 6)
+        assert engine.method == "eagle2" and engine.decoder.tree == TreeConfig(2, 3, 6, jump_forward=2)
         assert (
             "tree auto for eagle2: eagle2 (measured speedup over ar: eagle2 1.30x); tree "
             f"{TreeConfig(2, 3, 6)}; now serving eagle2" in log.getvalue()
@@ -228,7 +233,8 @@ def test_a_served_methods_tree_auto_is_timed_beside_serving(tmp_path, tiny, code
         engine.stop()
     again = build(config, progress=False, log=io.StringIO()).engine  # cached: no idle work
     try:
-        assert again.decoder.tree == TreeConfig(2, 3, 6) and again.snapshot().idle_work is None
+        assert again.decoder.tree == TreeConfig(2, 3, 6, jump_forward=2)
+        assert again.snapshot().idle_work is None
         assert len(calibrated) == 1
     finally:
         again.stop()

@@ -343,6 +343,9 @@ def test_build_loads_the_indices_the_method_needs(tmp_path: Path, tiny, codec, h
     monkeypatch.setattr(indices.default, "ensure_indices", no_indices)
     out = StringIO()
     built = build(
-        ServeConfig(model=str(folder), method="nanospec", draft=str(draft)), progress=False, log=out
+        # tune_tree false: no idle timing of tree shapes beside the test
+        ServeConfig(model=str(folder), method="nanospec", draft=str(draft), tune_tree=False),
+        progress=False,
+        log=out,
     )
     assert "indices:" not in out.getvalue() and built.engine.vocab.policy.name == "nanospec"
