@@ -29,6 +29,7 @@
 #include "int4_tiles.h"
 #include "llama_layer.h"
 #include "rows.h"
+#include "team.h"
 #include "vnni.h"
 
 #include <algorithm>
@@ -46,19 +47,11 @@ namespace {
 
 using evospec_bf16::bf16_to_f32;
 using evospec_bf16::f32_to_bf16;
+using evospec_team::row_pieces;
+using evospec_team::share;
+using evospec_team::Span;
 using evospec_vnni::kGroup;
 using evospec_vnni::kTile;
-
-struct Span {
-  int64_t first, last;
-};
-
-// Thread tid's part of [0, total): `team` contiguous parts of near-equal size.
-Span share(int64_t total, int tid, int team) {
-  const int64_t per = total / team, extra = total % team;
-  const int64_t first = tid * per + std::min<int64_t>(tid, extra);
-  return {first, first + per + (tid < extra ? 1 : 0)};
-}
 
 // A packed int4 weight [tiles, groups, 320]: its output width is tiles * 16, its input groups * 32;
 // `stream`: read once a forward, prefetched non-temporally (vnni.h, prefetch_weight).
@@ -86,8 +79,11 @@ struct Codes {
   int8_t* codes;
   float* scale;
   float* sum;
-  void row(const float* x, int64_t r, int64_t k) const {
-    evospec_vnni::quantize_row(x, k, codes + r * k, scale + r * (k / kGroup), sum + r * (k / kGroup));
+  void row(const float* x, int64_t r, int64_t k) const { groups(x, r, k, 0, k / kGroup); }
+  // groups [g0, g1) of row r (x: those groups' k values, from column g0 * 32)
+  void groups(const float* x, int64_t r, int64_t k, int64_t g0, int64_t g1) const {
+    const int64_t at = r * (k / kGroup) + g0;
+    evospec_vnni::quantize_row(x, (g1 - g0) * kGroup, codes + r * k + g0 * kGroup, scale + at, sum + at);
   }
 };
 
@@ -169,6 +165,7 @@ struct Plan {
   Codes codes;
   uint16_t *qkv, *o, *gu, *act, *mlp, *h1;
   float *q, *attn, *x1;
+  evospec_team::Barrier* bar;  // the region's (run_stack, stack_seqs_team, draft_team)
 };
 
 // Kept from call to call for decode-sized forwards; a prefill's (more than kKeepRows rows, where
@@ -198,16 +195,18 @@ void attend_seqs(const std::vector<Seq>& seqs, int64_t li, int tid, int team) {
 
 // Layer `li`'s phases on thread tid, from (x, h) to (xo, ho); the codes of h are ready (the
 // first phase of the stack, or the previous layer's last). With `codes_next`, the last phase
-// also quantises ho for the layer after.
+// also quantises ho for the layer after. The elementwise phases take rows in pieces (team.h):
+// heads for RoPE, 32-wide column groups for the rest. `buf`: 2 kmax + dh floats of this thread.
 void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float* x, float* xo, uint16_t* ho,
                   bool codes_next, int tid, int team, float* buf) {
   const int64_t m = p.m, n = p.n, d = p.d, dh = p.dh, hq = p.hq, hk = p.hk, inter = p.inter;
-  const Span rows = share(m, tid, team);
+  const Span rows = share(m, tid, team);  // the norms' phases: whole rows (a norm reads its row)
   char* kb = p.kbase + li * p.klayer;
   char* vb = p.vbase + li * p.vlayer;
+  float* part = buf + p.kmax;  // a piece's values as float32, for its codes
   matmul(w.qkv, p.codes, m, p.qkv, tid, team);
-#pragma omp barrier
-  for (int64_t r = rows.first; r < rows.last; ++r) {  // RoPE; K/V rows into the cache
+  p.bar->wait();
+  row_pieces(m, hq + 2 * hk, tid, team, [&](int64_t r, int64_t h0, int64_t h1) {  // RoPE; K/V into the cache
     const int64_t bi = r / n, t = r % n;
     const Seq* sq = p.seqs ? &(*p.seqs)[bi] : nullptr;  // its own cache, position and RoPE row
     const int64_t slot = (sq ? sq->end : p.end) - n + t, tab = (sq ? r : t) * dh;
@@ -216,7 +215,7 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
     char* vdst = sq ? sq->vbase + li * sq->vlayer : vb;
     const int64_t cb = sq ? 0 : bi;  // the batch entry in that cache
     float* kv = buf + dh;
-    for (int64_t head = 0; head < hq + 2 * hk; ++head) {
+    for (int64_t head = h0; head < h1; ++head) {
       const uint16_t* src = p.qkv + r * w.qkv.out() + head * dh;
       if (head < hq) {
         evospec_rows::rope_head(src, p.q + ((bi * hq + head) * n + t) * dh, cr, sr, dh, false, nullptr, 0.0f, buf);
@@ -229,8 +228,8 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
       const int64_t* st = value ? pa.vs : pa.ks;
       put(value ? vdst : kdst, p.half, cb * st[0] + g * st[1] + slot * st[2], kv, dh);
     }
-  }
-#pragma omp barrier
+  });
+  p.bar->wait();
   if (p.seqs) {
     attend_seqs(*p.seqs, li, tid, team);
   } else {
@@ -240,18 +239,19 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
     const Span jobs = share(att.jobs(), tid, team);
     evospec_attention::run_attention_jobs(att, jobs.first, jobs.last);
   }
-#pragma omp barrier
-  for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(bf16(attention)), heads side by side
-    const int64_t bi = r / n, t = r % n;
-    for (int64_t head = 0; head < hq; ++head) {
+  p.bar->wait();
+  row_pieces(m, hq * dh / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes(bf16(attention))
+    const int64_t bi = r / n, t = r % n, c0 = g0 * kGroup, c1 = g1 * kGroup;
+    for (int64_t head = c0 / dh; head * dh < c1; ++head) {  // heads side by side: the piece's columns
       const float* src = p.attn + ((bi * hq + head) * n + t) * dh;
-      for (int64_t i = 0; i < dh; ++i) buf[head * dh + i] = bf16_to_f32(f32_to_bf16(src[i]));
+      const int64_t lo = std::max(c0, head * dh), hi = std::min(c1, (head + 1) * dh);
+      for (int64_t c = lo; c < hi; ++c) part[c - c0] = bf16_to_f32(f32_to_bf16(src[c - head * dh]));
     }
-    p.codes.row(buf, r, hq * dh);
-  }
-#pragma omp barrier
+    p.codes.groups(part, r, hq * dh, g0, g1);
+  });
+  p.bar->wait();
   matmul(w.o, p.codes, m, p.o, tid, team);
-#pragma omp barrier
+  p.bar->wait();
   for (int64_t r = rows.first; r < rows.last; ++r) {  // x1 = x + o, h1 = norm(x1), codes(h1)
     float* x1 = p.x1 + r * d;
     for (int64_t i = 0; i < d; ++i) x1[i] = x[r * d + i] + bf16_to_f32(p.o[r * d + i]);
@@ -259,18 +259,19 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
     to_f32(p.h1 + r * d, d, buf);
     p.codes.row(buf, r, d);
   }
-#pragma omp barrier
+  p.bar->wait();
   matmul(w.gate_up, p.codes, m, p.gu, tid, team);
-#pragma omp barrier
-  for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(silu(g) u)
+  p.bar->wait();
+  row_pieces(m, inter / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes(silu(g) u)
+    const int64_t c0 = g0 * kGroup, c1 = g1 * kGroup;
     const uint16_t* gu = p.gu + r * 2 * inter;
-    evospec_rows::silu_mul_row(gu, gu + inter, p.act + r * inter, inter);
-    to_f32(p.act + r * inter, inter, buf);
-    p.codes.row(buf, r, inter);
-  }
-#pragma omp barrier
+    evospec_rows::silu_mul_row(gu + c0, gu + inter + c0, p.act + r * inter + c0, c1 - c0);
+    to_f32(p.act + r * inter + c0, c1 - c0, part);
+    p.codes.groups(part, r, inter, g0, g1);
+  });
+  p.bar->wait();
   matmul(w.down, p.codes, m, p.mlp, tid, team);
-#pragma omp barrier
+  p.bar->wait();
   for (int64_t r = rows.first; r < rows.last; ++r) {  // x2 = x1 + mlp, h2 = norm(x2) (the last layer: h1)
     const float* x1 = p.x1 + r * d;
     for (int64_t i = 0; i < d; ++i) xo[r * d + i] = x1[i] + bf16_to_f32(p.mlp[r * d + i]);
@@ -284,7 +285,7 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
       p.codes.row(buf, r, d);
     }
   }
-#pragma omp barrier
+  p.bar->wait();
 }
 
 }  // namespace
@@ -352,13 +353,16 @@ Plan make_plan(const std::vector<LayerWeights>& ws, int64_t first_layer, int64_t
   p.qkv = sc.qkv.data(), p.o = sc.o.data(), p.gu = sc.gu.data(), p.act = sc.act.data();
   p.mlp = sc.mlp.data(), p.h1 = sc.h1.data();
   p.q = sc.q.data(), p.attn = sc.attn.data(), p.x1 = sc.x1.data();
+  thread_local evospec_team::Barrier bar;  // the calling thread's regions, one at a time
+  p.bar = &bar;
   p.att = evospec_attention::plan_attention(p.q, p.attn, k_cache.select(0, first_layer),
                                             v_cache.select(0, first_layer), hq, n, end, nullptr, false,
                                             static_cast<float>(scale), 0, team_size);
   return p;
 }
 
-// A row buffer of this thread (OpenMP threads persist, so it is kept from call to call).
+// A row buffer of this thread (OpenMP threads persist, so it is kept from call to call): 2 kmax
+// + dh floats for layer_phases.
 float* row_buffer(int64_t floats) {
   thread_local std::vector<float> buf;
   if (buf.size() < static_cast<size_t>(floats)) buf.resize(floats);
@@ -381,13 +385,14 @@ void run_stack(const Plan& p, const std::vector<LayerWeights>& ws, Scratch& sc, 
 #pragma omp parallel num_threads(team_size)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-    float* buf = row_buffer(p.kmax + dh);  // one row as float32, and a K/V head
-    const Span rows = share(m, tid, team);
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // codes(h) of the first layer
-      to_f32(hp + r * d, d, buf);
-      p.codes.row(buf, r, d);
-    }
-#pragma omp barrier
+#pragma omp single
+    p.bar->n = team;
+    float* buf = row_buffer(2 * p.kmax + dh);
+    row_pieces(m, d / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes(h) of the first layer
+      to_f32(hp + r * d + g0 * kGroup, (g1 - g0) * kGroup, buf);
+      p.codes.groups(buf, r, d, g0, g1);
+    });
+    p.bar->wait();
     for (int64_t li = 0; li < count; ++li) {  // layer li: (x, h) -> (xo, ho), ping-pong buffers
       const bool last = li + 1 == count;
       const float* xin = li == 0 ? xp : xs + ((li - 1) % 2) * m * d;
@@ -495,20 +500,24 @@ at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std
 #pragma omp parallel num_threads(team_size)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-    float* buf = row_buffer(p.kmax + dh);
-    const Span rows = share(m, tid, team);
-    for (int64_t r = rows.first; r < rows.last; ++r) p.codes.row(in + r * kin, r, kin);  // codes([emb, feature])
-#pragma omp barrier
+#pragma omp single
+    p.bar->n = team;
+    float* buf = row_buffer(2 * p.kmax + dh);
+    row_pieces(m, kin / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes([emb, feature])
+      p.codes.groups(in + r * kin + g0 * kGroup, r, kin, g0, g1);
+    });
+    p.bar->wait();
     const Span tiles = share(fc.tiles, tid, team);
     evospec_int4::tile_range(fc.data, fc.groups, tiles.first, tiles.last, p.codes.codes, p.codes.scale, p.codes.sum,
                              m, kin, x, d, fc.stream);
-#pragma omp barrier
-    for (int64_t r = rows.first; r < rows.last; ++r) {  // x = fc + bias, codes(x): no input norm (EAGLE)
+    p.bar->wait();
+    row_pieces(m, d / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // x = fc + bias, codes(x)
+      float* xr = x + r * d;  // no input norm (EAGLE)
       if (bp)
-        for (int64_t i = 0; i < d; ++i) x[r * d + i] += bp[i];
-      p.codes.row(x + r * d, r, d);
-    }
-#pragma omp barrier
+        for (int64_t i = g0 * kGroup; i < g1 * kGroup; ++i) xr[i] += bp[i];
+      p.codes.groups(xr + g0 * kGroup, r, d, g0, g1);
+    });
+    p.bar->wait();
     layer_phases(p, ws.front(), 0, x, xo, h_unused, false, tid, team, buf);
   }
   if (m > kKeepRows) sc = Scratch{};
