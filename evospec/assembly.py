@@ -256,9 +256,10 @@ def _tuned_tree(tuner, spec: MethodSpec, defer: bool, facts: list[str]) -> tuple
     cached, a 1-token chain after context lookup (and the table's guesses) and the
     :class:`Deferred` timing that replaces it (its line goes to ``facts``)."""
     cached = tuner.cached_tree(spec.drafts_like) if defer else tuner.tree(spec.drafts_like)
-    if cached is not None:
-        return cached, None
     label = f"tree auto for {spec.name}"
+    if cached is not None:
+        facts.append(f"{label}: {cached} (the shape measured fastest on this machine)")
+        return cached, None
     facts.append(f"{label}: {TREE_FACT}")
     small = TreeConfig(1, 1, 1, lookup=3, table_lookup=int(tuner.table))
     return small, Deferred(label, "the shapes", spec.name, _tree_steps(tuner, spec), tuner.build)

@@ -44,7 +44,9 @@ SOURCES = tuple(
 # included by the sources: part of the build key
 HEADERS = tuple(
     Path(__file__).with_name(f)
-    for f in ("attention.h", "bf16.h", "fastexp.h", "int4_tiles.h", "llama_layer.h", "rows.h", "team.h", "vnni.h")
+    for f in (
+        "attention.h", "bf16.h", "fastexp.h", "int4_tiles.h", "llama_layer.h", "rows.h", "team.h", "vnni.h"
+    )  # fmt: skip
 )
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;

@@ -231,8 +231,10 @@ def test_a_served_methods_tree_auto_is_timed_beside_serving(tmp_path, tiny, code
         )
     finally:
         engine.stop()
-    again = build(config, progress=False, log=io.StringIO()).engine  # cached: no idle work
+    log = io.StringIO()
+    again = build(config, progress=False, log=log).engine  # cached: no idle work
     try:
+        assert f"tree auto for eagle2: {TreeConfig(2, 3, 6)} (the shape measured fastest" in log.getvalue()
         assert again.decoder.tree == TreeConfig(2, 3, 6, jump_forward=2)
         assert again.snapshot().idle_work is None
         assert len(calibrated) == 1
