@@ -42,12 +42,17 @@ SOURCES = tuple(
     for f in ("cpu_ops.cpp", "attention.cpp", "int4_matmul.cpp", "int8_matmul.cpp", "llama_layer.cpp")
 )
 # included by the sources: part of the build key
-HEADERS = tuple(
-    Path(__file__).with_name(f)
-    for f in (
-        "attention.h", "bf16.h", "fastexp.h", "int4_tiles.h", "llama_layer.h", "rows.h", "team.h", "vnni.h"
-    )  # fmt: skip
+HEADER_NAMES = (
+    "attention.h",
+    "bf16.h",
+    "fastexp.h",
+    "int4_tiles.h",
+    "llama_layer.h",
+    "rows.h",
+    "team.h",
+    "vnni.h",
 )
+HEADERS = tuple(Path(__file__).with_name(f) for f in HEADER_NAMES)
 DISABLE_ENV = "EVOSPEC_CPU_OPS"  # "0": never build or load the op library
 # -fno-trapping-math: lets loops with comparisons and float->int conversions (exp_f32) vectorise;
 # it changes no result (no reassociation, no contraction)
