@@ -153,12 +153,23 @@ class Attention(nn.Module):
             # a chain: row j sees the cache and rows 0..j, as the op's rows do; one call, the
             # bits of one call per row
             return torch.ops.evospec.decode_attention(q, keys, values, None, self.scale, self.window)
-        parts = [
-            self._attend(
-                q[:, :, j : j + 1], *row.keys(keys, values), row.masks[kind], fused, row.masks[self.sliding]
+        prefix, tree = keys.shape[2] - q.shape[2], None  # tree: the new slots' K/V, once moved
+        parts = []
+        for j, row in enumerate(rows):
+            if row.index is not None and tree is None:
+                tree = keys[:, :, prefix:].clone(), values[:, :, prefix:].clone()  # [B, H_kv, n, Dh]
+            if tree is not None:  # the row's visible new slots right behind the prefix, in depth order
+                seen = row.index if row.index is not None else slice(0, j + 1)
+                keys[:, :, prefix : row.end] = tree[0][:, :, seen]
+                values[:, :, prefix : row.end] = tree[1][:, :, seen]
+            row_k, row_v = row.keys(keys, values)  # as plain decoding lays them out
+            parts.append(
+                self._attend(
+                    q[:, :, j : j + 1], row_k, row_v, row.masks[kind], fused, row.masks[self.sliding]
+                )
             )
-            for j, row in enumerate(rows)
-        ]
+        if tree is not None:  # the cache as the forward wrote it
+            keys[:, :, prefix:], values[:, :, prefix:] = tree
         return torch.cat(parts, dim=2)
 
     def _attend(self, q, keys, values, mask, fused=False, sdpa_mask=None) -> torch.Tensor:
@@ -398,14 +409,16 @@ class RowAttention:
     plain decoding lays them out at its position (slots 0..pos), and the masks a one-token
     step at that position uses (by layer kind: sliding or not)."""
 
-    end: int  # its keys are slots [0, end) of the cache (causal rows), or
-    index: torch.Tensor | None  # [pos + 1] slots gathered in position order (other tree rows)
+    end: int  # its position + 1: it sees slots [0, end) as plain decoding lays them out
+    # None: those are the cache's own slots (causal rows); else the new slots it sees (its tree
+    # ancestors and itself, in depth order, as offsets from the first new slot), which the
+    # attention moves right behind the cache's prefix for the row (``Attention.attend_rotated``)
+    index: torch.Tensor | None
     masks: dict[bool, torch.Tensor | None]
 
     def keys(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.index is None:
-            return keys[:, :, : self.end], values[:, :, : self.end]
-        return keys.index_select(2, self.index), values.index_select(2, self.index)
+        """Its keys and values: the first ``end`` slots (a view)."""
+        return keys[:, :, : self.end], values[:, :, : self.end]
 
 
 def row_attention(
@@ -434,8 +447,7 @@ def row_attention(
             return None
         masks = _build_masks(cfg, pos, positions[j : j + 1], None, device)  # a one-token step's
         chain = seen.numel() == j + 1 and int(seen[-1]) == j  # slots 0..j: a view of the cache
-        index = None if chain else torch.cat([torch.arange(prefix), prefix + seen]).to(device)
-        out.append(RowAttention(prefix + j + 1, index, masks))
+        out.append(RowAttention(pos + 1, None if chain else seen.to(device), masks))
     return out
 
 
