@@ -193,42 +193,60 @@ void attend_seqs(const std::vector<Seq>& seqs, int64_t li, int tid, int team) {
   }
 }
 
+// Heads [h0, h1) of row r of a layer's qkv product (queries, then keys, then values): RoPE, and
+// the keys' and values' rows into the cache (`buf`: 2 Dh floats of this thread).
+void rope_heads(const Plan& p, const LayerWeights& w, int64_t li, int64_t r, int64_t h0, int64_t h1, float* buf) {
+  const int64_t n = p.n, dh = p.dh, hq = p.hq, hk = p.hk;
+  const int64_t bi = r / n, t = r % n;
+  const Seq* sq = p.seqs ? &(*p.seqs)[bi] : nullptr;  // its own cache, position and RoPE row
+  const int64_t slot = (sq ? sq->end : p.end) - n + t, tab = (sq ? r : t) * dh;
+  const float *cr = p.cos + tab, *sr = p.sin + tab;
+  char* kdst = sq ? sq->kbase + li * sq->klayer : p.kbase + li * p.klayer;
+  char* vdst = sq ? sq->vbase + li * sq->vlayer : p.vbase + li * p.vlayer;
+  const int64_t cb = sq ? 0 : bi;  // the batch entry in that cache
+  float* kv = buf + dh;
+  for (int64_t head = h0; head < h1; ++head) {
+    const uint16_t* src = p.qkv + r * w.qkv.out() + head * dh;
+    if (head < hq) {
+      evospec_rows::rope_head(src, p.q + ((bi * hq + head) * n + t) * dh, cr, sr, dh, false, nullptr, 0.0f, buf);
+      continue;
+    }
+    const bool value = head >= hq + hk;
+    const int64_t g = value ? head - hq - hk : head - hq;
+    evospec_rows::rope_head(src, kv, cr, sr, dh, value, nullptr, 0.0f, buf);
+    const evospec_attention::AttentionJobs& pa = sq ? sq->att : p.att;
+    const int64_t* st = value ? pa.vs : pa.ks;
+    put(value ? vdst : kdst, p.half, cb * st[0] + g * st[1] + slot * st[2], kv, dh);
+  }
+}
+
+// Column groups [g0, g1) of row r of the attention's output (heads side by side), rounded to
+// bf16 as the o product takes them, into its activation codes (`part`: their floats).
+void attention_codes(const Plan& p, int64_t r, int64_t g0, int64_t g1, float* part) {
+  const int64_t n = p.n, dh = p.dh, hq = p.hq, bi = r / n, t = r % n, c0 = g0 * kGroup, c1 = g1 * kGroup;
+  for (int64_t head = c0 / dh; head * dh < c1; ++head) {
+    const float* src = p.attn + ((bi * hq + head) * n + t) * dh;
+    const int64_t lo = std::max(c0, head * dh), hi = std::min(c1, (head + 1) * dh);
+    for (int64_t c = lo; c < hi; ++c) part[c - c0] = bf16_to_f32(f32_to_bf16(src[c - head * dh]));
+  }
+  p.codes.groups(part, r, hq * dh, g0, g1);
+}
+
 // Layer `li`'s phases on thread tid, from (x, h) to (xo, ho); the codes of h are ready (the
 // first phase of the stack, or the previous layer's last). With `codes_next`, the last phase
 // also quantises ho for the layer after. The elementwise phases take rows in pieces (team.h):
 // heads for RoPE, 32-wide column groups for the rest. `buf`: 2 kmax + dh floats of this thread.
 void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float* x, float* xo, uint16_t* ho,
                   bool codes_next, int tid, int team, float* buf) {
-  const int64_t m = p.m, n = p.n, d = p.d, dh = p.dh, hq = p.hq, hk = p.hk, inter = p.inter;
+  const int64_t m = p.m, d = p.d, dh = p.dh, hq = p.hq, hk = p.hk, inter = p.inter;
   const Span rows = share(m, tid, team);  // the norms' phases: whole rows (a norm reads its row)
   char* kb = p.kbase + li * p.klayer;
   char* vb = p.vbase + li * p.vlayer;
   float* part = buf + p.kmax;  // a piece's values as float32, for its codes
   matmul(w.qkv, p.codes, m, p.qkv, tid, team);
   p.bar->wait();
-  row_pieces(m, hq + 2 * hk, tid, team, [&](int64_t r, int64_t h0, int64_t h1) {  // RoPE; K/V into the cache
-    const int64_t bi = r / n, t = r % n;
-    const Seq* sq = p.seqs ? &(*p.seqs)[bi] : nullptr;  // its own cache, position and RoPE row
-    const int64_t slot = (sq ? sq->end : p.end) - n + t, tab = (sq ? r : t) * dh;
-    const float *cr = p.cos + tab, *sr = p.sin + tab;
-    char* kdst = sq ? sq->kbase + li * sq->klayer : kb;
-    char* vdst = sq ? sq->vbase + li * sq->vlayer : vb;
-    const int64_t cb = sq ? 0 : bi;  // the batch entry in that cache
-    float* kv = buf + dh;
-    for (int64_t head = h0; head < h1; ++head) {
-      const uint16_t* src = p.qkv + r * w.qkv.out() + head * dh;
-      if (head < hq) {
-        evospec_rows::rope_head(src, p.q + ((bi * hq + head) * n + t) * dh, cr, sr, dh, false, nullptr, 0.0f, buf);
-        continue;
-      }
-      const bool value = head >= hq + hk;
-      const int64_t g = value ? head - hq - hk : head - hq;
-      evospec_rows::rope_head(src, kv, cr, sr, dh, value, nullptr, 0.0f, buf);
-      const evospec_attention::AttentionJobs& pa = sq ? sq->att : p.att;
-      const int64_t* st = value ? pa.vs : pa.ks;
-      put(value ? vdst : kdst, p.half, cb * st[0] + g * st[1] + slot * st[2], kv, dh);
-    }
-  });
+  row_pieces(m, hq + 2 * hk, tid, team,  // RoPE; K/V into the cache
+             [&](int64_t r, int64_t h0, int64_t h1) { rope_heads(p, w, li, r, h0, h1, buf); });
   p.bar->wait();
   if (p.seqs) {
     attend_seqs(*p.seqs, li, tid, team);
@@ -241,13 +259,7 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
   }
   p.bar->wait();
   row_pieces(m, hq * dh / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes(bf16(attention))
-    const int64_t bi = r / n, t = r % n, c0 = g0 * kGroup, c1 = g1 * kGroup;
-    for (int64_t head = c0 / dh; head * dh < c1; ++head) {  // heads side by side: the piece's columns
-      const float* src = p.attn + ((bi * hq + head) * n + t) * dh;
-      const int64_t lo = std::max(c0, head * dh), hi = std::min(c1, (head + 1) * dh);
-      for (int64_t c = lo; c < hi; ++c) part[c - c0] = bf16_to_f32(f32_to_bf16(src[c - head * dh]));
-    }
-    p.codes.groups(part, r, hq * dh, g0, g1);
+    attention_codes(p, r, g0, g1, part);
   });
   p.bar->wait();
   matmul(w.o, p.codes, m, p.o, tid, team);
