@@ -183,3 +183,6 @@ def test_a_config_tree_section_fixes_the_shape(tmp_path) -> None:
     assert not serve_config(build_parser().parse_args([*flags, "--depth", "2"])).tunes_tree  # flags win
     assert serve_config(build_parser().parse_args([*flags, "--jump-forward", "2"])).tunes_tree
     assert not ServeConfig(tree=TreeConfig(top_k=2)).tunes_tree  # in code: a shape unlike the defaults
+    path.write_text("method: frspec\ntune_tree: yes please\n")
+    with pytest.raises(ValueError, match="tune_tree"):
+        load_config(path)

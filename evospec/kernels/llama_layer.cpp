@@ -235,14 +235,13 @@ void attention_codes(const Plan& p, int64_t r, int64_t g0, int64_t g1, float* pa
 // Layer `li`'s phases on thread tid, from (x, h) to (xo, ho); the codes of h are ready (the
 // first phase of the stack, or the previous layer's last). With `codes_next`, the last phase
 // also quantises ho for the layer after. The elementwise phases take rows in pieces (team.h):
-// heads for RoPE, 32-wide column groups for the rest. `buf`: 2 kmax + dh floats of this thread.
+// heads for RoPE, 32-wide column groups for the rest. `buf`: kmax + dh floats of this thread.
 void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float* x, float* xo, uint16_t* ho,
                   bool codes_next, int tid, int team, float* buf) {
   const int64_t m = p.m, d = p.d, dh = p.dh, hq = p.hq, hk = p.hk, inter = p.inter;
   const Span rows = share(m, tid, team);  // the norms' phases: whole rows (a norm reads its row)
   char* kb = p.kbase + li * p.klayer;
   char* vb = p.vbase + li * p.vlayer;
-  float* part = buf + p.kmax;  // a piece's values as float32, for its codes
   matmul(w.qkv, p.codes, m, p.qkv, tid, team);
   p.bar->wait();
   row_pieces(m, hq + 2 * hk, tid, team,  // RoPE; K/V into the cache
@@ -259,7 +258,7 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
   }
   p.bar->wait();
   row_pieces(m, hq * dh / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes(bf16(attention))
-    attention_codes(p, r, g0, g1, part);
+    attention_codes(p, r, g0, g1, buf);
   });
   p.bar->wait();
   matmul(w.o, p.codes, m, p.o, tid, team);
@@ -278,8 +277,8 @@ void layer_phases(const Plan& p, const LayerWeights& w, int64_t li, const float*
     const int64_t c0 = g0 * kGroup, c1 = g1 * kGroup;
     const uint16_t* gu = p.gu + r * 2 * inter;
     evospec_rows::silu_mul_row(gu + c0, gu + inter + c0, p.act + r * inter + c0, c1 - c0);
-    to_f32(p.act + r * inter + c0, c1 - c0, part);
-    p.codes.groups(part, r, inter, g0, g1);
+    to_f32(p.act + r * inter + c0, c1 - c0, buf);
+    p.codes.groups(buf, r, inter, g0, g1);
   });
   p.bar->wait();
   matmul(w.down, p.codes, m, p.mlp, tid, team);
@@ -373,8 +372,7 @@ Plan make_plan(const std::vector<LayerWeights>& ws, int64_t first_layer, int64_t
   return p;
 }
 
-// A row buffer of this thread (OpenMP threads persist, so it is kept from call to call): 2 kmax
-// + dh floats for layer_phases.
+// A row buffer of this thread (OpenMP threads persist, so it is kept from call to call).
 float* row_buffer(int64_t floats) {
   thread_local std::vector<float> buf;
   if (buf.size() < static_cast<size_t>(floats)) buf.resize(floats);
@@ -399,7 +397,7 @@ void run_stack(const Plan& p, const std::vector<LayerWeights>& ws, Scratch& sc, 
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
 #pragma omp single
     p.bar->n = team;
-    float* buf = row_buffer(2 * p.kmax + dh);
+    float* buf = row_buffer(p.kmax + dh);  // one row as float32, and a K/V head
     row_pieces(m, d / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes(h) of the first layer
       to_f32(hp + r * d + g0 * kGroup, (g1 - g0) * kGroup, buf);
       p.codes.groups(buf, r, d, g0, g1);
@@ -514,7 +512,7 @@ at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
 #pragma omp single
     p.bar->n = team;
-    float* buf = row_buffer(2 * p.kmax + dh);
+    float* buf = row_buffer(p.kmax + dh);
     row_pieces(m, kin / kGroup, tid, team, [&](int64_t r, int64_t g0, int64_t g1) {  // codes([emb, feature])
       p.codes.groups(in + r * kin + g0 * kGroup, r, kin, g0, g1);
     });

@@ -153,10 +153,10 @@ class Attention(nn.Module):
             # a chain: row j sees the cache and rows 0..j, as the op's rows do; one call, the
             # bits of one call per row
             return torch.ops.evospec.decode_attention(q, keys, values, None, self.scale, self.window)
-        prefix, tree = keys.shape[2] - q.shape[2], None  # tree: the new slots' K/V, once moved
-        parts = []
+        prefix, tree, parts = 0, None, []  # tree: the new slots' K/V, kept aside once a row moves them
         for j, row in enumerate(rows):
             if row.index is not None and tree is None:
+                prefix = keys.shape[2] - q.shape[2]
                 tree = keys[:, :, prefix:].clone(), values[:, :, prefix:].clone()  # [B, H_kv, n, Dh]
             if tree is not None:  # the row's visible new slots right behind the prefix, in depth order
                 seen = row.index if row.index is not None else slice(0, j + 1)
