@@ -257,6 +257,11 @@ def run(args: argparse.Namespace) -> None:
     model = loaded.model
     where = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.machine()
     log(f"target {loaded.name} on {device} ({where})")
+    init = {"shipped": default_head(loaded.name), "none": None}.get(args.init, args.init)
+    if args.init == "shipped" and init is None:  # before minutes of generation, not after
+        raise SystemExit(f"--init shipped: no head ships for {loaded.name} (give a folder, or none)")
+    if init is not None and not Path(init).is_dir():
+        raise SystemExit(f"--init {init}: no such head folder")
     mix = np.load(args.mix)
     rng = random.Random(args.seed)
     info: dict = {"command": "scripts/onthefly_head.py " + " ".join(sys.argv[1:])}
@@ -285,9 +290,6 @@ def run(args: argparse.Namespace) -> None:
         have += len(a)
     seqs += taught
     log(f"training on {len(seqs)} sequences ({have} teacher-forced answer tokens)")
-    init = {"shipped": default_head(loaded.name), "none": None}.get(args.init, args.init)
-    if args.init == "shipped" and init is None:
-        raise SystemExit(f"--init shipped: no head ships for {loaded.name} (give a folder, or none)")
     head = load_eagle(init, device=device).attach(model) if init else new_eagle_for(model)
     if args.widen_mlp:  # grown silent: it drafts as --init does until training uses the new units
         head = widen_mlp(head, args.widen_mlp)
