@@ -55,6 +55,15 @@ Projection = Callable[[torch.Tensor], torch.Tensor]  # hidden [n, D] -> logits [
 Chooser = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
+def top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [n, k], columns [n, k]) of the k largest per row: ``torch.topk``, or for k = 1 a
+    row max (a third of topk's time over a 12k-column row; a chain drafts with k = 1)."""
+    if k == 1:
+        return logp.max(dim=-1, keepdim=True)
+    top = torch.topk(logp, k, dim=-1)
+    return top.values, top.indices
+
+
 @dataclass
 class HeadTimings:
     """Wall time spent in the reduced head since the last :meth:`ReducedHead.take_timings`."""
@@ -89,8 +98,8 @@ class FullHead:
         if choose is not None:
             out = choose(logp, self.row_ids)
         else:
-            top = torch.topk(logp, k, dim=-1)
-            out = top.values, top.indices if self.row_ids is None else self.row_ids[top.indices]  # target ids
+            values, cols = top_k(logp, k)
+            out = values, cols if self.row_ids is None else self.row_ids[cols]  # target ids
         self.timings.lm_head_s += time.perf_counter() - t0
         return out
 
@@ -237,14 +246,13 @@ class ReducedHead:
         """
         t0 = time.perf_counter()
         self._wait_staged()  # a staged load: the compute stream waits here, not earlier
-        logits = self._project(hidden).float()
-        logits = logits + self.bias  # [n, C]
-        logp = torch.log_softmax(logits, dim=-1)
+        logits = self._project(hidden).float()  # [n, C] a fresh tensor (or a view of one)
+        logp = torch.log_softmax(logits.add_(self.bias), dim=-1)
         if choose is not None:
             out = choose(logp, self.slot_ids)
         else:
-            top = torch.topk(logp, min(k, self.size), dim=-1)
-            out = top.values, self.slot_ids[top.indices]  # [n, k'] absolute target ids
+            values, cols = top_k(logp, min(k, self.size))
+            out = values, self.slot_ids[cols]  # [n, k'] absolute target ids
         self.timings.lm_head_s += time.perf_counter() - t0
         return out
 
