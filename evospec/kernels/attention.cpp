@@ -34,6 +34,9 @@
 // rows' outputs -- or they spill on every multiply-add (12-24% off 2-4-row attention on a Zen 3,
 // wave 29; 9-31% more since wave 31, when each key load began to serve up to four rows' scores
 // and f16 keys and values to be converted as they are loaded, not shared through a buffer).
+// With AVX-512 the same holds since wave 42: each key is loaded (converted) once for up to four
+// rows whose queries stay in registers, where each row read a converted copy of the block before
+// (attention of a 2-row verify 0.70-0.82x the time, a step's 0.81-0.96x; docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <ATen/ATen.h>
@@ -47,7 +50,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
@@ -89,11 +91,10 @@ inline V splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 
 #define EVOSPEC_ATTENTION_YMM 1  // score_rows and weigh_groups below: blocked for 16 ymm registers
-// An f16 cache's keys and values are converted as each row loads them: converting a block once
-// into a float32 buffer for its rows to share costs an extra 256-bit store and reload per 8
-// lanes, which on a Zen 3 took more than the conversions it saved (2-row and longer blocks,
-// 5-20% of the op; wave 31). kShareKeys above kMaxRows: never.
-constexpr int kShareKeys = kMaxRows + 1;
+// An f16 cache's keys and values are converted as each group of rows loads them: converting a
+// block once into a float32 buffer for all its rows to share costs an extra 256-bit store and
+// reload per 8 lanes, which on a Zen 3 took more than the conversions it saved (2-row and
+// longer blocks, 5-20% of the op; wave 31).
 
 // Keys 8p..8p+7 of reduce16 after its first level, c[j] = lanes (l, l + 8) of key j added: the
 // same tree (below) by in-lane shuffles.
@@ -167,7 +168,6 @@ inline V fma(V a, V b, V c) {
   return v;
 }
 
-constexpr int kShareKeys = 3;  // rows from which an f16 block's keys are converted once (score_block)
 
 // Lane j: the sum of a[j]'s 16 lanes by the tree (l, l + 8), (l, l + 4), (l, l + 2), (0, 1),
 // formed for the 16 vectors at once by shuffles and adds: each key's sum is the same bits
@@ -203,13 +203,6 @@ inline float max16(V x) {  // exact in any order
   float m = a[0];
   for (int l = 1; l < kW; ++l) m = a[l] > m ? a[l] : m;
   return m;
-}
-
-// Key t as float32: a pointer into the cache, or (f16 caches) into `buf`, converted.
-inline const float* key_row(const float* kb, int64_t ks, int64_t t, int64_t, float*) { return kb + t * ks; }
-inline const float* key_row(const uint16_t* kb, int64_t ks, int64_t t, int64_t dh, float* buf) {
-  for (int64_t d = 0; d < dh; d += kW) store(buf + d, load(kb + t * ks + d));
-  return buf;
 }
 
 // The rows one call of attend() computes: query heads of one KV head (and chain rows), each
@@ -264,43 +257,71 @@ void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, in
   }
 }
 #else
-// a[j] = the 16 lane sums of q * k_j over the head (lane l takes d = l mod 16, in d order) for
-// the NK keys kp[j] (K: float or float16 elements).
-template <int NK, typename K>
-inline void lane_sums(const float* q, const K* const* kp, int64_t dh, V* a) {
-  const V q0 = load(q);
-  for (int j = 0; j < NK; ++j) a[j] = q0 * load(kp[j]);
-  for (int64_t d = kW; d < dh; d += kW) {
-    const V qd = load(q + d);
-    for (int j = 0; j < NK; ++j) a[j] = fma(qd, load(kp[j] + d), a[j]);
+// score_rows for rows [r0, r0 + NR): each key's 16-lane chunks are loaded (an f16 key's
+// converted) once for the NR rows, whose queries stay in registers where the head is DC chunks
+// (DC = 0: any head size, the query chunks loaded as they are used). The same products and sums,
+// in the same order, as one row at a time: lane l of row r and key j is q_r[l] k_j[l], then
+// fused multiply-adds in d order; reduce16's tree over each row's 16 keys.
+template <int NR, int DC, typename K>
+void score_group(const Rows& rows, int r0, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale,
+                 float* score, int64_t stride) {
+  const int64_t chunks = DC > 0 ? DC : dh / kW;
+  V qv[NR][DC > 0 ? DC : 1];
+  if constexpr (DC > 0)
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < DC; ++c) qv[r][c] = load(rows.q[r0 + r] + c * kW);
+  const auto q = [&](int r, int64_t c) -> V {
+    if constexpr (DC > 0) return qv[r][c];
+    return load(rows.q[r0 + r] + c * kW);
+  };
+  V sums[NR][kW];  // lane sums per row and key
+  for (int j = 0; j < kW; ++j) {
+    V a[NR];
+    const V k0 = load(kp[j]);
+    for (int r = 0; r < NR; ++r) a[r] = q(r, 0) * k0;
+    for (int64_t c = 1; c < chunks; ++c) {
+      const V kc = load(kp[j] + c * kW);
+      for (int r = 0; r < NR; ++r) a[r] = fma(q(r, c), kc, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) sums[r][j] = a[r];
+  }
+  for (int r = 0; r < NR; ++r) store(score + (r0 + r) * stride + (tb - t0), scale * reduce16(sums[r]));
+}
+
+constexpr int kKeyRows = 4;  // rows sharing each key load: their queries (a 64-wide head) in 16 zmm
+
+template <int DC, typename K>
+void score_groups(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
+                  int64_t stride) {
+  for (int r0 = 0; r0 < rows.nr; r0 += kKeyRows) {
+    switch (std::min(kKeyRows, rows.nr - r0)) {
+      case 1: score_group<1, DC>(rows, r0, kp, tb, t0, dh, scale, score, stride); break;
+      case 2: score_group<2, DC>(rows, r0, kp, tb, t0, dh, scale, score, stride); break;
+      case 3: score_group<3, DC>(rows, r0, kp, tb, t0, dh, scale, score, stride); break;
+      default: score_group<4, DC>(rows, r0, kp, tb, t0, dh, scale, score, stride);
+    }
   }
 }
 
-// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j}.
+// score[r][t - t0] = scale * dot(q_r, k_t) for the 16 keys kp[j] = k_{tb + j}, up to kKeyRows
+// rows sharing each key's loads (and an f16 key's conversion).
 template <typename K>
 void score_rows(const Rows& rows, const K* const* kp, int64_t tb, int64_t t0, int64_t dh, V scale, float* score,
                 int64_t stride) {
-  for (int r = 0; r < rows.nr; ++r) {
-    V a[kW];
-    lane_sums<kW>(rows.q[r], kp, dh, a);
-    store(score + r * stride + (tb - t0), scale * reduce16(a));
-  }
+  if (dh == 4 * kW)
+    score_groups<4>(rows, kp, tb, t0, dh, scale, score, stride);
+  else
+    score_groups<0>(rows, kp, tb, t0, dh, scale, score, stride);
 }
 #endif
 
-// score_rows for the 16 keys from tb (keys past `end`: zeros). An f16 cache's keys are
-// converted once into `kbuf` where kShareKeys or more rows share them, else as each row loads
-// them.
+// score_rows for the 16 keys from tb (keys past `end`: zeros), read from the cache as they lie
+// (an f16 key converted by each group of rows that loads it).
 template <typename T>
 void score_block(const Rows& rows, const T* kb, int64_t ks, int64_t tb, int64_t end, int64_t t0, int64_t dh,
-                 V scale, float* score, int64_t stride, float* kbuf, const float* zeros, const T* zeros_t) {
-  if (std::is_same_v<T, float> || rows.nr >= kShareKeys) {
-    const float* kp[kW];
-    for (int j = 0; j < kW; ++j) kp[j] = tb + j < end ? key_row(kb, ks, tb + j, dh, kbuf + j * dh) : zeros;
-    return score_rows(rows, kp, tb, t0, dh, scale, score, stride);
-  }
+                 V scale, float* score, int64_t stride, const T* zeros) {
   const T* kp[kW];
-  for (int j = 0; j < kW; ++j) kp[j] = tb + j < end ? kb + (tb + j) * ks : zeros_t;
+  for (int j = 0; j < kW; ++j) kp[j] = tb + j < end ? kb + (tb + j) * ks : zeros;
   score_rows(rows, kp, tb, t0, dh, scale, score, stride);
 }
 
@@ -421,13 +442,12 @@ void weigh_rows(const Rows& rows, const T* vb, int64_t vs, int64_t t0, int64_t e
 // Attention of `rows` over one KV head's keys kb / values vb (rows `ks` / `vs` apart) from t0.
 template <typename T>
 void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, int64_t t0, const bool* mask,
-            float scale, int64_t dh, float* score, int64_t stride, float* kbuf, const float* zeros,
-            const T* zeros_t) {
+            float scale, int64_t dh, float* score, int64_t stride, const T* zeros) {
   int64_t end = 0;
   for (int r = 0; r < rows.nr; ++r) end = std::max(end, rows.keys[r]);
   const V sc = splat(scale);
   for (int64_t tb = t0; tb < end; tb += kW)
-    score_block(rows, kb, ks, tb, end, t0, dh, sc, score, stride, kbuf, zeros, zeros_t);
+    score_block(rows, kb, ks, tb, end, t0, dh, sc, score, stride, zeros);
   float inv[kMaxRows];
   for (int r = 0; r < rows.nr; ++r)
     inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask);
@@ -436,7 +456,7 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
 
 // One job: the rows of block `job` (batch row, KV head, row block) over that head's keys.
 template <typename T>
-void run_job(const AttentionJobs& a, int64_t job, float* score, float* kbuf, const float* zeros, const T* zeros_t) {
+void run_job(const AttentionJobs& a, int64_t job, float* score, const T* zeros) {
   const T* kp = static_cast<const T*>(a.keys);
   const T* vp = static_cast<const T*>(a.values);
   const int64_t group = a.h / a.hk, per_kv = group * a.n;
@@ -461,23 +481,18 @@ void run_job(const AttentionJobs& a, int64_t job, float* score, float* kbuf, con
     t0 = std::max(t0, lo / kW * kW);
   }
   attend<T>(rows, kp + bi * a.ks[0] + kv * a.ks[1], a.ks[2], vp + bi * a.vs[0] + kv * a.vs[1], a.vs[2], t0, mr,
-            a.scale, a.dh, score, a.stride, kbuf, zeros, zeros_t);
+            a.scale, a.dh, score, a.stride, zeros);
 }
 
 template <typename T>
 void run_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
-  // Per-thread scratch kept across calls (a step calls this once per layer): scores and
-  // converted keys are written before they are read; the zero rows only ever grow, with zeros.
-  thread_local std::vector<float> score, kbuf, zeros;
-  thread_local std::vector<T> zeros_t;  // +0 in either format
+  // Per-thread scratch kept across calls (a step calls this once per layer): scores are written
+  // before they are read; the zero key (past a block's last) only ever grows, with zeros.
+  thread_local std::vector<float> score;
+  thread_local std::vector<T> zeros;  // +0 in either format
   if (score.size() < static_cast<size_t>(a.rb * a.stride)) score.resize(a.rb * a.stride);
-  if (kbuf.size() < static_cast<size_t>(kW * a.dh)) kbuf.resize(kW * a.dh);  // a block's 16 keys, converted
-  if (zeros.size() < static_cast<size_t>(a.dh)) {
-    zeros.resize(a.dh, 0.0f);
-    zeros_t.resize(a.dh, T{0});
-  }
-  for (int64_t job = first; job < last; ++job)
-    run_job<T>(a, job, score.data(), kbuf.data(), zeros.data(), zeros_t.data());
+  if (zeros.size() < static_cast<size_t>(a.dh)) zeros.resize(a.dh, T{0});
+  for (int64_t job = first; job < last; ++job) run_job<T>(a, job, score.data(), zeros.data());
 }
 
 }  // namespace

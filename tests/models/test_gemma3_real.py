@@ -123,18 +123,20 @@ def gemma_int4() -> LoadedModel:
 def test_int4_on_the_fused_ops_tracks_the_eager_int4_path_past_the_window(gemma_int4: LoadedModel) -> None:
     """The fused Gemma layers (windowed attention op, recorded steps) against the same int4
     weights run op by op with the eager masks: 640 real tokens, past the 512-token window.
-    Measured: top-1 agreement 0.966 (0.977 past the window), the disagreements at near ties
-    (top-2 margins 0.01-0.4 against a median of 0.88); int4 and fp32 agree on 0.72 here."""
+    Measured: top-1 agreement 0.966 (0.977 past the window) when written (wave 15), the
+    disagreements at near ties (top-2 margins 0.01-0.4 against a median of 0.88); int4 and fp32
+    agree on 0.72 here. At wave 42 (and at wave 41's HEAD): 608 of 640 (0.950), 0.969 past the
+    window -- at the bound, so the bound is checked in whole tokens, not a float32 mean."""
     fused = gemma_int4.model
     assert fused.fused_ops and fused.step_graph is not None
     eager = load_model("gemma3-270m", progress=False, weights="int4", fused_ops=False).model
     assert not eager.fused_ops and eager.step_graph is None
     ids = _long_prompt(gemma_int4, 640)
     ref, ours = full_forward(eager, ids), full_forward(fused, ids)
-    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    past = (ours[:, 512:].argmax(-1) == ref[:, 512:].argmax(-1)).float().mean().item()
-    print(f"\nfused vs eager int4 over 640 tokens: top-1 agreement {agree:.4f}, past the window {past:.4f}")
-    assert agree >= 0.95 and past >= 0.95
+    same = ours.argmax(-1) == ref.argmax(-1)  # [1, 640]
+    agree, past = int(same.sum()), int(same[:, 512:].sum())
+    print(f"\nfused vs eager int4, 640 tokens: top-1 agreement {agree} / 640, past the window {past} / 128")
+    assert 100 * agree >= 95 * 640 and 100 * past >= 95 * 128
 
 
 def test_int4_fused_chain_past_the_window_verifies_bitwise_as_steps(gemma_int4: LoadedModel) -> None:
