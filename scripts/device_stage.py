@@ -123,19 +123,11 @@ def unbundle(data: bytes, out: Path) -> list[str]:
 def model_folder(job: Path, gguf: Path) -> Path:
     """``job/model``: the GGUF's config and fp32 weights (this repository's reader) beside the
     tokenizer files that travelled with it."""
-    from safetensors.torch import save_file
-
-    from evospec.models.gguf_loader import read_gguf
+    from evospec.models.registry import convert_gguf_weights
 
     folder = job / "model"
     folder.mkdir(exist_ok=True)
-    cfg, state = read_gguf(gguf, progress=False)
-    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    save_file(
-        {k: v.contiguous() for k, v in state.items()},
-        str(folder / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    convert_gguf_weights(gguf, folder, progress=False)
     for name in TOKENIZER_FILES:
         if (job / name).is_file():
             shutil.move(str(job / name), folder / name)

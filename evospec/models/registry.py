@@ -252,7 +252,9 @@ def _join_parts(parts: list[Path], out: Path, progress: bool) -> Path:
     return out
 
 
-def _convert_gguf(gguf_path: Path, out: Path, progress: bool) -> None:
+def convert_gguf_weights(gguf_path: Path, out: Path, progress: bool = True) -> None:
+    """``out/config.json`` and ``out/model.safetensors`` (fp32) from a GGUF, by this package's
+    reader: a model folder's weights (its tokenizer files come from elsewhere)."""
     from safetensors.torch import save_file
 
     from evospec.models.gguf_loader import read_gguf
@@ -264,6 +266,10 @@ def _convert_gguf(gguf_path: Path, out: Path, progress: bool) -> None:
         str(out / "model.safetensors"),
         metadata={"format": "pt"},
     )
+
+
+def _convert_gguf(gguf_path: Path, out: Path, progress: bool) -> None:
+    convert_gguf_weights(gguf_path, out, progress)
     from transformers import AutoTokenizer  # conversion only: reads the GGUF tokenizer
 
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
