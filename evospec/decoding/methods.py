@@ -305,7 +305,9 @@ def _build_decoder(
         )
     weight = model.lm_head.weight
     policy = _policy(spec, model, vocab, indices, weight.device)
-    active = ActiveVocab(policy, weight, always_ids=eos_ids, project=projection(model.lm_head))
+    # an int4 draft projects its reduced LM head through 4-bit rows too (vocab/head.py: _SlotTiles4)
+    int4 = spec.adapt is None and draft_format(model, draft_weights, draft) == "int4"
+    active = ActiveVocab(policy, weight, always_ids=eos_ids, project=projection(model.lm_head), int4=int4)
     adapter = None
     if spec.adapt is not None:
         draft = clone_head(draft)  # its weights will move: never share them with another decoder

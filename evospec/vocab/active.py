@@ -127,6 +127,7 @@ class ActiveVocab:
         prefill_project: Projection | None = None,
         row_ids: torch.Tensor | None = None,
         vocab_size: int | None = None,
+        int4: bool = False,
     ) -> None:
         """``lm_head`` is the draft's LM head ([V, D]: the target's for EAGLE-2, an EAGLE-3
         head's own); ``project`` maps [n, D] draft features to its logits (default
@@ -134,7 +135,8 @@ class ActiveVocab:
         its packed copy). ``prefill_project``: the target's projection, for the prompt's top ids
         (default ``project``: the same head). ``row_ids`` [V_d]: the target id of each row of a
         reduced draft vocabulary (EAGLE-3 ``d2t``; only without a policy), ``vocab_size`` then
-        the target's vocabulary."""
+        the target's vocabulary. ``int4``: a reduced head over int8 LM-head rows projects them
+        rounded to 4-bit groups (an int4 draft's; ``vocab/head.py``)."""
         vocab = lm_head.shape[0] if row_ids is None else int(vocab_size)
         if row_ids is not None and policy is not None:
             raise ValueError(
@@ -157,7 +159,8 @@ class ActiveVocab:
                 lm_head, policy.selector, policy.candidates, always=self.always, int8=int8
             )
         else:
-            self.head = ReducedHead(lm_head, policy.capacity + int(self.always.sum()), int8=int8)
+            capacity = policy.capacity + int(self.always.sum())
+            self.head = ReducedHead(lm_head, capacity, int8=int8, int4=int4)
         self._round = 0
         self._stale = False  # the active set must be reloaded before the next head call
         self._mask = torch.ones(vocab, dtype=torch.bool, device=lm_head.device)  # [V] this round's set

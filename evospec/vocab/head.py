@@ -15,7 +15,9 @@ Row formats: the LM head's own dtype (fp32; packed in oneDNN blocks on the CPU f
 int8 codes and per-row scales gathered as they are: the projection reads a quarter of the
 bytes and gives those ids' int8 logits (through torch's int8 kernel, bf16 activations: the
 target's own head may run the VNNI kernel, ``kernels/int8_matmul.py``, and round otherwise;
-a draft's logits only shape proposals, never the output).
+a draft's logits only shape proposals, never the output). An int4 draft (``--draft-weights
+int4``, the default on the fused CPU ops) projects those rows rounded to 4-bit groups through the
+int4 kernel instead: 4.4 of the 7.1 MB a 12,288-slot projection reads (``_SlotTiles4``).
 
 Two ways to load a set. :meth:`ReducedHead.set_active` plans on the host (``nonzero``) and
 copies the rows at once. :meth:`ReducedHead.stage` (the GPU path) plans with fixed-shape
@@ -120,6 +122,7 @@ class ReducedHead:
         pack_min_rows: int | None = None,  # default PACK_MIN_ROWS
         pack_block: int | None = None,  # default PACK_BLOCK
         int8: Int8Matmul | None = None,  # the target LM head's int8 codes: gather those rows instead
+        int4: bool = False,  # with int8: project through 4-bit tiles of those rows (an int4 draft)
     ) -> None:
         vocab, dim = weight.shape
         if capacity < 1:
@@ -135,8 +138,12 @@ class ReducedHead:
             if int8 is not None
             else None
         )
-        # the VNNI int8 kernel's tiles of the same codes, where the target's head runs that kernel
-        self.tiles = _SlotTiles(self.capacity, dim) if int8 is not None and int8.kernel == "vnni" else None
+        # the VNNI kernel's tiles of the same rows, where the target's head runs that kernel: its
+        # int8 codes as they are, or (``int4``) rounded to 4-bit groups as the draft's layer is
+        vnni = int8 is not None and int8.kernel == "vnni"
+        self.tiles = None
+        if vnni:
+            self.tiles = _SlotTiles4(self.rows) if int4 else _SlotTiles(self.capacity, dim)
         self.slot_ids = torch.full((self.capacity,), FREE, dtype=torch.long, device=weight.device)  # [C]
         self.slot_of = torch.full((vocab,), FREE, dtype=torch.long, device=weight.device)  # [V]
         self.bias = torch.full((self.capacity,), float("-inf"), dtype=torch.float32, device=weight.device)
@@ -296,6 +303,46 @@ class _SlotTiles:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C] float32
         out = torch.ops.evospec.int8_matmul(hidden.float(), self.packed, self.scale)
         return out[:, : self.capacity]
+
+
+class _SlotTiles4:
+    """The active slots' rows in the int4 kernel's tile layout (``kernels/int4_matmul.py``: 16
+    output rows x 32 inputs per block, a scale and zero per row and group), rounded from the
+    slots' int8 rows by Q4_1's rule: the reduced head of an int4 draft (``--draft-weights int4``)
+    reads 4.4 MB a projection instead of 7.1 (frspec's 12,288 slots), cold after every target
+    step on a CPU whose L3 the target's weights stream through. A set change repacks the 16-slot
+    tiles its new slots fall in, from the head's row-major int8 buffer ``rows`` (shared, written
+    before :meth:`write`). Its logits are the 4-bit rows', not the target's for those ids: a
+    draft's numbers only shape proposals."""
+
+    def __init__(self, rows: torch.Tensor) -> None:  # rows: the head's [C, D] int8 slot buffer
+        from evospec.kernels.int4_matmul import GROUP, TILE, pack_int4
+
+        self.rows = rows
+        self.capacity, dim = rows.shape
+        self.scale = torch.zeros(self.capacity)  # [C] float32, each slot's int8 scale
+        padded = -(-self.capacity // TILE) * TILE  # whole tiles; pad slots hold zeros
+        zeros = torch.zeros(padded, dim // GROUP)
+        empty = torch.zeros(padded, dim, dtype=torch.uint8)
+        self.packed = pack_int4(empty, zeros, zeros)  # [C16/16, D/32, 320]
+
+    def write(self, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """Slots [a] took ``codes`` int8 [a, D] (already in the shared buffer) and ``scale``
+        float32 [a]: repack the tiles they fall in."""
+        from evospec.kernels.int4_matmul import TILE, pack_int4
+        from evospec.models.quant import GroupCodes
+
+        self.scale[slots] = scale
+        tiles = torch.unique(slots // TILE)  # [u]
+        idx = (tiles[:, None] * TILE + torch.arange(TILE)).flatten()  # [u * 16] slots, pads past C
+        real = idx < self.capacity
+        safe = idx.clamp(max=self.capacity - 1)
+        w = self.rows[safe].float() * (self.scale[safe] * real)[:, None]  # [u * 16, D]
+        codes = GroupCodes.from_float(w)
+        self.packed[tiles] = pack_int4(codes.codes, codes.scale, codes.zero - 8 * codes.scale)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, D] -> [n, C] float32
+        return torch.ops.evospec.int4_matmul(hidden.float(), self.packed)[:, : self.capacity]
 
 
 class TwoStageHead:

@@ -173,15 +173,21 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
         for n in ("eagle2", "frspec")
     ]
     int8 = make_decoder("eagle2", target, draft=draft, draft_weights="int8")
+    int8_fr = make_decoder(
+        "frspec", target, draft=draft, draft_weights="int8", vocab=SMALL, indices=stand_in_indices(target)
+    )
     try:
         heads = [d.drafter.head for d in decs]
         assert heads[0] is heads[1] and heads[0].fused_step and not draft.fused_step
         assert _formats(heads[0]) == {"int4"} and _formats(int8.drafter.head) == {"int8"}
+        # the int4 draft's reduced LM head projects 4-bit rows; an int8 draft's, the target's codes
+        tiles = [type(d.vocab.head.tiles).__name__ for d in (decs[1], int8_fr)]
+        assert tiles == ["_SlotTiles4", "_SlotTiles"]
         params = SamplingParams(max_new_tokens=24)
         for seed, length in ((0, 6), (1, 7), (2, 40)):  # 40: a prompt catch-up past the recorded chains
             prompt = prompt_of(seed, length)
             want = ar_tokens(target, prompt, params)
-            for dec in (*decs, int8):
+            for dec in (*decs, int8, int8_fr):
                 assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
         assert 40 in rows_run  # the long prompt's catch-up (past the recorded chains) ran as one op
         # a catch-up of more pairs than a recorded chain holds, behind a filled cache: one op too
@@ -193,7 +199,7 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
         drafter.catch_up(feats[5:], torch.arange(20))
         assert rows_run == [20] and drafter.cache.length == 25
     finally:
-        for d in (*decs, int8):
+        for d in (*decs, int8, int8_fr):
             d.close()
 
 

@@ -118,6 +118,42 @@ def test_int8_rows_give_the_target_heads_int8_logits_and_gather_incrementally():
     assert sorted(head.active_mask().nonzero().flatten().tolist()) == [1, 260]
 
 
+def test_int4_slots_give_each_id_its_own_4bit_rows_logits_through_set_changes():
+    """An int4 draft's reduced head rounds its slots' int8 rows to 4-bit groups: each active id's
+    logit is bitwise that of a head holding the id in another slot (a row's codes and its
+    output depend on that row alone, whatever else shares its tile), close to the int8 head's,
+    and a set change repacks only the tiles its new slots fall in."""
+    from evospec.kernels.int4_matmul import vnni_available
+    from evospec.models.quant import Int8Matmul
+
+    if not vnni_available():
+        pytest.skip("no int8-activation kernels (AVX2 or later) on this CPU")
+    torch.manual_seed(3)
+    weight = torch.randn(320, 64)
+    int8 = Int8Matmul(weight, None, [320])
+    head = ReducedHead(weight, capacity=40, int8=int8, int4=True)  # 3 tiles, the last one partly used
+    exact = ReducedHead(weight, capacity=40, int8=int8)
+    assert type(head.tiles).__name__ == "_SlotTiles4" and type(exact.tiles).__name__ == "_SlotTiles"
+    hidden = torch.randn(3, 64)
+    for active in ([5, 17, 80, 81, 319], [5, 80, 120, 121, 122, 200], list(range(280, 320))):
+        before = head.tiles.packed.clone()
+        head.set_active(_mask(active, vocab=320))
+        exact.set_active(_mask(active, vocab=320))
+        fresh = ReducedHead(weight, capacity=40, int8=int8, int4=True)
+        fresh.set_active(_mask(active, vocab=320))  # slots in id order
+        slots, fresh_slots = head.slot_of[torch.tensor(active)], fresh.slot_of[torch.tensor(active)]
+        logits = head._project(hidden)  # [3, 40]
+        assert logits.shape == (3, 40)
+        assert torch.equal(logits[:, slots], fresh._project(hidden)[:, fresh_slots])
+        ref = exact._project(hidden)[:, exact.slot_of[torch.tensor(active)]]
+        assert (logits[:, slots] - ref).abs().max() < 0.1 * ref.abs().max()
+        touched = torch.unique(head.slot_of[torch.tensor(active)] // 16)
+        unchanged = [t for t in range(3) if t not in touched.tolist()]
+        assert all(torch.equal(head.tiles.packed[t], before[t]) for t in unchanged)
+        _, ids = head(hidden, 3)
+        assert set(ids.flatten().tolist()) <= set(active)
+
+
 def test_int8_slots_in_vnni_tiles_give_the_full_heads_logits_bit_for_bit():
     """Where the target's int8 head runs the VNNI kernel, the reduced head keeps its slots in
     that kernel's tiles: each active id's logit is bitwise the full head's, through set changes
