@@ -136,7 +136,8 @@ class ActiveVocab:
         (default ``project``: the same head). ``row_ids`` [V_d]: the target id of each row of a
         reduced draft vocabulary (EAGLE-3 ``d2t``; only without a policy), ``vocab_size`` then
         the target's vocabulary. ``int4``: a reduced head over int8 LM-head rows projects them
-        rounded to 4-bit groups (an int4 draft's; ``vocab/head.py``)."""
+        rounded to 4-bit groups (an int4 draft's; ``vocab/head.py``) where the policy is steady:
+        a set change repacks whole tiles (~0.2 ms more for a few ids), too dear every round."""
         vocab = lm_head.shape[0] if row_ids is None else int(vocab_size)
         if row_ids is not None and policy is not None:
             raise ValueError(
@@ -160,7 +161,7 @@ class ActiveVocab:
             )
         else:
             capacity = policy.capacity + int(self.always.sum())
-            self.head = ReducedHead(lm_head, capacity, int8=int8, int4=int4)
+            self.head = ReducedHead(lm_head, capacity, int8=int8, int4=int4 and policy.steady)
         self._round = 0
         self._stale = False  # the active set must be reloaded before the next head call
         self._mask = torch.ones(vocab, dtype=torch.bool, device=lm_head.device)  # [V] this round's set

@@ -16,8 +16,9 @@ int8 codes and per-row scales gathered as they are: the projection reads a quart
 bytes and gives those ids' int8 logits (through torch's int8 kernel, bf16 activations: the
 target's own head may run the VNNI kernel, ``kernels/int8_matmul.py``, and round otherwise;
 a draft's logits only shape proposals, never the output). An int4 draft (``--draft-weights
-int4``, the default on the fused CPU ops) projects those rows rounded to 4-bit groups through the
-int4 kernel instead: 4.4 of the 7.1 MB a 12,288-slot projection reads (``_SlotTiles4``).
+int4``, the default on the fused CPU ops) with a steady policy (its set changes rarely) projects
+those rows rounded to 4-bit groups through the int4 kernel instead: 4.4 of the 7.1 MB a
+12,288-slot projection reads (``_SlotTiles4``; a change repacks whole tiles).
 
 Two ways to load a set. :meth:`ReducedHead.set_active` plans on the host (``nonzero``) and
 copies the rows at once. :meth:`ReducedHead.stage` (the GPU path) plans with fixed-shape

@@ -72,6 +72,9 @@ class VocabPolicy(Protocol):
     capacity: int  # most ids the policy ever makes active (sizes the reduced head)
     prefill_top_k: int  # top-K ids per prompt position the policy wants at prefill (0 = none)
     observes: bool  # learns from rounds (False: no feedback is built for it, no logits gathered)
+    # its set changes rarely (a fixed table; an ARC buffer filled on OOV events), not every round:
+    # a head may keep its slots in a layout that costs a repack per change (head.py: _SlotTiles4)
+    steady: bool
 
     def start(
         self, prompt: torch.Tensor, prefill_top: torch.Tensor | None, last_hidden: torch.Tensor | None = None
@@ -128,6 +131,7 @@ class StatelessPolicy:
 
     name: str
     observes = True
+    steady = False  # a window or router picks ids every round
 
     def take_stats(self) -> PolicyStats:
         return PolicyStats()
@@ -150,6 +154,7 @@ class StaticVocab(StatelessPolicy):
 
     prefill_top_k = 0
     observes = False  # a fixed table
+    steady = True
 
     def __init__(self, top_ids: np.ndarray | list[int], vocab_size: int, device="cpu", name: str = "frspec"):
         self.name = name
@@ -319,6 +324,7 @@ class EvoSpecVocab:
     name = "evospec"
     prefill_top_k = 0
     observes = True  # the bonus row's top ids seed its retrieval
+    steady = True  # the core is fixed; ARC admits up to arc_max_insert ids per OOV event
 
     def __init__(
         self,
@@ -369,6 +375,7 @@ class NanoSpecEvoVocab:
 
     name = "nanospec+evospec"
     observes = True  # the verified path's top ids grow its window, the bonus row's seed retrieval
+    steady = False  # its window changes every round
 
     def __init__(
         self,
