@@ -141,6 +141,10 @@ def pack_files(model: str, mix: Path, wheel: Path | None, work: Path) -> dict[st
 
     from evospec.models.registry import REGISTRY, ensure_converted, package_files
 
+    if model not in REGISTRY:
+        raise SystemExit(f"--model {model!r}: not a registered model ({', '.join(sorted(REGISTRY))})")
+    if not mix.is_file():
+        raise SystemExit(f"--mix {mix}: no such file (onthefly_head.py prepare writes it)")
     entry = REGISTRY[model]
     parts = package_files(entry)
     if len(parts) != 1:

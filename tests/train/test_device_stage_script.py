@@ -99,3 +99,10 @@ def test_the_model_folder_loads_as_the_gguf_it_came_from(tmp_path: Path) -> None
     torch.testing.assert_close(
         full_forward(loaded.model, ids), full_forward(pair.ours, ids), rtol=1e-4, atol=1e-4
     )
+
+
+def test_pack_names_a_missing_mix_or_an_unknown_model(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no such file"):
+        stage.pack_files("smollm2-135m-instruct", tmp_path / "none.npz", None, tmp_path)
+    with pytest.raises(SystemExit, match="not a registered model"):
+        stage.pack_files("no-such-model", tmp_path / "none.npz", None, tmp_path)
