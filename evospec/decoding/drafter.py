@@ -24,6 +24,7 @@ import torch
 
 from evospec.models.draft_step import draft_graph_for, on_cpu, supports_draft_graph
 from evospec.models.eagle import EagleHead
+from evospec.models.fused import draft_ids_apply, run_fused_draft_ids
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
 from evospec.models.transformer import Transformer
@@ -74,14 +75,15 @@ class _TreeDrafterBase:
         self,
         features: torch.Tensor,
         tokens: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | int,
         mask: torch.Tensor | None,
         causal: bool = False,
     ) -> torch.Tensor:
         """Forward n inputs ([n, D] features, [n] tokens) into the cache; return [n, D].
-        ``causal``: each input sees the cache and the inputs before it (``mask`` None: an eager
-        layer that needs that spelled out takes :meth:`_causal_mask`; a recorded or fused step
-        attends so by itself)."""
+        ``positions``: [n], or (``causal``) the first of n consecutive ones. ``causal``: each
+        input sees the cache and the inputs before it (``mask`` None: an eager layer that needs
+        that spelled out takes :meth:`_causal_mask`; a recorded or fused step attends so by
+        itself)."""
         raise NotImplementedError
 
     def _causal_mask(self, n: int) -> torch.Tensor | None:
@@ -106,10 +108,7 @@ class _TreeDrafterBase:
         """Append verified pairs (features [m, D], tokens [m], m >= 1) to the draft cache, each
         seeing the cache and the pairs before it; the last one's draft feature is kept for the
         next :meth:`commit` (the prompt's pairs at prefill, a round's at its start)."""
-        m = tokens.shape[0]
-        start = self._base_position()
-        positions = torch.arange(start, start + m, device=tokens.device)
-        hidden = self._run(features, tokens, positions, None, causal=True)  # [m, D]
+        hidden = self._run(features, tokens, self._base_position(), None, causal=True)  # [m, D]
         self.committed = self.cache.length
         self._last = hidden[-1:]
 
@@ -140,10 +139,11 @@ class _TreeDrafterBase:
         anc = torch.cat([self._anc[rows], torch.eye(n, dtype=torch.bool, device=tokens.device)], dim=1)
         mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=tokens.device), anc], dim=1)
         self._depth += 1
-        positions = torch.full((n,), self._base_position() - 1 + self._depth, device=tokens.device)
+        position = self._base_position() - 1 + self._depth
         # a chain's next node (its ancestors are every tree slot): checked only where a recorded
         # step could use it, so a GPU drafter never reads the mask back
         causal = self.graph is not None and n == 1 and bool(anc.all())
+        positions = position if causal else torch.full((n,), position, device=tokens.device)
         hidden = self._run(parent_hidden, tokens, positions, mask, causal)  # [k', D]
         self._frontier_hidden, self._anc = hidden, anc
         return self.head_fn(hidden, k, choose)
@@ -163,12 +163,30 @@ class EagleDrafter(_TreeDrafterBase):
         self.graph = None
         if record and supports_draft_graph(head) and on_cpu(head):
             self.graph = draft_graph_for(head)
+        # a fused int4 head's causal steps: one draft_step_ids op, RoPE rows from these tables
+        self._ids_op = record and draft_ids_apply(head)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [L, Dh]
 
     def _new_cache(self, max_len: int) -> KVCache:
         return self.head.new_cache(max_len)
 
+    def _rope_rows(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables covering positions 0 .. upto - 1 (grown by doubling, kept across requests)."""
+        if self._rope is None or self._rope[0].shape[0] < upto:
+            have = 0 if self._rope is None else self._rope[0].shape[0]
+            positions = torch.arange(max(upto, 2 * have, 1024), device=self.head.rope.inv_freq.device)
+            cos, sin = self.head.rope(positions, torch.float32)
+            self._rope = cos.contiguous(), sin.contiguous()
+        return self._rope
+
     @torch.inference_mode()
     def _run(self, features, tokens, positions, mask, causal=False) -> torch.Tensor:
+        if isinstance(positions, int):  # causal rows from this position
+            n = tokens.shape[0]
+            if self._ids_op and features.dtype == torch.float32:
+                rope = self._rope_rows(positions + n)
+                return run_fused_draft_ids(self.head, features, tokens, positions, rope, self.cache)
+            positions = torch.arange(positions, positions + n, device=tokens.device)
         if causal and self.graph is not None:
             out = self.graph(features, tokens, positions, self.cache)
             if out is not None:
@@ -201,6 +219,8 @@ class TargetDrafter(_TreeDrafterBase):
 
     def _run(self, features, tokens, positions, mask, causal=False) -> torch.Tensor:
         device = tokens.device
+        if isinstance(positions, int):  # causal rows from this position
+            positions = torch.arange(positions, positions + tokens.shape[0], device=device)
         if self.cache.length == 0:  # prepend x_0 so the context is complete
             tokens = torch.cat([torch.tensor([self._first], device=device), tokens])
             positions = torch.cat([positions[:1] * 0, positions + 1])

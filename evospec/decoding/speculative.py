@@ -159,13 +159,12 @@ def generate_speculative(
         stats, path_logits = None, None
         if (vocab is not None and vocab.observes) or adapt is not None or params.logprobs is not None:
             path_logits = rows.stack(path.tolist()) if lazy else rows[path]  # [a + 1, V]
-        if vocab is not None or adapt is not None:
+        if vocab is not None:
+            stats = vocab.end_round(tree.tokens, path, [*accepted, bonus], path_logits, vout.hidden[0])
+        if adapt is not None and not looked_up:
             verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]
-            if vocab is not None:
-                stats = vocab.end_round(tree.tokens, path, verified, path_logits, vout.hidden[0])
-            if adapt is not None and not looked_up:
-                mask = vocab.mask if vocab is not None else None
-                adapt.end_round(tree.parents, path, verified, path_logits, mask)
+            mask = vocab.mask if vocab is not None else None
+            adapt.end_round(tree.parents, path, verified, path_logits, mask)
         feats = _draft_features(vout, draft_layers)[path] if pending is not None else None  # [a + 1, D']
         if feats is not None and prefix_cache is not None:  # before the event: a last round's slots count too
             prefix_cache.write(prefix, feats, vout.hidden[0][path] if draft_layers else None)

@@ -27,6 +27,7 @@ each draw's distribution for the verify's ratio test (``DraftTree.proposals``).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -193,9 +194,14 @@ def _build_chain(
         tokens.append(ids[0, :1])
         logps.append(logp[0, :1].float())
     device = root_ids.device
-    scores = torch.cat(logps).cumsum(0) if logps else torch.zeros(0, device=device)  # [L]
-    drafted = torch.cat([torch.tensor([root_token], device=device), *tokens])
-    tree = _chain(drafted, torch.cat([scores.new_zeros(1), scores]), prefix_len, cfg.depth)
+    if device.type == "cpu":  # values on the host already: 3 tensors instead of ~9 small ops
+        scores = list(itertools.accumulate(float(lp[0]) for lp in logps))  # [L]
+        drafted = [root_token, *(int(t[0]) for t in tokens)]
+        tree = _chain(torch.tensor(drafted), torch.tensor([0.0, *scores]), prefix_len, cfg.depth)
+    else:  # no host read while drafting on an accelerator
+        scores = torch.cat(logps).cumsum(0) if logps else torch.zeros(0, device=device)  # [L]
+        drafted = torch.cat([torch.tensor([root_token], device=device), *tokens])
+        tree = _chain(drafted, torch.cat([scores.new_zeros(1), scores]), prefix_len, cfg.depth)
     if sampler is not None:  # a stop may leave the last draw undrafted
         tree.proposals = tuple(sampler.proposals[: len(tokens)])
     return tree
@@ -205,21 +211,29 @@ def chain_tree(root_token: int, drafted: list[int], prefix_len: int, device: tor
     """A chain of tokens proposed without draft scores (context lookup): the root, then
     ``drafted`` (possibly none: the root alone); every node scores 0."""
     tokens = torch.tensor([root_token, *drafted], dtype=torch.long, device=device)  # [n + 1]
-    return _chain(tokens, torch.zeros(tokens.shape[0], device=device), prefix_len, len(drafted))
+    return _chain(tokens, _zeros(len(drafted) + 1, str(device)), prefix_len, len(drafted))
 
 
 def _chain(tokens: torch.Tensor, scores: torch.Tensor, prefix_len: int, max_depth: int) -> DraftTree:
-    parents, depths, mask = _chain_shape(tokens.shape[0] - 1, str(tokens.device))
+    n = tokens.shape[0]
+    parents, depths, mask = _chain_shape(n - 1, str(tokens.device))
     return DraftTree(
         tokens=tokens,
         parents=parents,
         depths=depths,
         mask=mask,
-        positions=depths + prefix_len,
+        positions=torch.arange(prefix_len, prefix_len + n, device=tokens.device),  # depths + prefix_len
         scores=scores,
         max_depth=max_depth,
         chain=True,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(n: int, device: str) -> torch.Tensor:
+    """[n] float zeros, shared by every lookup round of that length (callers never write them)."""
+    with torch.inference_mode(False):
+        return torch.zeros(n, device=device)
 
 
 @functools.lru_cache(maxsize=64)

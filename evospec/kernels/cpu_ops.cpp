@@ -12,6 +12,7 @@
 //   llama_stack(...): a model's layers as one op, llama_layer's contract for each
 //   llama_stack_seqs(...): one token of each of several sequences, each in its own caches
 //   draft_step(...):  an EAGLE-2 draft head's step (fc, then its layer) as one op
+//   draft_step_ids(...): draft_step from token ids, features and RoPE tables (its pairs built in the op)
 // Gemma-3's blocks (norms after each sublayer too, q/k norms, GELU, sliding windows) add:
 //   rope_qkv_normed(qkv, cos, sin, Hq, Hk, qw f32 [Dh], kw, eps)
 //                                                          -> rope_qkv with each q and k head
@@ -375,6 +376,46 @@ at::Tensor draft_step(const at::Tensor& pairs, const at::Tensor& fc_w, const std
                                    sin, k_cache, v_cache, end, b, n, hq, hk, scale, eps);
 }
 
+// draft_step's rows built in the op: row j of the pairs is [embedding[tokens[j]], features[j]] and
+// its RoPE row is table row first + j (positions first, first + 1, ...: a chain step, or a
+// catch-up of consecutive pairs); writes slots end - n .. end - 1 of the cache. One dispatch
+// where the recorded step ran ~10 (the embedding, the cast and concatenation, RoPE's table):
+// after a target forward each of those ran cold. One sequence (B = 1).
+at::Tensor draft_step_ids(const at::Tensor& features, const at::Tensor& tokens, const at::Tensor& embedding,
+                          const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t first,
+                          const at::Tensor& fc_w, const std::optional<at::Tensor>& fc_b, const at::Tensor& qkv_w,
+                          const at::Tensor& o_w, const at::Tensor& gate_up_w, const at::Tensor& down_w,
+                          const at::Tensor& post_w, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t end,
+                          int64_t hq, int64_t hk, double scale, double eps) {
+  const int64_t n = tokens.size(0), d = embedding.size(1), vocab = embedding.size(0);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && n >= 1, "draft_step_ids: tokens must be int64 [n]");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat && embedding.is_contiguous(),
+              "draft_step_ids: embedding must be contiguous float32 [V, D]");
+  TORCH_CHECK(features.dim() == 2 && features.scalar_type() == at::kFloat && features.size(0) == n &&
+                  features.size(1) == d && features.stride(1) == 1,
+              "draft_step_ids: features must be float32 [n, D] with unit column stride");
+  TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes() && first >= 0 &&
+                  first + n <= cos_table.size(0),
+              "draft_step_ids: the RoPE tables have no rows for positions ", first, "..", first + n - 1);
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
+              "draft_step_ids: the cache cannot hold these slots");
+  auto cos = cos_table.narrow(0, first, n), sin = sin_table.narrow(0, first, n);  // contiguous rows
+  TORCH_CHECK(evospec_layer::tables_apply(cos, sin, k_cache, v_cache, n),
+              "draft_step_ids: needs the VNNI build, a head size that is a multiple of 16 and an f16 or f32 cache");
+  auto pairs = at::empty({n, 2 * d}, features.options());
+  const int64_t* ids = tokens.data_ptr<int64_t>();
+  const float* emb = embedding.data_ptr<float>();
+  const float* feat = features.data_ptr<float>();
+  float* out = pairs.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(ids[j] >= 0 && ids[j] < vocab, "draft_step_ids: token ", ids[j], " is outside the vocabulary");
+    std::memcpy(out + j * 2 * d, emb + ids[j] * d, d * sizeof(float));
+    std::memcpy(out + j * 2 * d + d, feat + j * features.stride(0), d * sizeof(float));
+  }
+  return evospec_layer::draft_team(pairs, fc_w, fc_b, {0, qkv_w, o_w, gate_up_w, down_w, post_w, std::nullopt}, cos,
+                                   sin, k_cache, v_cache, end, 1, n, hq, hk, scale, eps);
+}
+
 // One Gemma-3 decoder layer, as fused.py's Gemma loop makes its calls (llama_layer's contract
 // otherwise): h is x normed by this layer's input norm; the q/k heads are normed before RoPE;
 // attention hides keys `window` or more behind (a sliding layer; 0: a global one); each
@@ -421,6 +462,9 @@ TORCH_LIBRARY(evospec, m) {
   m.def("draft_step(Tensor pairs, Tensor fc_w, Tensor? fc_b, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, "
         "Tensor down_w, Tensor post_w, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, int b, "
         "int n, int hq, int hk, float scale, float eps) -> Tensor");
+  m.def("draft_step_ids(Tensor features, Tensor tokens, Tensor embedding, Tensor cos_table, Tensor sin_table, "
+        "int first, Tensor fc_w, Tensor? fc_b, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
+        "Tensor post_w, Tensor k_cache, Tensor v_cache, int end, int hq, int hk, float scale, float eps) -> Tensor");
   m.def("llama_layer(Tensor x, Tensor h, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
         "Tensor post_w, Tensor? next_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int layer, Tensor slots, int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
@@ -443,6 +487,7 @@ TORCH_LIBRARY_IMPL(evospec, CPU, m) {
   m.impl("llama_stack", &llama_stack);
   m.impl("llama_stack_seqs", &llama_stack_seqs);
   m.impl("draft_step", &draft_step);
+  m.impl("draft_step_ids", &draft_step_ids);
   m.impl("rope_qkv_normed", &rope_qkv_normed);
   m.impl("norm_add_rms_norm_bf16", &norm_add_rms_norm_bf16);
   m.impl("gelu_mul_bf16", &gelu_mul_bf16);

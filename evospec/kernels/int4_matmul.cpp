@@ -8,6 +8,10 @@
 //                             4 elsewhere: int4_tiles.h, kRows)
 //   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320], stream = false) -> x's dtype [M, N];
 //     stream: the weight is read once a forward (vnni.h, prefetch_weight)
+//   int4_top1(x f32 [M, K], packed [C16/16, K/32, 320], bias f32 [C], ids i64 [C]) -> (logp f32 [M, 1],
+//     id i64 [M, 1]): per row, the largest of the first C outputs plus bias (the first on a tie), its
+//     log-softmax over those C, and ids[its column] -- a reduced LM head's top-1 in one call (bias
+//     -inf: a free slot, never picked while any slot is finite)
 // Weights: w[n, k] = q * scale[n, g] + zero[n, g] for q in 0..15 (g = k / 32). Tile t holds
 // outputs 16t..16t+15; its group g is 320 contiguous bytes (one stream to read): 4 blocks of 64,
 // block b byte 4 l + j holding q[16t + l, 32g + 8b + j] in its low nibble and
@@ -27,8 +31,13 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "fastexp.h"
 #include "int4_tiles.h"
 #include "vnni.h"
+
+#include <cmath>
+#include <limits>
+#include <tuple>
 
 #include <cstdint>
 #include <cstring>
@@ -88,6 +97,57 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, bool strea
 #endif
 }
 
+// The largest of v[0..c) (the first on a tie) and log(sum_j exp(v[j] - max)): 16 lanes of partial
+// maxima and sums, so both loops vectorise without reassociating one accumulator.
+std::pair<int64_t, float> top1_row(const float* v, int64_t c, float* log_norm) {
+  constexpr int kLanes = 16;
+  float lane_max[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane_max[l] = -std::numeric_limits<float>::infinity();
+  const int64_t body = c - c % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane_max[l] = v[i + l] > lane_max[l] ? v[i + l] : lane_max[l];
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < kLanes; ++l) mx = lane_max[l] > mx ? lane_max[l] : mx;
+  for (int64_t i = body; i < c; ++i) mx = v[i] > mx ? v[i] : mx;
+  int64_t arg = 0;
+  while (arg < c && !(v[arg] == mx)) ++arg;
+  float lane_sum[kLanes] = {};
+  for (int64_t i = 0; i < body; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane_sum[l] += evospec_fastexp::exp_f32(v[i + l] - mx);
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lane_sum[l];
+  for (int64_t i = body; i < c; ++i) sum += evospec_fastexp::exp_f32(v[i] - mx);
+  *log_norm = std::log(sum);
+  return {arg, mx};
+}
+
+std::tuple<at::Tensor, at::Tensor> int4_top1(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias,
+                                             const at::Tensor& ids) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_top1: x must be float32 [M, K]");
+  const int64_t c = bias.numel();
+  TORCH_CHECK(bias.dim() == 1 && bias.scalar_type() == at::kFloat && bias.is_contiguous() && c >= 1,
+              "int4_top1: bias must be contiguous float32 [C], C >= 1");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.numel() == c && ids.is_contiguous(),
+              "int4_top1: ids must be contiguous int64 [C]");
+  auto logits = int4_matmul(x, packed, false);  // [M, C16]
+  TORCH_CHECK(logits.size(1) >= c, "int4_top1: the weight has ", logits.size(1), " outputs, the bias ", c);
+  const int64_t m = logits.size(0), width = logits.size(1);
+  auto logp = at::empty({m, 1}, x.options());
+  auto top = at::empty({m, 1}, ids.options());
+  float* lp = logits.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    float* row = lp + r * width;
+    for (int64_t j = 0; j < c; ++j) row[j] += bp[j];
+    float log_norm = 0.0f;
+    const auto [arg, mx] = top1_row(row, c, &log_norm);
+    TORCH_CHECK(std::isfinite(mx) && arg < c, "int4_top1: row ", r, " has no finite output");
+    logp.data_ptr<float>()[r] = -log_norm;  // (mx - mx) - log(sum exp(v - mx))
+    top.data_ptr<int64_t>()[r] = ids.data_ptr<int64_t>()[arg];
+  }
+  return {logp, top};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
@@ -95,6 +155,10 @@ TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_isa() -> str", &int4_isa);
   m.def("int4_block_rows() -> int", &int4_block_rows);
   m.def("int4_matmul(Tensor x, Tensor packed, bool stream=False) -> Tensor");
+  m.def("int4_top1(Tensor x, Tensor packed, Tensor bias, Tensor ids) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("int4_matmul", &int4_matmul); }
+TORCH_LIBRARY_IMPL(evospec, CPU, m) {
+  m.impl("int4_matmul", &int4_matmul);
+  m.impl("int4_top1", &int4_top1);
+}

@@ -285,6 +285,42 @@ def _slot_tensor(cache, n: int) -> torch.Tensor:
     return torch.empty(end, dtype=torch.uint8)
 
 
+def run_fused_draft_ids(
+    head: nn.Module,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
+    first: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache,
+) -> torch.Tensor:
+    """features [n, D] float32 and tokens [n] at positions first, first + 1, ... -> the head's x
+    [n, D] through ``draft_step_ids`` (the pairs and their RoPE rows taken in the op, from the
+    target's embedding and ``rope``, cos / sin tables [L > first + n - 1, Dh]); writes the n
+    pairs' K/V at the cache's next slots and advances it. Where :func:`draft_ids_apply`."""
+    layer = head.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    end = cache.length + tokens.shape[0]
+    if end > cache.max_len:
+        raise ValueError(f"KV cache overflow: need {end} slots, have {cache.max_len}")
+    x = torch.ops.evospec.draft_step_ids(
+        features, tokens, head.embedding().weight, rope[0], rope[1], first, head.fc.matmul.packed,
+        head.fc.matmul.bias, attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed,
+        mlp.down_proj.matmul.packed, layer.post_attention_layernorm.weight, cache.k, cache.v, end,
+        attn.num_heads, attn.num_kv_heads, attn.scale, head.cfg.rms_norm_eps,
+    )  # fmt: skip
+    cache.advance(tokens.shape[0])
+    return x
+
+
+def draft_ids_apply(head: nn.Module) -> bool:
+    """Whether :func:`run_fused_draft_ids` serves ``head``: a fused step (:func:`enable_fused_draft`)
+    over a float32 embedding table."""
+    if not getattr(head, "fused_step", False):
+        return False
+    weight = head.embedding().weight
+    return weight.dtype == torch.float32 and weight.is_contiguous()
+
+
 def fused_draft_applies(head: nn.Module) -> bool:
     """An EAGLE-2 head whose step the ``draft_step`` op can run once its linears are int4: one
     plain Llama layer (SiLU, no q/k norm or attention bias), heads a multiple of 16 wide, on the

@@ -258,17 +258,21 @@ class ActiveVocab:
         self,
         tree_tokens: torch.Tensor,  # [N] incl. the root
         path: torch.Tensor,  # [a + 1] node indices of the verified path, root first
-        verified: torch.Tensor,  # [a + 1] accepted ids then the bonus id
+        verified: torch.Tensor | Sequence[int],  # [a + 1] accepted ids then the bonus id
         path_logits: torch.Tensor | None,  # [a + 1, V] the target's logits along ``path`` (observes)
         hidden: torch.Tensor,  # [N, D] its features of every node
     ) -> VocabRoundStats:
         timings = self.head.take_timings()
-        covered_mask = self._mask[verified]  # [a + 1]
+        ids = verified.tolist() if isinstance(verified, torch.Tensor) else list(verified)
+        if self._mask.is_cpu:  # a numpy view: the round's few ids without a torch op each
+            covered_mask = self._mask.numpy()[ids]  # [a + 1]
+        else:
+            covered_mask = self._mask[torch.tensor(ids, device=self._mask.device)].tolist()
         oov = not bool(covered_mask[-1])
         stats = VocabRoundStats(
             active_size=self.head.size,
-            verified=verified.numel(),
-            covered=int(covered_mask.sum()),
+            verified=len(ids),
+            covered=int(sum(covered_mask)),
             oov=oov,
             lm_head_s=timings.lm_head_s,
             gather_s=timings.gather_s,
@@ -276,6 +280,8 @@ class ActiveVocab:
         )
         if self.observes:
             t0 = time.perf_counter()
+            if not isinstance(verified, torch.Tensor):
+                verified = torch.tensor(ids, dtype=torch.long, device=tree_tokens.device)
             fb = RoundFeedback(tree_tokens, verified, path_logits, hidden[path[-1]], oov, self._round)
             self.policy.observe(fb)
             extra = self.policy.take_stats()

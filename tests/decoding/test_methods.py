@@ -145,7 +145,8 @@ def test_an_fp32_target_drafts_with_the_head_itself() -> None:
 
 def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatch) -> None:
     """Where the target runs the fused ops, ``auto`` drafts with one int4 copy whose chain steps
-    run as the draft_step op (recorded too), and every method still emits plain decoding's tokens."""
+    and catch-ups run as one draft_step_ids op each, and every method still emits plain
+    decoding's tokens."""
     import torch
 
     from evospec.decoding.sampling import SamplingParams
@@ -160,12 +161,14 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
     quantize_linears(target, "int4")
     if not enable_fused_ops(target) or target.layers[0].self_attn.qkv.kernel != "vnni":
         pytest.skip("the fused draft step needs the op library and our int4 kernel (AVX-512 VNNI)")
-    import evospec.models.eagle as eagle
+    import evospec.decoding.drafter as drafter_module
 
-    rows_run: list[int] = []  # rows of each eager draft_step call (recorded graphs call the op inside)
-    run = eagle.run_fused_draft
+    rows_run: list[int] = []  # rows of each draft_step_ids call
+    run = drafter_module.run_fused_draft_ids
     monkeypatch.setattr(
-        eagle, "run_fused_draft", lambda h, p, *a: rows_run.append(p.shape[1]) or run(h, p, *a)
+        drafter_module,
+        "run_fused_draft_ids",
+        lambda h, f, t, *a: rows_run.append(t.shape[0]) or run(h, f, t, *a),
     )
     draft = new_eagle_for(target, seed=2)
     decs = [
@@ -190,7 +193,7 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
             want = ar_tokens(target, prompt, params)
             for dec in (*decs, int8, int8_fr):
                 assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
-        assert 40 in rows_run  # the long prompt's catch-up (past the recorded chains) ran as one op
+        assert 40 in rows_run and 1 in rows_run  # the long prompt's catch-up as one op; rounds' steps
         # a catch-up of more pairs than a recorded chain holds, behind a filled cache: one op too
         drafter = decs[0].drafter
         drafter.start([1, 2, 3], 64)

@@ -280,3 +280,41 @@ def test_the_fused_draft_step_computes_the_eager_draft_layer(widened):
     assert (fused - eager).abs().max() <= 0.03 * scale  # bf16 activation codes vs the eager path's
     assert (fused_k - eager_k).abs().max() <= 0.03 * eager_k.abs().max()
     head.fused_step = True
+
+
+def test_draft_step_ids_takes_its_pairs_and_rope_rows_in_the_op():
+    """``draft_step_ids`` (the embedding's rows and the RoPE tables read in the op) gives the
+    fused draft step's bits -- outputs and K/V -- for a catch-up of pairs and one-row steps, at
+    positions read from the tables; an id outside the vocabulary or a position past the tables
+    is a clear error, and the cache is left as it was."""
+    from evospec.models.eagle import new_eagle_for, quantised_head
+    from evospec.models.fused import draft_ids_apply, enable_fused_draft, run_fused_draft_ids
+
+    target = _fused(4, head_dim=64)
+    if target.layers[0].self_attn.qkv.kernel != "vnni":
+        pytest.skip("the fused draft step needs our int4 kernel (AVX-512 VNNI)")
+    head = quantised_head(new_eagle_for(target, seed=3), "int4").attach(target)
+    assert enable_fused_draft(head) and draft_ids_apply(head)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(9, target.cfg.hidden_size, generator=g)
+    tokens = torch.randint(0, target.cfg.vocab_size, (9,), generator=g)
+    rope = head.rope(torch.arange(32), torch.float32)
+    want_cache, got_cache = head.new_cache(16), head.new_cache(16)
+    with torch.inference_mode():
+        want = [head(feats[None, :5], tokens[None, :5], torch.arange(5), want_cache, None)[0]]
+        got = [run_fused_draft_ids(head, feats[:5], tokens[:5], 0, rope, got_cache)]
+        for i in range(5, 9):
+            want.append(
+                head(feats[None, i : i + 1], tokens[None, i : i + 1], torch.tensor([i]), want_cache, None)[0]
+            )
+            got.append(run_fused_draft_ids(head, feats[i : i + 1], tokens[i : i + 1], i, rope, got_cache))
+        assert got_cache.length == want_cache.length == 9
+        assert torch.equal(torch.cat(got), torch.cat(want))
+        assert torch.equal(got_cache.k[..., :9, :], want_cache.k[..., :9, :])
+        assert torch.equal(got_cache.v[..., :9, :], want_cache.v[..., :9, :])
+        one = feats[:1]
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            run_fused_draft_ids(head, one, torch.tensor([target.cfg.vocab_size]), 9, rope, got_cache)
+        with pytest.raises(RuntimeError, match="RoPE tables have no rows"):
+            run_fused_draft_ids(head, one, tokens[:1], 32, rope, got_cache)
+        assert got_cache.length == 9

@@ -182,3 +182,27 @@ def test_int8_slots_in_vnni_tiles_give_the_full_heads_logits_bit_for_bit():
         _, ids = head(hidden, 3)
         top = torch.topk(torch.log_softmax(full[:, active], dim=-1), 3, dim=-1)
         assert ids.tolist() == torch.tensor(active)[top.indices].tolist()
+
+
+def test_an_int4_heads_top1_is_one_op_with_the_projections_choice():
+    """A greedy chain's step (k = 1, no chooser) on 4-bit slots takes its top-1 in one op: the
+    id the projection, the log-softmax and a row max pick, its log-prob to float rounding;
+    a free slot is never picked, and a set of one id picks it with log-prob 0."""
+    from evospec.kernels.int4_matmul import vnni_available
+    from evospec.models.quant import Int8Matmul
+
+    if not vnni_available():
+        pytest.skip("no int8-activation kernels (AVX2 or later) on this CPU")
+    torch.manual_seed(4)
+    weight = torch.randn(320, 64)
+    head = ReducedHead(weight, capacity=40, int8=Int8Matmul(weight, None, [320]), int4=True)
+    hidden = torch.randn(5, 64)
+    for active in ([5, 17, 80, 81, 319], list(range(280, 320)), [42]):
+        head.set_active(_mask(active, vocab=320))
+        logp, ids = head(hidden, 1)
+        ref = torch.log_softmax(head._project(hidden).float() + head.bias, dim=-1).max(dim=-1)
+        assert ids.shape == logp.shape == (5, 1)
+        assert torch.equal(ids[:, 0], head.slot_ids[ref.indices])
+        torch.testing.assert_close(logp[:, 0], ref.values, atol=1e-5, rtol=1e-5)
+        assert set(ids.flatten().tolist()) <= set(active)
+    assert torch.equal(logp, torch.zeros(5, 1))  # one active id: certain
