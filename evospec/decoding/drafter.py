@@ -163,8 +163,9 @@ class EagleDrafter(_TreeDrafterBase):
         self.graph = None
         if record and supports_draft_graph(head) and on_cpu(head):
             self.graph = draft_graph_for(head)
-        # a fused int4 head's causal steps: one draft_step_ids op, RoPE rows from these tables
-        self._ids_op = record and draft_ids_apply(head)
+        # a fused int4 head's causal steps as one draft_step_ids op, RoPE rows from these tables
+        # (False: the recorded step; scripts/drafting_ab.py compares the two)
+        self.ids_op = record and draft_ids_apply(head)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [L, Dh]
 
     def _new_cache(self, max_len: int) -> KVCache:
@@ -183,7 +184,7 @@ class EagleDrafter(_TreeDrafterBase):
     def _run(self, features, tokens, positions, mask, causal=False) -> torch.Tensor:
         if isinstance(positions, int):  # causal rows from this position
             n = tokens.shape[0]
-            if self._ids_op and features.dtype == torch.float32:
+            if self.ids_op and features.dtype == torch.float32:
                 rope = self._rope_rows(positions + n)
                 return run_fused_draft_ids(self.head, features, tokens, positions, rope, self.cache)
             positions = torch.arange(positions, positions + n, device=tokens.device)

@@ -195,8 +195,8 @@ def _build_chain(
         logps.append(logp[0, :1].float())
     device = root_ids.device
     if device.type == "cpu":  # values on the host already: 3 tensors instead of ~9 small ops
-        scores = list(itertools.accumulate(float(lp[0]) for lp in logps))  # [L]
-        drafted = [root_token, *(int(t[0]) for t in tokens)]
+        scores = list(itertools.accumulate(lp.item() for lp in logps))  # [L]
+        drafted = [root_token, *(t.item() for t in tokens)]
         tree = _chain(torch.tensor(drafted), torch.tensor([0.0, *scores]), prefix_len, cfg.depth)
     else:  # no host read while drafting on an accelerator
         scores = torch.cat(logps).cumsum(0) if logps else torch.zeros(0, device=device)  # [L]

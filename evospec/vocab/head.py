@@ -149,6 +149,9 @@ class ReducedHead:
         self.slot_of = torch.full((vocab,), FREE, dtype=torch.long, device=weight.device)  # [V]
         self.bias = torch.full((self.capacity,), float("-inf"), dtype=torch.float32, device=weight.device)
         self.size = 0  # active slots (host-side count)
+        # a greedy step's top-1 in one op where the slots are 4-bit tiles (False: projection,
+        # log-softmax and row max as three calls; scripts/drafting_ab.py compares the two)
+        self.top1_op = True
         self.timings = HeadTimings()
         self.backend: Backend = backend or pick_backend(weight.device)  # row-gather kernel
         self._ready: torch.cuda.Event | None = None  # a staged load still running on the copy stream
@@ -254,7 +257,7 @@ class ReducedHead:
         """
         t0 = time.perf_counter()
         self._wait_staged()  # a staged load: the compute stream waits here, not earlier
-        if k == 1 and choose is None and self.size and isinstance(self.tiles, _SlotTiles4):
+        if k == 1 and choose is None and self.size and self.top1_op and isinstance(self.tiles, _SlotTiles4):
             out = self.tiles.top1(hidden, self.bias, self.slot_ids)  # one op: a greedy chain's step
             self.timings.lm_head_s += time.perf_counter() - t0
             return out
