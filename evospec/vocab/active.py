@@ -264,15 +264,16 @@ class ActiveVocab:
     ) -> VocabRoundStats:
         timings = self.head.take_timings()
         ids = verified.tolist() if isinstance(verified, torch.Tensor) else list(verified)
-        if self._mask.is_cpu:  # a numpy view: the round's few ids without a torch op each
-            covered_mask = self._mask.numpy()[ids]  # [a + 1]
+        if self._mask.is_cpu:  # the round's few ids as Python bools off a numpy view: no torch op
+            mask = self._mask.numpy()
+            covered_mask = [mask.item(i) for i in ids]  # [a + 1]
         else:
             covered_mask = self._mask[torch.tensor(ids, device=self._mask.device)].tolist()
-        oov = not bool(covered_mask[-1])
+        oov = not covered_mask[-1]
         stats = VocabRoundStats(
             active_size=self.head.size,
             verified=len(ids),
-            covered=int(sum(covered_mask)),
+            covered=sum(covered_mask),
             oov=oov,
             lm_head_s=timings.lm_head_s,
             gather_s=timings.gather_s,
