@@ -16,49 +16,21 @@ from __future__ import annotations
 import collections
 import time
 
-import torch
-from tree_ab import variant_parser, variant_tree
-
-from evospec.assembly import StackSettings, assemble
-from evospec.bench.prompts import load_prompts
-from evospec.decoding.methods import make_decoder
-from evospec.decoding.recording import record_steps
-from evospec.decoding.sampling import SamplingParams
+from tree_ab import variant_parser, variant_setup
 
 
 def main() -> None:
     args = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB]", 3).parse_args()
     if len(args.variants) != 1:
         raise SystemExit("give one variant")
-    torch.set_num_threads(2)
-    method, tree = variant_tree(args.variants[0])
-    stack = assemble(StackSettings(methods=("ar", method), weights=args.weights), progress=False)
-
-    def decoder():
-        return make_decoder(
-            method,
-            stack.loaded.model,
-            eos_ids=stack.eos_ids,
-            draft=stack.draft,
-            tree=tree,
-            indices=stack.indices,
-            ngrams=stack.ngrams if tree.table_lookup else None,
-        )
-
-    decoders = {"ar": stack.decoder("ar"), "calls": decoder(), "ops": decoder()}
+    variant = args.variants[0]
+    _, decoders, prompts, params = variant_setup(args, {"calls": variant, "ops": variant})
     calls = decoders["calls"]
-    if not calls.drafter.ids_op or getattr(calls.vocab, "head", None) is None:
-        raise SystemExit(
-            f"{method} does not draft through draft_step_ids here (an int4 draft on the fused ops)"
-        )
+    if not getattr(calls.drafter, "ids_op", False) or getattr(calls.vocab, "head", None) is None:
+        method = variant.split(":")[0]
+        raise SystemExit(f"{method} drafts without draft_step_ids here (it needs an int4 draft, fused ops)")
     calls.drafter.ids_op = False
     calls.vocab.head.top1_op = False
-    record_steps(stack.loaded.model, decoders.values())
-    prompts = [
-        stack.codec.encode_chat([{"role": "user", "content": p.text}])
-        for p in load_prompts(args.data, per_category=args.per_category)
-    ]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     kinds = {n: collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0]) for n in decoders}
     wall, tokens = collections.Counter(), collections.Counter()
 

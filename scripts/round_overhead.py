@@ -16,14 +16,8 @@ from __future__ import annotations
 import collections
 import time
 
-import torch
-from tree_ab import variant_parser, variant_tree
+from tree_ab import variant_parser, variant_setup
 
-from evospec.assembly import StackSettings, assemble
-from evospec.bench.prompts import load_prompts
-from evospec.decoding.methods import make_decoder
-from evospec.decoding.recording import record_steps
-from evospec.decoding.sampling import SamplingParams
 from evospec.models import step as step_module
 
 
@@ -52,27 +46,7 @@ class _ForwardClock:
 
 def main() -> None:
     args = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB]", 2).parse_args()
-    torch.set_num_threads(2)
-    methods = tuple(dict.fromkeys(variant_tree(v)[0] for v in args.variants))
-    stack = assemble(StackSettings(methods=("ar", *methods), weights=args.weights), progress=False)
-    decoders = {"ar": stack.decoder("ar")}
-    for v in args.variants:
-        method, tree = variant_tree(v)
-        decoders[v] = make_decoder(
-            method,
-            stack.loaded.model,
-            eos_ids=stack.eos_ids,
-            draft=stack.draft,
-            tree=tree,
-            indices=stack.indices,
-            ngrams=stack.ngrams if tree.table_lookup else None,
-        )
-    record_steps(stack.loaded.model, decoders.values())
-    prompts = [
-        stack.codec.encode_chat([{"role": "user", "content": p.text}])
-        for p in load_prompts(args.data, per_category=args.per_category)
-    ]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    _, decoders, prompts, params = variant_setup(args)
     clock = _ForwardClock()
     totals = collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])  # wall s, rounds, forward s, drafting s
 

@@ -62,6 +62,36 @@ def variant_parser(doc: str, variants_help: str, per_category: int) -> argparse.
     return ap
 
 
+def variant_setup(args: argparse.Namespace, names: dict[str, str] | None = None):
+    """What ``round_costs.py``, ``round_overhead.py`` and ``drafting_ab.py`` start from: two
+    threads, the stack, AR and one decoder per variant (``names``: decoder name -> variant;
+    default: every variant of ``args`` under its own name) on the shipped head and table, their
+    graphs recorded; the prompts as chat ids; the sampling parameters. Returns (stack,
+    decoders, prompts, params)."""
+    torch.set_num_threads(2)
+    names = names or {v: v for v in args.variants}
+    methods = tuple(dict.fromkeys(variant_tree(v)[0] for v in names.values()))
+    stack = assemble(StackSettings(methods=("ar", *methods), weights=args.weights), progress=False)
+    decoders = {"ar": stack.decoder("ar")}
+    for name, v in names.items():
+        method, tree = variant_tree(v)
+        decoders[name] = make_decoder(
+            method,
+            stack.loaded.model,
+            eos_ids=stack.eos_ids,
+            draft=stack.draft,
+            tree=tree,
+            indices=stack.indices,
+            ngrams=stack.ngrams if tree.table_lookup else None,
+        )
+    record_steps(stack.loaded.model, decoders.values())
+    prompts = [
+        stack.codec.encode_chat([{"role": "user", "content": p.text}])
+        for p in load_prompts(args.data, per_category=args.per_category)
+    ]
+    return stack, decoders, prompts, SamplingParams(max_new_tokens=args.max_new_tokens)
+
+
 def main() -> None:
     ap = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD][%TABLE]", 2)
     ap.add_argument("--model", default=None, help="target model (default: the default model)")
