@@ -1,7 +1,7 @@
 """Where a decoder's rounds spend their time, by kind of round, beside plain decoding.
 
 Each variant uses ``scripts/tree_ab.py``'s syntax (``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:
-DEPTH[:MIN_PROB]``). Every prompt runs AR and every variant back to back (the order flipping
+DEPTH[:MIN_PROB]``). Every prompt runs AR and every variant back to back (the order rotating
 between prompts), after every graph is recorded and warmed; outputs are checked equal to AR's.
 Rounds are split into ``drafted`` (the head proposed), ``free, n guessed`` (context lookup or
 the n-gram table proposed n tokens: a verify forward of 1 + n rows) and ``plain`` (the root
@@ -24,6 +24,13 @@ from tree_ab import variant_parser, variant_setup
 def main() -> None:
     args = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB]", 1).parse_args()
     _, decoders, prompts, params = variant_setup(args)
+    print_round_table(decoders, prompts, params)
+
+
+def print_round_table(decoders: dict, prompts: list[list[int]], params) -> None:
+    """Run every prompt on every decoder (``decoders["ar"]`` first among them), the order
+    rotating between prompts, after a warm-up; check each output equal to AR's; print the
+    table above. Also what ``drafting_ab.py`` prints."""
     # per decoder and kind: rounds, accepted, draft s, verify s, round s
     stats = {n: collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0]) for n in decoders}
     wall, tokens = collections.Counter(), collections.Counter()
@@ -57,12 +64,13 @@ def main() -> None:
     for key in stats:
         stats[key].clear()
     for i, ids in enumerate(prompts):
-        outs = {n: run(n, ids) for n in (names if i % 2 == 0 else names[::-1])}
+        k = i % len(names)
+        outs = {n: run(n, ids) for n in names[k:] + names[:k]}
         for n in names[1:]:
             if outs[n] != outs["ar"]:
                 raise SystemExit(f"{n}: output differs from AR on prompt {i}")
     ar_speed = tokens["ar"] / wall["ar"]
-    print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens; AR {ar_speed:.1f} tok/s (decode)")
+    print(f"{len(prompts)} prompts x {params.max_new_tokens} tokens; AR {ar_speed:.1f} tok/s (decode)")
     print("| decoder | vs AR | round kind | rounds | accepted / round | draft ms | verify ms | round ms |")
     print("|---|---|---|---|---|---|---|---|")
     for n in names:

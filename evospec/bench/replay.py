@@ -143,7 +143,7 @@ def replay_request(dec: SpeculativeDecoder, req: RecordedRequest) -> RequestStat
             if vocab is not None:
                 hidden = torch.zeros(tree.size, feats.shape[1], dtype=feats.dtype, device=device)
                 hidden[path_t] = feats[r : r + a + 1]  # only the path's features are known
-                vocab.end_round(tree.tokens, path_t, verified, path_logits, hidden)
+                vocab.end_round(tree.tokens, path_t, verified.tolist(), path_logits, hidden)
             if adapt is not None:
                 mask = vocab.mask if vocab is not None else None
                 adapt.end_round(tree.parents, path_t, verified, path_logits, mask)

@@ -258,12 +258,12 @@ class ActiveVocab:
         self,
         tree_tokens: torch.Tensor,  # [N] incl. the root
         path: torch.Tensor,  # [a + 1] node indices of the verified path, root first
-        verified: torch.Tensor | Sequence[int],  # [a + 1] accepted ids then the bonus id
+        verified: Sequence[int],  # [a + 1] accepted ids then the bonus id
         path_logits: torch.Tensor | None,  # [a + 1, V] the target's logits along ``path`` (observes)
         hidden: torch.Tensor,  # [N, D] its features of every node
     ) -> VocabRoundStats:
         timings = self.head.take_timings()
-        ids = verified.tolist() if isinstance(verified, torch.Tensor) else list(verified)
+        ids = list(verified)
         if self._mask.is_cpu:  # the round's few ids as Python bools off a numpy view: no torch op
             mask = self._mask.numpy()
             covered_mask = [mask.item(i) for i in ids]  # [a + 1]
@@ -281,9 +281,8 @@ class ActiveVocab:
         )
         if self.observes:
             t0 = time.perf_counter()
-            if not isinstance(verified, torch.Tensor):
-                verified = torch.tensor(ids, dtype=torch.long, device=tree_tokens.device)
-            fb = RoundFeedback(tree_tokens, verified, path_logits, hidden[path[-1]], oov, self._round)
+            verified_t = torch.tensor(ids, dtype=torch.long, device=tree_tokens.device)  # [a + 1]
+            fb = RoundFeedback(tree_tokens, verified_t, path_logits, hidden[path[-1]], oov, self._round)
             self.policy.observe(fb)
             extra = self.policy.take_stats()
             stats.policy_s = time.perf_counter() - t0

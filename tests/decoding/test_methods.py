@@ -170,11 +170,23 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
         "run_fused_draft_ids",
         lambda h, f, t, *a: rows_run.append(t.shape[0]) or run(h, f, t, *a),
     )
+    import evospec.vocab.head as head_module
+    from evospec.decoding.tree import TreeConfig
+
+    top1_calls: list[int] = []  # rows of each one-op top-1 (a greedy chain's steps on 4-bit slots)
+    top1 = head_module._SlotTiles4.top1
+    monkeypatch.setattr(
+        head_module._SlotTiles4, "top1", lambda t, h, *a: top1_calls.append(h.shape[0]) or top1(t, h, *a)
+    )
     draft = new_eagle_for(target, seed=2)
     decs = [
         make_decoder(n, target, draft=draft, vocab=SMALL, indices=stand_in_indices(target))
         for n in ("eagle2", "frspec", "nanospec")
     ]
+    chain = TreeConfig(top_k=1, depth=3, total_tokens=3)  # the CPU's shapes: top-1 steps, host-built chains
+    fr_chain = make_decoder(
+        "frspec", target, draft=draft, vocab=SMALL, indices=stand_in_indices(target), tree=chain
+    )
     int8 = make_decoder("eagle2", target, draft=draft, draft_weights="int8")
     int8_fr = make_decoder(
         "frspec", target, draft=draft, draft_weights="int8", vocab=SMALL, indices=stand_in_indices(target)
@@ -191,9 +203,10 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
         for seed, length in ((0, 6), (1, 7), (2, 40)):  # 40: a prompt catch-up past the recorded chains
             prompt = prompt_of(seed, length)
             want = ar_tokens(target, prompt, params)
-            for dec in (*decs, int8, int8_fr):
+            for dec in (*decs, int8, int8_fr, fr_chain):
                 assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
         assert 40 in rows_run and 1 in rows_run  # the long prompt's catch-up as one op; rounds' steps
+        assert top1_calls and set(top1_calls) == {1}  # only the int4 chain's steps took the one-op top-1
         # a catch-up of more pairs than a recorded chain holds, behind a filled cache: one op too
         drafter = decs[0].drafter
         drafter.start([1, 2, 3], 64)
@@ -203,7 +216,7 @@ def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatc
         drafter.catch_up(feats[5:], torch.arange(20))
         assert rows_run == [20] and drafter.cache.length == 25
     finally:
-        for d in (*decs, int8, int8_fr):
+        for d in (*decs, int8, int8_fr, fr_chain):
             d.close()
 
 
