@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import time
 
-from tree_ab import variant_parser, variant_setup
+from tree_ab import interleave, variant_parser, variant_setup
 
 
 def main() -> None:
@@ -50,6 +50,8 @@ def print_round_table(decoders: dict, prompts: list[list[int]], params) -> None:
                 kind = f"free, {ev.tree_size} guessed"  # the verify forward's rows: 1 + guessed
             else:
                 kind = "drafted"
+            if not record:
+                continue
             s = stats[name][kind]
             s[0], s[1] = s[0] + 1, s[1] + ev.accepted
             s[2], s[3], s[4] = s[2] + ev.draft_s, s[3] + ev.verify_s, s[4] + (ev.round_s or ev.verify_s)
@@ -58,22 +60,12 @@ def print_round_table(decoders: dict, prompts: list[list[int]], params) -> None:
             tokens[name] += len(out) - 1
         return out
 
-    names = list(decoders)
-    for name in names:  # warm-up: allocation, kernel selection
-        run(name, prompts[0], record=False)
-    for key in stats:
-        stats[key].clear()
-    for i, ids in enumerate(prompts):
-        k = i % len(names)
-        outs = {n: run(n, ids) for n in names[k:] + names[:k]}
-        for n in names[1:]:
-            if outs[n] != outs["ar"]:
-                raise SystemExit(f"{n}: output differs from AR on prompt {i}")
+    interleave(list(decoders), prompts, run)
     ar_speed = tokens["ar"] / wall["ar"]
     print(f"{len(prompts)} prompts x {params.max_new_tokens} tokens; AR {ar_speed:.1f} tok/s (decode)")
     print("| decoder | vs AR | round kind | rounds | accepted / round | draft ms | verify ms | round ms |")
     print("|---|---|---|---|---|---|---|---|")
-    for n in names:
+    for n in decoders:
         speed = tokens[n] / wall[n] / ar_speed
         for kind, (c, a, d, v, r) in sorted(stats[n].items()):
             ms = [f"{1e3 * x / c:.2f}" for x in (d, v, r)]

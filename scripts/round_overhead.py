@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import time
 
-from tree_ab import variant_parser, variant_setup
+from tree_ab import interleave, variant_parser, variant_setup
 
 from evospec.models import step as step_module
 
@@ -67,20 +67,12 @@ def main() -> None:
             t[0], t[1], t[2], t[3] = t[0] + wall, t[1] + rounds, t[2] + forward, t[3] + drafting
         return out
 
-    names = list(decoders)
-    for name in names:
-        run(name, prompts[0], record=False)
-    for i, ids in enumerate(prompts):
-        k = i % len(names)
-        outs = {n: run(n, ids) for n in names[k:] + names[:k]}
-        for n in names[1:]:
-            if outs[n] != outs["ar"]:
-                raise SystemExit(f"{n}: output differs from AR on prompt {i}")
+    interleave(list(decoders), prompts, run)
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens; ms a round (a step for AR)")
     print("| decoder | vs AR | rounds | wall | forward | drafting | rest |")
     print("|---|---|---|---|---|---|---|")
     ar_wall = totals["ar"][0]
-    for n in names:
+    for n in decoders:
         wall, rounds, forward, drafting = totals[n]
         parts = (wall, forward, drafting, wall - forward - drafting)
         ms = " | ".join(f"{1e3 * x / rounds:.3f}" for x in parts)

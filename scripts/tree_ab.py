@@ -92,6 +92,21 @@ def variant_setup(args: argparse.Namespace, names: dict[str, str] | None = None)
     return stack, decoders, prompts, SamplingParams(max_new_tokens=args.max_new_tokens)
 
 
+def interleave(names: list[str], prompts: list[list[int]], run) -> None:
+    """Every prompt on every decoder (``names``, "ar" among them), the order rotating between
+    prompts, after one warm-up run each that records nothing; ``run(name, ids, record)`` decodes
+    and returns the output ids, each checked equal to AR's (what ``round_costs.py`` and
+    ``round_overhead.py`` time)."""
+    for name in names:  # warm-up: allocation, kernel selection
+        run(name, prompts[0], False)
+    for i, ids in enumerate(prompts):
+        k = i % len(names)
+        outs = {n: run(n, ids, True) for n in names[k:] + names[:k]}
+        for n in names:
+            if outs[n] != outs["ar"]:
+                raise SystemExit(f"{n}: output differs from AR on prompt {i}")
+
+
 def main() -> None:
     ap = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD][%TABLE]", 2)
     ap.add_argument("--model", default=None, help="target model (default: the default model)")
