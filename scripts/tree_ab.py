@@ -2,6 +2,7 @@
 
 Each variant is ``METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB][@HEAD][%TABLE]`` (a
 1-wide chain of DEPTH drafted tokens, or with MIN_PROB as many as stay that likely, ``--min-prob``;
+DEPTH may be ``KxD`` or ``KxDxT``: a tree of top_k K, depth D and T tokens, K x D by default;
 TABLE_LOOKUP 0 also means no n-gram table; ``@HEAD``: this EAGLE-2 head folder instead of the
 shipped one, to A/B two heads in one run; ``%TABLE``: this n-gram table file instead of the
 model's, to A/B two tables). Every prompt runs AR and every
@@ -38,11 +39,13 @@ from evospec.models.eagle import load_eagle
 
 def variant_tree(spec: str) -> tuple[str, TreeConfig]:
     method, lookup, ngram, table, depth, *stop = spec.split("%")[0].split("@")[0].split(":")
-    d = int(depth)
+    shape = [int(x) for x in depth.split("x")]  # DEPTH, or TOP_KxDEPTH[xTOTAL]
+    k, d = (1, shape[0]) if len(shape) == 1 else shape[:2]
+    total = shape[2] if len(shape) > 2 else k * d
     tree = TreeConfig(
-        1,
+        k,
         d,
-        d,
+        total,
         lookup=int(lookup),
         lookup_ngram=int(ngram),
         table_lookup=int(table),

@@ -199,7 +199,7 @@ def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draf
     the root included), and the cache keeping the accepted path: (forward output, rows -- [N, V]
     logits or lazily projected ``NodeLogits`` --, path [a + 1] incl. the root, bonus token)."""
     prefix = cache.length
-    lazy = prefetch is not None and not recorded_chain(target, tree)
+    lazy = prefetch is not None and not recorded_verify(target, tree)
     vout = target(
         tree.tokens[None],
         tree.positions,
@@ -209,6 +209,7 @@ def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draf
         tree_mask=None if tree.chain or tree.size == 1 else tree.mask,
         logits="none" if lazy else ("last" if tree.size == 1 else "all"),
         aux_layers=draft_layers,
+        tree_rows=tree.bits,
     )
     rows = NodeLogits(tree, vout.hidden[0], target.project_logits, prefetch) if lazy else vout.logits[0]
     path, bonus = accept(tree, rows, params, gen, generated)
@@ -284,15 +285,16 @@ class _Pending:
         return feats, toks
 
 
-def recorded_chain(target: Transformer, tree: DraftTree) -> bool:
-    """True when ``tree`` is a chain the target verifies through a recorded graph
-    (``models/step.py``): project every row in that graph. The LM head reads its weights once
-    for all rows -- SmolLM2 int4 here: 0.76 ms for 3 rows, 0.59 ms for one -- and lazy
-    verification projected 1.15 rows per round of a 2-token chain, each on its own."""
+def recorded_verify(target: Transformer, tree: DraftTree) -> bool:
+    """True when the target verifies ``tree`` through a recorded graph (``models/step.py``: a
+    chain, or any tree where the graph takes trees): project every row in that graph. The LM
+    head reads its weights once for all rows -- SmolLM2 int4 here: 0.76 ms for 3 rows, 0.59 ms
+    for one -- and lazy verification projected 1.15 rows per round of a 2-token chain, each on
+    its own."""
     graph = target.step_graph
     if graph is None or graph.failed or tree.size > MAX_CHAIN:
         return False
-    return int(tree.depths[-1]) == tree.size - 1  # one node per depth
+    return graph.trees or tree.chain or int(tree.depths[-1]) == tree.size - 1  # one node per depth
 
 
 def _draft_features(out, draft_layers: tuple[int, ...]) -> torch.Tensor:

@@ -53,6 +53,7 @@ class DraftTree:
     # a sampled chain: proposals[i] is the draft distribution node i + 1 was drawn from (verify.py
     # then accepts by the ratio test); None: every node is a proposal of its own (a point mass)
     proposals: tuple[Proposal, ...] | None = None
+    bits: torch.Tensor | None = None  # [N] int64: mask's rows as bit sets (fused.tree_bits), if built
 
     @property
     def size(self) -> int:
@@ -118,6 +119,20 @@ def build_tree(
         return _build_chain(drafter, root_token, root_logp, root_ids, prefix_len, cfg, sampler)
     if sampler is not None:
         raise ValueError("sampled drafts make chains (tree.top_k 1)")
+    if cfg.depth == 1 and root_ids.device.type == "cpu":
+        return _build_fan(root_token, root_logp, root_ids, prefix_len, min(cfg.top_k, cfg.total_tokens))
+    return _build_expanded(drafter, root_token, root_logp, root_ids, prefix_len, cfg)
+
+
+def _build_expanded(
+    drafter: TreeExpander,
+    root_token: int,
+    root_logp: torch.Tensor,
+    root_ids: torch.Tensor,
+    prefix_len: int,
+    cfg: TreeConfig,
+) -> DraftTree:
+    """:func:`build_tree`'s general path: EAGLE-2's expansion and rerank in tensor ops."""
     k = cfg.top_k
     device = root_ids.device
     scores = [root_logp[:k].float()]  # per level: candidate scores
@@ -205,6 +220,38 @@ def _build_chain(
     if sampler is not None:  # a stop may leave the last draw undrafted
         tree.proposals = tuple(sampler.proposals[: len(tokens)])
     return tree
+
+
+def _build_fan(
+    root_token: int, root_logp: torch.Tensor, root_ids: torch.Tensor, prefix_len: int, k: int
+) -> DraftTree:
+    """A depth-1 tree from host values: the root's ``k`` most likely children (the tree
+    :func:`build_tree`'s general path keeps, in the same order), its shape shared by every round."""
+    k = min(k, root_ids.numel())
+    parents, depths, mask, bits = _fan_shape(k)
+    return DraftTree(
+        tokens=torch.tensor([root_token, *root_ids[:k].tolist()]),
+        parents=parents,
+        depths=depths,
+        mask=mask,
+        positions=depths + prefix_len,
+        scores=torch.tensor([0.0, *root_logp[:k].float().tolist()]),
+        max_depth=1,
+        bits=bits,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _fan_shape(k: int) -> tuple[torch.Tensor, ...]:
+    """The root and k children: (parents [k + 1], depths [k + 1], ancestor mask [k + 1, k + 1],
+    its rows as bit sets [k + 1]), shared by every round (callers never write them)."""
+    with torch.inference_mode(False):
+        depths = torch.ones(k + 1, dtype=torch.long)
+        depths[0] = 0
+        mask = torch.eye(k + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        bits = torch.tensor([1] + [1 | 1 << i for i in range(1, k + 1)])
+        return depths - 1, depths, mask, bits
 
 
 def chain_tree(root_token: int, drafted: list[int], prefix_len: int, device: torch.device) -> DraftTree:

@@ -47,6 +47,10 @@ CANDIDATES = (
     # a chain that stops where the draft's probability of it falls below 0.3: up to 4 tokens
     # where the head is sure, none (a plain step) where it is not (docs/benchmarks.md, wave 13)
     TreeConfig(top_k=1, depth=4, total_tokens=4, min_prob=0.3),
+    # fans: the draft's 2 or 3 most likely first tokens from one draft step, verified as one
+    # recorded tree forward where the target's graphs take trees (docs/benchmarks.md, wave 44)
+    TreeConfig(top_k=2, depth=1, total_tokens=2),
+    TreeConfig(top_k=3, depth=1, total_tokens=3),
     TreeConfig(top_k=2, depth=3, total_tokens=6),
     TreeConfig(top_k=3, depth=4, total_tokens=10),
     TreeConfig(top_k=4, depth=4, total_tokens=16),
@@ -57,6 +61,7 @@ CANDIDATES = (
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3),
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=1),
     TreeConfig(top_k=1, depth=2, total_tokens=2, lookup=3),
+    TreeConfig(top_k=2, depth=1, total_tokens=2, lookup=3),
 )
 # ngram has no draft: only the lookup's length and shortest match matter
 NGRAM_CANDIDATES = (
@@ -71,6 +76,7 @@ TABLE_CANDIDATES = (
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, table_lookup=1),
     TreeConfig(top_k=1, depth=2, total_tokens=2, lookup=3, table_lookup=1),
     TreeConfig(top_k=1, depth=4, total_tokens=4, lookup=3, table_lookup=1, min_prob=0.3),
+    TreeConfig(top_k=2, depth=1, total_tokens=2, lookup=3, table_lookup=1),
 )
 NGRAM_TABLE_CANDIDATES = (
     TreeConfig(top_k=1, depth=1, total_tokens=1, lookup=3, lookup_ngram=2, table_lookup=1),
@@ -411,8 +417,9 @@ class Tuner:
         # and a prompt that answers from its context (older entries never tried them); v6: AR timed
         # beside every shape; the n-gram table's shapes are in the candidates where draft_id names one;
         # v7: every graph recorded and warmed before timing, stopping chains among the candidates;
-        # v8: the leading shapes play a final (TREE_FINALISTS)
-        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v8"])
+        # v8: the leading shapes play a final (TREE_FINALISTS); v9: fans (depth-1 trees) among
+        # the candidates, verified through recorded tree graphs
+        return "|".join([*parts, f"verify-{self.verify_logits}", "prompts-v9"])
 
     def _cached(self, key: str, measure: Callable[[], Steps[dict]]) -> Steps[dict]:
         """The cache's entry ``key``, measured by ``measure`` and stored first if missing (the

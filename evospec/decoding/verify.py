@@ -61,6 +61,13 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
     """
     if tree.chain:
         return _greedy_chain(tree, logits)
+    if logits.device.type == "cpu":
+        return _greedy_host(tree, logits)
+    return _greedy_tensors(tree, logits)
+
+
+def _greedy_tensors(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`greedy_accept` for a branching tree in tensor ops (an accelerator's logits)."""
     pred = greedy_ids(logits)  # [N]
     parent = tree.parents.clamp(min=0)
     correct = tree.tokens == pred[parent]
@@ -82,6 +89,21 @@ def _greedy_chain(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, 
     while a + 1 < len(drafted) and drafted[a + 1] == pred[a]:
         a += 1
     return tree.depths[: a + 1], pred[a]  # a chain's depths are its node indices
+
+
+def _greedy_host(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`greedy_accept` for a branching tree whose logits sit on the host: the N argmaxes
+    read once, the path walked over the tree's lists (the vectorised pass is ~10 small tensor
+    ops, each slow right after a forward)."""
+    pred = greedy_ids(logits).tolist()  # [N]
+    children: dict[tuple[int, int], int] = {}
+    for node, (par, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
+        if par >= 0:
+            children.setdefault((par, tok), node)  # siblings are distinct tokens
+    path = [0]
+    while (child := children.get((path[-1], pred[path[-1]]))) is not None:
+        path.append(child)
+    return torch.tensor(path, device=tree.tokens.device), pred[path[-1]]
 
 
 def greedy_walk(tree: DraftTree, rows: Rows) -> tuple[torch.Tensor, int]:

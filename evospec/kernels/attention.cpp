@@ -4,7 +4,11 @@
 //   decode_attention(q f32 [B, H, n, Dh], keys, values f32 or f16 [B, Hk, S, Dh], mask?, scale,
 //                    window = 0) -> softmax(scale q k^T) v, f32 [B, H, n, Dh]
 // Row j of n sees the first S - n + 1 + j keys: n = 1 is a step; a chain verified after the
-// cache has each row see the cache and the rows before it; a prefill's rows are causal. mask
+// cache has each row see the cache and the rows before it; a prefill's rows are causal. tree
+// (int64 [n], n <= 64, no mask or window): the last n keys are a draft tree's nodes, parents
+// before children, and row j sees the keys before them and the nodes i with bit i of tree[j] set
+// (its ancestors and itself: bit j set, none above), as a one-token step sees those keys laid out
+// behind the prefix: its total is summed over them so laid out (total_of), the same bits. mask
 // (n = 1 only) hides keys (True = attend); window > 0 (a sliding-window layer) also hides a
 // row's keys more than window - 1 behind its last one. H is a multiple of Hk (grouped
 // queries). A head size that is not a multiple of 16 is padded with zeros (copies: tiny test
@@ -212,6 +216,8 @@ struct Rows {
   float* out[kMaxRows];
   int64_t keys[kMaxRows];
   int64_t lo[kMaxRows];  // its first visible key (a window's), hidden before it; 0 without one
+  uint64_t tree[kMaxRows];  // a tree's rows: the nodes it sees (bit i: node i, key tree_first + i)
+  int64_t tree_first = -1;  // the first tree node's key; -1: no tree (every key up to its own seen)
   int nr;
 };
 
@@ -334,13 +340,39 @@ void exp_shifted(float* __restrict__ s, int64_t n, float m) {
   }
 }
 
-// Row r's scores -> its e's (in place, 0 before `lo` and past its keys up to a whole block);
-// returns 1 / total.
-float softmax_row(float* s, int64_t count, int64_t t0, int64_t lo, const bool* mask) {
+// The sum of e[0, count) in 16 lanes (e[i] in lane i mod 16, in order) and the fixed tree over
+// the lanes. With a tree (tree_first >= 0), the e's of the tree keys the row does not see are left
+// out and the rest moved down behind the prefix, as a one-token step lays out its keys: the same
+// lanes, so the same bits as that step's total.
+float total_of(const float* e, int64_t count, int64_t t0, int64_t tree_first, uint64_t seen) {
+  V total = {};
+  if (tree_first < 0) {
+    for (int64_t i = 0; i < count; i += kW) total += load(e + i);
+    return sum16(total);
+  }
+  const int64_t base = tree_first - t0, whole = base / kW * kW;  // keys before the tree; whole blocks of them
+  for (int64_t i = 0; i < whole; i += kW) total += load(e + i);
+  float tail[2 * kW + 64];  // the last prefix block's keys, then the <= 64 tree keys seen, padded
+  int64_t w = 0;
+  for (int64_t i = whole; i < base; ++i) tail[w++] = e[i];
+  for (int64_t i = base; i < count; ++i)
+    if (i - base < 64 && ((seen >> (i - base)) & 1)) tail[w++] = e[i];
+  for (; w % kW; ++w) tail[w] = 0.0f;
+  for (int64_t i = 0; i < w; i += kW) total += load(tail + i);
+  return sum16(total);
+}
+
+// Row r's scores -> its e's (in place, 0 before `lo`, for a tree's nodes it does not see and past
+// its keys up to a whole block); returns 1 / total.
+float softmax_row(float* s, int64_t count, int64_t t0, int64_t lo, const bool* mask, int64_t tree_first,
+                  uint64_t seen) {
   const int64_t padded = (count + kW - 1) / kW * kW;
   if (mask)
     for (int64_t i = 0; i < count; ++i) s[i] = mask[t0 + i] ? s[i] : -INFINITY;
   for (int64_t i = 0; i < lo - t0 && i < count; ++i) s[i] = -INFINITY;
+  if (tree_first >= 0)
+    for (int64_t i = tree_first - t0; i < count; ++i)
+      if (!((seen >> (i - (tree_first - t0))) & 1)) s[i] = -INFINITY;
   for (int64_t i = count; i < padded; ++i) s[i] = -INFINITY;
   V best = splat(-INFINITY);
   for (int64_t i = 0; i < padded; i += kW) {
@@ -348,9 +380,7 @@ float softmax_row(float* s, int64_t count, int64_t t0, int64_t lo, const bool* m
     best = vmax(x, best);
   }
   exp_shifted(s, padded, max16(best));
-  V total = {};
-  for (int64_t i = 0; i < padded; i += kW) total += load(s + i);
-  return 1.0f / sum16(total);
+  return 1.0f / total_of(s, padded, t0, tree_first, seen);
 }
 
 // out_r += sum over keys [ta, te) of e_r[t] v_t for the rows [r0, r0 + NR), CW vectors of each
@@ -450,7 +480,7 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
     score_block(rows, kb, ks, tb, end, t0, dh, sc, score, stride, zeros);
   float inv[kMaxRows];
   for (int r = 0; r < rows.nr; ++r)
-    inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask);
+    inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask, rows.tree_first, rows.tree[r]);
   weigh_rows<T>(rows, vb, vs, t0, end, dh, score, stride, inv);
 }
 
@@ -470,7 +500,9 @@ void run_job(const AttentionJobs& a, int64_t job, float* score, const T* zeros) 
     rows.out[i] = a.out + row * a.dh;
     rows.keys[i] = a.s - a.n + 1 + j;
     rows.lo[i] = a.window > 0 ? std::max<int64_t>(0, rows.keys[i] - a.window) : 0;
+    rows.tree[i] = a.tree ? static_cast<uint64_t>(a.tree[j]) : 0;
   }
+  rows.tree_first = a.tree ? a.s - a.n : -1;
   const bool* mr = a.mask ? a.mask + (a.per_batch ? bi * a.s : 0) : nullptr;
   int64_t t0 = 0;  // a masked leading run (left padding) is skipped, if the row sees any key
   while (mr && t0 < a.s && !mr[t0]) ++t0;
@@ -528,8 +560,28 @@ void run_attention_jobs(const AttentionJobs& a, int64_t first, int64_t last) {
     run_jobs<float>(a, first, last);
 }
 
+at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                               const std::optional<at::Tensor>& mask, double scale, int64_t window,
+                               const std::optional<at::Tensor>& tree) {
+  if (!tree.has_value() || !tree->defined()) return decode_attention_tree(q, keys, values, mask, scale, window, nullptr);
+  const int64_t n = q.size(2);
+  TORCH_CHECK(tree->scalar_type() == at::kLong && tree->dim() == 1 && tree->size(0) == n && tree->is_contiguous(),
+              "decode_attention: tree must be contiguous int64 [n]");
+  const auto* bits = tree->data_ptr<int64_t>();
+  for (int64_t j = 0; j < n && n <= 64; ++j)
+    TORCH_CHECK((static_cast<uint64_t>(bits[j]) >> j) == 1, "decode_attention: tree row ", j,
+                " must see itself and no later row");
+  return decode_attention_tree(q, keys, values, mask, scale, window, bits);
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const std::optional<at::Tensor>& mask, double scale, int64_t window) {
+  return decode_attention_tree(q, keys, values, mask, scale, window, nullptr);
+}
+
+at::Tensor decode_attention_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                 const std::optional<at::Tensor>& mask, double scale, int64_t window,
+                                 const int64_t* tree) {
   const auto kt = keys.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat && (kt == at::kFloat || kt == at::kHalf) && values.scalar_type() == kt,
               "decode_attention: q must be float32, keys and values both float32 or both float16");
@@ -553,15 +605,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   }
   if (dh % kW) {  // zero lanes up to a multiple of 16 add exact zeros: the same sums, padded copies
     const int64_t pad = kW - dh % kW;
-    return decode_attention(at::constant_pad_nd(q, {0, pad}), at::constant_pad_nd(keys, {0, pad}),
-                            at::constant_pad_nd(values, {0, pad}), mask, scale, window)
+    return decode_attention_tree(at::constant_pad_nd(q, {0, pad}), at::constant_pad_nd(keys, {0, pad}),
+                                 at::constant_pad_nd(values, {0, pad}), mask, scale, window, tree)
         .narrow(3, 0, dh)
         .contiguous();
   }
   auto qc = q.contiguous();
   auto out = at::empty({b, h, n, dh}, q.options());
-  const auto jobs = plan_attention(qc.data_ptr<float>(), out.data_ptr<float>(), keys, values, h, n, s, mp, per_batch,
-                                   static_cast<float>(scale), window, at::get_num_threads());
+  TORCH_CHECK(!tree || (!mp && window == 0 && n <= 64), "decode_attention: a tree takes no mask or window, <= 64 rows");
+  auto jobs = plan_attention(qc.data_ptr<float>(), out.data_ptr<float>(), keys, values, h, n, s, mp, per_batch,
+                             static_cast<float>(scale), window, at::get_num_threads());
+  jobs.tree = tree;
   at::parallel_for(0, jobs.jobs(), jobs.grain,
                    [&](int64_t first, int64_t last) { run_attention_jobs(jobs, first, last); });
   return out;
@@ -570,7 +624,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }  // namespace evospec_attention
 
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale, int window=0) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale, int window=0, "
+        "Tensor? tree=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("decode_attention", &evospec_attention::decode_attention); }
+TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("decode_attention", &evospec_attention::decode_attention_op); }

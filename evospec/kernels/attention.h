@@ -13,6 +13,14 @@ namespace evospec_attention {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const std::optional<at::Tensor>& mask, double scale, int64_t window = 0);
 
+// decode_attention for the n rows of a draft tree written at the last n slots (parents before
+// children): row j sees the keys before the tree and the tree nodes i whose bit i is set in
+// tree[j] (its ancestors and itself: bit j set, none above it; n <= 64; no mask or window), with
+// the bits of a one-token step that sees those keys laid out behind the prefix. Null: decode_attention.
+at::Tensor decode_attention_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                 const std::optional<at::Tensor>& mask, double scale, int64_t window,
+                                 const int64_t* tree);
+
 // One decode_attention call as jobs a caller runs on its own threads (llama_layer.cpp's team):
 // any split of [0, jobs()) gives the op's bits. Pointers into q, out, keys and values (float32,
 // or float16 keys and values; contiguous q and out, keys and values with a contiguous last dim,
@@ -30,6 +38,7 @@ struct AttentionJobs {
   float scale;
   int64_t window;
   int64_t rb, blocks, stride, grain;  // rows per block, blocks per KV head, score row stride, threading grain
+  const int64_t* tree = nullptr;  // a draft tree's rows: per row j, the nodes it sees (decode_attention_tree)
   int64_t jobs() const { return b * hk * blocks; }
 };
 

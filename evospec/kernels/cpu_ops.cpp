@@ -9,7 +9,8 @@
 //   llama_layer(...): one decoder layer (a step, a row-exact chain, causal prefill rows): the
 //                     calls above plus attention.cpp's decode_attention and int4_matmul's, as
 //                     fused.py's loop makes them (one team of threads: llama_layer.cpp)
-//   llama_stack(...): a model's layers as one op, llama_layer's contract for each
+//   llama_stack(...): a model's layers as one op, llama_layer's contract for each; with `tree`, the
+//                     rows of a draft tree (each sees its ancestors: attention.h's decode_attention_tree)
 //   llama_stack_seqs(...): one token of each of several sequences, each in its own caches
 //   draft_step(...):  an EAGLE-2 draft head's step (fc, then its layer) as one op
 //   draft_step_ids(...): draft_step from token ids, features and RoPE tables (its pairs built in the op)
@@ -250,30 +251,56 @@ bool layer_team_enabled() {
 // `layer` in k_cache / v_cache [L, B, Hk, S, Dh], and row j attends to the first end - n + 1 + j.
 // Returns (x, h) after the layer (h normed by next_w; the last layer, without it, returns x + mlp
 // and the post-attention h).
-std::tuple<at::Tensor, at::Tensor> llama_layer(
+std::tuple<at::Tensor, at::Tensor> llama_layer_tree(
     const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& o_w,
     const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& post_w,
     const std::optional<at::Tensor>& next_w, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer, const at::Tensor& slots, int64_t b,
-    int64_t n, int64_t hq, int64_t hk, double scale, double eps) {
+    int64_t n, int64_t hq, int64_t hk, double scale, double eps, const int64_t* tree) {
   const int64_t end = slots.size(0);  // a tensor, not an int: a traced graph keeps its size symbolic
   TORCH_CHECK(x.dim() == 2 && x.size(0) == b * n && h.sizes() == x.sizes(), "llama_layer: x, h must be [B n, D]");
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && end >= n && end <= k_cache.size(3),
               "llama_layer: the cache cannot hold these slots");
   if (layer_team_enabled() && evospec_layer::team_applies(x, h, cos, sin, k_cache, v_cache, n))
     return evospec_layer::stack_team(x, h, {{layer, qkv_w, o_w, gate_up_w, down_w, post_w, next_w}}, cos, sin,
-                                     k_cache, v_cache, end, b, n, hq, hk, scale, eps);
+                                     k_cache, v_cache, end, b, n, hq, hk, scale, eps, tree);
   auto [q, k, v] = rope_qkv(int4_rows(h, qkv_w).view({b, n, -1}), cos, sin, hq, hk);
   auto keys = k_cache.select(0, layer), values = v_cache.select(0, layer);  // [B, Hk, S, Dh]
   keys.narrow(2, end - n, n).copy_(k);
   values.narrow(2, end - n, n).copy_(v);
-  auto out = evospec_attention::decode_attention(q, keys.narrow(2, 0, end), values.narrow(2, 0, end),
-                                                 std::nullopt, scale, 0);
+  auto out = evospec_attention::decode_attention_tree(q, keys.narrow(2, 0, end), values.narrow(2, 0, end),
+                                                      std::nullopt, scale, 0, tree);
   out = out.transpose(1, 2).to(at::kBFloat16, false, false, at::MemoryFormat::Contiguous).view({b * n, -1});
   auto [x1, h1] = add_rms_norm_bf16(x, int4_rows(out, o_w), post_w, eps);
   auto mlp = int4_rows(silu_mul_bf16(int4_rows(h1, gate_up_w)), down_w);
   if (next_w.has_value() && next_w->defined()) return add_rms_norm_bf16(x1, mlp, *next_w, eps);
   return {x1 + mlp, h1};
+}
+
+std::tuple<at::Tensor, at::Tensor> llama_layer(
+    const at::Tensor& x, const at::Tensor& h, const at::Tensor& qkv_w, const at::Tensor& o_w,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& post_w,
+    const std::optional<at::Tensor>& next_w, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer, const at::Tensor& slots, int64_t b,
+    int64_t n, int64_t hq, int64_t hk, double scale, double eps) {
+  return llama_layer_tree(x, h, qkv_w, o_w, gate_up_w, down_w, post_w, next_w, cos, sin, k_cache, v_cache, layer,
+                          slots, b, n, hq, hk, scale, eps, nullptr);
+}
+
+// A draft tree's rows for llama_stack: null for none; else n <= 64 int64 bit sets of one sequence,
+// row j's with bit j set and none above it (its ancestors come before it).
+const int64_t* tree_bits(const std::optional<at::Tensor>& tree, int64_t b, int64_t n) {
+  if (!tree.has_value() || !tree->defined()) return nullptr;
+  TORCH_CHECK(tree->scalar_type() == at::kLong && tree->dim() == 1 && tree->size(0) == n && tree->is_contiguous() &&
+                  b == 1 && n <= 64,
+              "llama_stack: tree must be contiguous int64 [n], n <= 64, one sequence");
+  const auto* bits = tree->data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    const auto row = static_cast<uint64_t>(bits[j]);
+    TORCH_CHECK((row >> j) == 1,
+                "llama_stack: tree row ", j, " must see itself and no later row");
+  }
+  return bits;
 }
 
 
@@ -285,8 +312,9 @@ std::tuple<at::Tensor, at::Tensor> llama_stack(
     const at::Tensor& x, const at::Tensor& h, at::TensorList qkv_ws, at::TensorList o_ws, at::TensorList gate_up_ws,
     at::TensorList down_ws, at::TensorList post_ws, at::TensorList next_ws, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-    int64_t b, int64_t n, int64_t hq, int64_t hk, double scale, double eps) {
+    int64_t b, int64_t n, int64_t hq, int64_t hk, double scale, double eps, const std::optional<at::Tensor>& tree) {
   const size_t count = qkv_ws.size();
+  const int64_t* bits = tree_bits(tree, b, n);
   TORCH_CHECK(count >= 1 && o_ws.size() == count && gate_up_ws.size() == count && down_ws.size() == count &&
                   post_ws.size() == count && next_ws.size() + 1 == count,
               "llama_stack: L weights of each kind and L - 1 next norms");
@@ -300,13 +328,14 @@ std::tuple<at::Tensor, at::Tensor> llama_stack(
     for (size_t i = 0; i < count; ++i)
       layers.push_back({static_cast<int64_t>(i), qkv_ws[i], o_ws[i], gate_up_ws[i], down_ws[i], post_ws[i],
                         i + 1 < count ? std::optional<at::Tensor>(next_ws[i]) : std::nullopt});
-    return evospec_layer::stack_team(x, h, layers, cos, sin, k_cache, v_cache, end, b, n, hq, hk, scale, eps);
+    return evospec_layer::stack_team(x, h, layers, cos, sin, k_cache, v_cache, end, b, n, hq, hk, scale, eps, bits);
   }
   at::Tensor xi = x, hi = h;
   for (size_t i = 0; i < count; ++i) {
     const auto next = i + 1 < count ? std::optional<at::Tensor>(next_ws[i]) : std::nullopt;
-    std::tie(xi, hi) = llama_layer(xi, hi, qkv_ws[i], o_ws[i], gate_up_ws[i], down_ws[i], post_ws[i], next, cos, sin,
-                                   k_cache, v_cache, static_cast<int64_t>(i), slots, b, n, hq, hk, scale, eps);
+    std::tie(xi, hi) = llama_layer_tree(xi, hi, qkv_ws[i], o_ws[i], gate_up_ws[i], down_ws[i], post_ws[i], next, cos,
+                                        sin, k_cache, v_cache, static_cast<int64_t>(i), slots, b, n, hq, hk, scale,
+                                        eps, bits);
   }
   return {xi, hi};
 }
@@ -352,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor> llama_stack_seqs(
     auto slots = at::empty({ends[i]}, x.options().dtype(at::kByte));
     auto [xi, hi] = llama_stack(x.narrow(0, i, 1), h.narrow(0, i, 1), qkv_ws, o_ws, gate_up_ws, down_ws, post_ws,
                                 next_ws, cos.narrow(0, i, 1).contiguous(), sin.narrow(0, i, 1).contiguous(),
-                                k_caches[i], v_caches[i], slots, 1, 1, hq, hk, scale, eps);
+                                k_caches[i], v_caches[i], slots, 1, 1, hq, hk, scale, eps, std::nullopt);
     xs.push_back(xi);
     hs.push_back(hi);
   }
@@ -455,7 +484,7 @@ TORCH_LIBRARY(evospec, m) {
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
   m.def("llama_stack(Tensor x, Tensor h, Tensor[] qkv_ws, Tensor[] o_ws, Tensor[] gate_up_ws, Tensor[] down_ws, "
         "Tensor[] post_ws, Tensor[] next_ws, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, Tensor slots, "
-        "int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
+        "int b, int n, int hq, int hk, float scale, float eps, Tensor? tree=None) -> (Tensor, Tensor)");
   m.def("llama_stack_seqs(Tensor x, Tensor h, Tensor[] qkv_ws, Tensor[] o_ws, Tensor[] gate_up_ws, "
         "Tensor[] down_ws, Tensor[] post_ws, Tensor[] next_ws, Tensor cos, Tensor sin, Tensor[] k_caches, "
         "Tensor[] v_caches, int[] ends, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");

@@ -419,13 +419,15 @@ std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Ten
                                               const std::vector<StackLayer>& layers, const at::Tensor& cos,
                                               const at::Tensor& sin, const at::Tensor& k_cache,
                                               const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
-                                              int64_t hq, int64_t hk, double scale, double eps) {
+                                              int64_t hq, int64_t hk, double scale, double eps,
+                                              const int64_t* tree) {
   const int64_t m = b * n, d = x.size(1), dh = cos.size(-1);
   const auto ws = layer_weights(layers, d, dh, hq, hk, true);
   const int team_size = at::get_num_threads();
   thread_local Scratch sc;
-  const Plan p = make_plan(ws, layers.front().layer, d, cos, sin, k_cache, v_cache, end, b, n, d, hq, hk, scale, eps,
-                           team_size, sc);
+  Plan p = make_plan(ws, layers.front().layer, d, cos, sin, k_cache, v_cache, end, b, n, d, hq, hk, scale, eps,
+                     team_size, sc);
+  p.att.tree = tree;
   auto x_out = at::empty_like(x), h_out = at::empty_like(h);
   run_stack(p, ws, sc, x, h, x_out, h_out, team_size);
   if (m > kKeepRows) sc = Scratch{};
@@ -539,7 +541,7 @@ at::Tensor draft_team(const at::Tensor& pairs, const at::Tensor& fc_w, const std
 std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor&, const at::Tensor&, const std::vector<StackLayer>&,
                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                               const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
-                                              double) {
+                                              double, const int64_t*) {
   TORCH_CHECK(false, "stack_team needs the AVX2 or VNNI build of the op library");
 }
 

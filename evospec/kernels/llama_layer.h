@@ -29,12 +29,14 @@ struct StackLayer {
 };
 
 // Consecutive layers run by one team of threads, each with llama_layer's contract (cpu_ops.cpp);
-// `end` is the cache length after them. Returns (x, h) after the last.
+// `end` is the cache length after them. Returns (x, h) after the last. `tree` (one sequence): the
+// n rows are a draft tree's nodes, row j seeing the nodes of its bits (decode_attention_tree).
 std::tuple<at::Tensor, at::Tensor> stack_team(const at::Tensor& x, const at::Tensor& h,
                                               const std::vector<StackLayer>& layers, const at::Tensor& cos,
                                               const at::Tensor& sin, const at::Tensor& k_cache,
                                               const at::Tensor& v_cache, int64_t end, int64_t b, int64_t n,
-                                              int64_t hq, int64_t hk, double scale, double eps);
+                                              int64_t hq, int64_t hk, double scale, double eps,
+                                              const int64_t* tree = nullptr);
 
 // Whether stack_seqs_team serves these rows: team_applies' terms for each sequence's cache (one
 // sequence each, all of one element type) and RoPE tables of one row per sequence, [B, Dh].

@@ -49,6 +49,28 @@ _BF16_INPUT = (Int4Matmul, Int8Matmul, Bf16Matmul)  # matmuls that cast their in
 
 
 @dataclass(frozen=True)
+class TreeRows:
+    """The rows of a draft tree verified by one ``llama_stack`` op (a recorded tree forward,
+    ``models/step.py``): row j sees the cache and the tree nodes whose bits are set in
+    ``bits[j]`` -- its ancestors and itself -- with the bits of a one-token step that sees them
+    (``decode_attention_tree`` in ``kernels/attention.h``)."""
+
+    bits: torch.Tensor  # [n] int64
+
+
+def supports_tree_rows(model: nn.Module) -> bool:
+    """Whether ``model``'s forwards can verify :class:`TreeRows` in one ``llama_stack`` op: a
+    Llama model on the fused ops with every linear on our int4 kernel."""
+    return bool(getattr(model, "fused_ops", False)) and not model.cfg.is_gemma and int4_layers(model)
+
+
+def tree_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A tree's ancestor mask [n, n] bool (row i sees node j) -> :class:`TreeRows`' bits [n] int64."""
+    n = mask.shape[0]
+    return (mask.to(torch.long) << torch.arange(n, device=mask.device)).sum(1)
+
+
+@dataclass(frozen=True)
 class GemmaNorms:
     """A Gemma-3 block's norm weights as its fused ops take them: 1 + w, float32 [D] ([Dh] for
     q and k), from the block's RMSNorm parameters (frozen targets: computed once)."""
@@ -122,10 +144,12 @@ def run_fused_layers(
     ropes: tuple,  # (global, local) cos/sin tables for these positions
     cache,
     masks: dict[bool, torch.Tensor | None],  # by layer kind: sliding or not (Transformer's)
-    rows: list | None,
+    rows: list | TreeRows | None,
     aux_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The blocks of ``model`` over x: (last block's output [B, n, D] f32, requested layers)."""
+    """The blocks of ``model`` over x: (last block's output [B, n, D] f32, requested layers).
+    :class:`TreeRows` (where :func:`supports_tree_rows`, no ``aux_layers``) go through one
+    ``llama_stack`` op."""
     ops = torch.ops.evospec
     cfg = model.cfg
     eps = cfg.rms_norm_eps
@@ -138,6 +162,14 @@ def run_fused_layers(
     # layer's ~80 nodes in a recorded step, and a step replays every node.
     x = x.view(b * n, dim)  # f32 residual stream
     h = ops.rms_norm_bf16(x, input_norm(layers[0]), eps)  # [B n, D] bf16
+    if isinstance(rows, TreeRows):
+        if aux_layers or not supports_tree_rows(model):
+            raise ValueError(
+                "tree rows run as one llama_stack op: a Llama model on int4 kernels, no aux layers"
+            )
+        slots = _slot_tensor(cache, n)
+        x, _ = _stack_op(model, x, h, (b, n), *ropes[False], cache, slots, eps, rows.bits)
+        return x.view(b, n, dim), []
     one_op = _layer_op_applies(model, cache, masks[False], rows)
     slots = _slot_tensor(cache, n) if one_op else None  # [length + n]: where this forward writes
     if one_op and not gemma and not aux_layers:  # every layer in one op: one node, one team of threads
@@ -195,14 +227,15 @@ def stack_weights(model: nn.Module) -> tuple[list[torch.Tensor], ...]:
     )
 
 
-def _stack_op(model, x, h, shape, cos, sin, cache, slots, eps):
+def _stack_op(model, x, h, shape, cos, sin, cache, slots, eps, tree=None):
     """Every Llama layer as one ``llama_stack`` op: layer i's output normed by layer i + 1's input
-    norm, the last layer's x and post-attention h returned (what the layer ops chain gives)."""
+    norm, the last layer's x and post-attention h returned (what the layer ops chain gives);
+    ``tree``: :class:`TreeRows`' bits."""
     b, n = shape
     attn = model.layers[0].self_attn
     return torch.ops.evospec.llama_stack(
         x, h, *stack_weights(model), cos, sin, cache.k, cache.v, slots, b, n,
-        attn.num_heads, attn.num_kv_heads, attn.scale, eps,
+        attn.num_heads, attn.num_kv_heads, attn.scale, eps, tree,
     )  # fmt: skip
 
 

@@ -67,9 +67,19 @@ class KVCache:
         Used after tree verification: the accepted path's slots move right behind the
         committed prefix and everything after them is dropped.
         """
-        m = int(src_slots.numel())
-        if m:
-            idx = src_slots.to(self.k.device)
-            self.k[:, :, :, dst_start : dst_start + m] = self.k.index_select(3, idx)
-            self.v[:, :, :, dst_start : dst_start + m] = self.v.index_select(3, idx)
+        slots = src_slots.tolist()
+        m = len(slots)
+        moved = [
+            i for i, s in enumerate(slots) if s != dst_start + i
+        ]  # a path's first nodes often lie in place
+        if len(moved) == 1:  # a fan's child, or a path's last node: one slot of every layer
+            src, dst = slots[moved[0]], dst_start + moved[0]
+            self.k.select(3, dst).copy_(self.k.select(3, src))
+            self.v.select(3, dst).copy_(self.v.select(3, src))
+        elif moved:
+            first = moved[0]
+            idx = src_slots[first:].to(self.k.device)
+            dst = slice(dst_start + first, dst_start + m)
+            self.k[:, :, :, dst] = self.k.index_select(3, idx)
+            self.v[:, :, :, dst] = self.v.index_select(3, idx)
         self.length = dst_start + m

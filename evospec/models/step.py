@@ -19,6 +19,10 @@ new cache length (~50 s each) and fused the elementwise ops (other rounding).
 If recording fails (a module the tracer cannot follow, a torch without ``torch.jit``), that
 is logged once and the eager forward runs from then on.
 
+Draft trees of up to ``MAX_CHAIN`` nodes are recorded too where the whole stack is one
+``llama_stack`` op (``fused.supports_tree_rows``): the tree's ancestor bits are one more input
+(``fused.TreeRows``), each row getting the bits of a one-token step at its node.
+
 Scope: one sequence, no attention mask, chains of up to ``MAX_CHAIN`` tokens. Models with
 sliding-window layers (Gemma-3) are recorded only on the fused ops, whose attention hides the
 keys past the window itself (elsewhere their one-token masks depend on the position);
@@ -36,6 +40,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from evospec.models.fused import TreeRows, supports_tree_rows
 from evospec.models.packing import PackedMatmul
 
 log = logging.getLogger(__name__)
@@ -74,16 +79,18 @@ class _ChainRow:
 
 
 class _Step(nn.Module):
-    """(tokens [1, n], positions [n], k, v, slots [length + n]) -> (logits, hidden [1, n, D],
-    *the outputs of ``aux`` layers); logits [1, n, V] (``all``), [1, 1, V] (``last``) or absent
-    (``none``)."""
+    """(tokens [1, n], positions [n], k, v, slots [length + n][, tree bits [n]]) -> (logits,
+    hidden [1, n, D], *the outputs of ``aux`` layers); logits [1, n, V] (``all``), [1, 1, V]
+    (``last``) or absent (``none``). ``tree``: the rows are a draft tree's (``fused.TreeRows``)."""
 
-    def __init__(self, model: nn.Module, n: int, logits: str, aux: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, model: nn.Module, n: int, logits: str, aux: tuple[int, ...] = (), tree: bool = False
+    ) -> None:
         super().__init__()
-        self.model, self.logits, self.aux = model, logits, aux
+        self.model, self.logits, self.aux, self.tree = model, logits, aux, tree
         self.rows = None if n == 1 else [_ChainRow(n - 1 - j) for j in range(n)]
 
-    def forward(self, tokens, positions, k, v, slots):
+    def forward(self, tokens, positions, k, v, slots, *tree_bits):
         m = self.model
         x = m.embed_tokens(tokens)
         if m.cfg.embed_scale != 1.0:
@@ -91,7 +98,8 @@ class _Step(nn.Module):
         rope_g = m.rope_global(positions, x.dtype)
         rope_l = m.rope_local(positions, x.dtype) if m.cfg.is_gemma else rope_g
         cache = _SlotCache(k, v, slots)
-        x, aux = m.run_layers(x, (rope_g, rope_l), cache, {False: None, True: None}, self.rows, self.aux)
+        rows = TreeRows(tree_bits[0]) if self.tree else self.rows
+        x, aux = m.run_layers(x, (rope_g, rope_l), cache, {False: None, True: None}, rows, self.aux)
         hidden = m.norm(x)
         if self.logits == "none":
             return (hidden, *aux)
@@ -136,7 +144,8 @@ class StepGraph:
                 "layers only on the fused CPU ops"
             )
         self.model = model
-        self._graphs: dict[tuple, torch.jit.ScriptModule] = {}  # (n, logits[, aux layers]) -> graph
+        self.trees = supports_tree_rows(model)  # draft trees verified through graphs too
+        self._graphs: dict[tuple, torch.jit.ScriptModule] = {}  # (n, logits[, aux layers][, "tree"]) -> graph
         self._slots = torch.zeros(64)
         self.failed = False  # recording failed: the eager forward runs
 
@@ -145,17 +154,21 @@ class StepGraph:
         self._graphs, self.failed = {}, False
 
     @staticmethod
-    def _key(n: int, logits: str, aux: tuple[int, ...]) -> tuple:
-        return (n, logits) if not aux else (n, logits, tuple(aux))
+    def _key(n: int, logits: str, aux: tuple[int, ...], tree: bool = False) -> tuple:
+        key = (n, logits) if not aux else (n, logits, tuple(aux))
+        return (*key, "tree") if tree else key
 
-    def record(self, n: int, logits: str = "last", aux: tuple[int, ...] = ()) -> bool:
+    def record(self, n: int, logits: str = "last", aux: tuple[int, ...] = (), tree: bool = False) -> bool:
         """Record the graph for ``n``-token forwards with ``logits`` (and the outputs of layers
-        ``aux``, for EAGLE-3 drafts) now (~1 s for SmolLM2 here), so that the first request does
-        not wait for it. False if recording failed."""
-        key = self._key(n, logits, aux)
+        ``aux``, for EAGLE-3 drafts; ``tree``: of a draft tree's rows, where :attr:`trees`) now
+        (~1 s for SmolLM2 here), so that the first request does not wait for it. False if
+        recording failed."""
+        if tree and (aux or not self.trees):
+            raise ValueError("tree forwards are recorded on one llama_stack op, without aux layers")
+        key = self._key(n, logits, aux, tree)
         if key not in self._graphs and not self.failed and n <= MAX_CHAIN:
             try:
-                self._graphs[key] = self._record(n, logits, self.model.new_cache(n + 3), tuple(aux))
+                self._graphs[key] = self._record(n, logits, self.model.new_cache(n + 3), tuple(aux), tree)
             except Exception:  # any tracer failure means: stay eager
                 log.warning("could not record the decode step; decoding eagerly", exc_info=True)
                 self.failed = True
@@ -168,10 +181,12 @@ class StepGraph:
         cache,
         logits: str = "last",
         aux: tuple[int, ...] = (),
+        tree: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]] | None:
-        """Append ``tokens`` ([1, n]: one token, or a chain each of whose rows sees the cache
-        and the rows before it) at slot ``cache.length``; returns (logits or None for
-        ``none``, hidden [1, n, D], the outputs of layers ``aux``), or None where no graph
+        """Append ``tokens`` ([1, n]: one token, a chain each of whose rows sees the cache
+        and the rows before it, or with ``tree`` -- ``fused.TreeRows``' bits [n], where
+        :attr:`trees` -- a draft tree's nodes) at slot ``cache.length``; returns (logits or None
+        for ``none``, hidden [1, n, D], the outputs of layers ``aux``), or None where no graph
         could be recorded (run eagerly). The caller advances the cache."""
         n = tokens.shape[1]
         end = cache.length + n
@@ -181,15 +196,18 @@ class StepGraph:
             return None
         if self._slots.shape[0] < end or self._slots.device != cache.k.device:
             self._slots = torch.zeros(max(end, 2 * self._slots.shape[0]), device=cache.k.device)
-        key = self._key(n, logits, aux)
-        if key not in self._graphs and not self.record(n, logits, aux):
+        key = self._key(n, logits, aux, tree is not None)
+        if key not in self._graphs and not self.record(n, logits, aux, tree is not None):
             return None
-        out = self._graphs[key](tokens, positions, cache.k, cache.v, self._slots[:end])
+        extra = () if tree is None else (tree,)
+        out = self._graphs[key](tokens, positions, cache.k, cache.v, self._slots[:end], *extra)
         if logits == "none":
             return None, out[0], list(out[1:])
         return out[0], out[1], list(out[2:])
 
-    def _record(self, n: int, logits: str, cache, aux: tuple[int, ...] = ()) -> torch.jit.ScriptModule:
+    def _record(
+        self, n: int, logits: str, cache, aux: tuple[int, ...] = (), tree: bool = False
+    ) -> torch.jit.ScriptModule:
         # Record on scratch K/V (the real cache is written by the first real call), after a
         # 2-slot prefix so that no length is mistaken for a constant.
         device = cache.k.device
@@ -198,8 +216,10 @@ class StepGraph:
         tokens = torch.zeros(1, n, dtype=torch.long, device=device)
         positions = torch.arange(2, 2 + n, device=device)
         example = (tokens, positions, scratch_k, scratch_v, torch.zeros(2 + n, device=device))
+        if tree:  # a chain's bits: every row sees the rows before it
+            example += ((1 << torch.arange(1, n + 1, device=device)) - 1,)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace, see above
-            graph = torch.jit.trace(_Step(self.model, n, logits, aux), example, check_trace=False)
+            graph = torch.jit.trace(_Step(self.model, n, logits, aux, tree), example, check_trace=False)
         return warm(graph, example)

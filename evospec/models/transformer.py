@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evospec.models.config import ModelConfig
-from evospec.models.fused import run_fused_layers
+from evospec.models.fused import run_fused_layers, tree_bits
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import PackedMatmul
 from evospec.models.quant import QuantMatmul
@@ -316,20 +316,30 @@ class Transformer(nn.Module):
         left_pad: torch.Tensor | None = None,  # [B] leading pad slots per row (batched prompts)
         logits: str = "all",  # "all" | "last" | "none"
         aux_layers: tuple[int, ...] = (),
+        tree_rows: torch.Tensor | None = None,  # [n] int64: tree_mask's rows as bit sets, if known
     ) -> ForwardOutput:
         """Append ``tokens`` to ``cache`` (advancing it by n) and return logits and features.
 
         Committed cache slots are visible to every new token; among the new tokens
         ``tree_mask`` (default: causal) decides. ``attn_mask`` instead spells out visibility
         of every slot, for callers that keep uncommitted tree slots in the cache (drafters).
+        ``tree_rows``: ``fused.tree_bits(tree_mask)``, where the caller has it (a recorded tree
+        forward takes the bits; computing them costs ~0.1 ms of small ops after a forward).
         """
         cfg = self.cfg
         n = tokens.shape[1]
         prefix = cache.length
+        graph = self.step_graph
+        tree = graph is not None and graph.trees and not aux_layers
+        if tree and self._tree_recordable(tokens, tree_mask, attn_mask, left_pad, logits):
+            bits = tree_rows if tree_rows is not None else tree_bits(tree_mask)
+            stepped = graph(tokens, positions, cache, logits, aux_layers, tree=bits)
+            if stepped is not None:
+                cache.advance(n)
+                return ForwardOutput(logits=stepped[0], hidden=stepped[1], aux_hidden=stepped[2])
         rows = None
         if self.exact_rows and n > 1 and prefix > 0 and attn_mask is None and left_pad is None:
             rows = row_attention(cfg, prefix, positions, tree_mask, tokens.device)
-        graph = self.step_graph
         if graph is not None and self._recordable(tokens, tree_mask, rows, attn_mask, left_pad, logits):
             stepped = graph(tokens, positions, cache, logits, aux_layers)  # None: no graph, run eagerly
             if stepped is not None:
@@ -391,6 +401,14 @@ class Transformer(nn.Module):
         if tokens.shape[1] == 1:
             return tree_mask is None
         return logits != "last" and rows is not None and all(r.index is None for r in rows)
+
+    @staticmethod
+    def _tree_recordable(tokens, tree_mask, attn_mask, left_pad, logits) -> bool:
+        """A draft tree of one sequence that verifies (all or no rows' logits): what a step
+        graph with ``trees`` records (``fused.TreeRows``; row-exact by the op's attention)."""
+        if tree_mask is None or tokens.shape[0] != 1 or tokens.shape[1] == 1:
+            return False
+        return attn_mask is None and left_pad is None and logits != "last"
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final features [..., D] -> logits [..., V]: the LM head, then soft-capping if any.

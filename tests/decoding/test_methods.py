@@ -143,6 +143,54 @@ def test_an_fp32_target_drafts_with_the_head_itself() -> None:
         make_decoder("eagle2", target, draft=draft, draft_weights="int2")
 
 
+@pytest.mark.parametrize("slow_rows", [False, True])
+def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens(
+    monkeypatch, slow_rows
+) -> None:
+    """On a fused int4 target whose step graphs take trees, fans (CPU-built, 2-4 children, with
+    lookup) and a depth-2 tree verify in one recorded llama_stack op each, and frspec and eagle2
+    emit plain decoding's tokens; ``slow_rows``: every tree is verified with its bits computed
+    from the mask in the forward (the fan's shared bits left out)."""
+    from evospec.decoding.sampling import SamplingParams
+    from evospec.decoding.tree import TreeConfig
+    from evospec.models.eagle import new_eagle_for
+    from evospec.models.fused import enable_fused_ops
+    from evospec.models.quant import quantize_linears
+    from evospec.models.step import StepGraph
+    from tests.decoding.spec_helpers import ar_tokens, prompt_of
+
+    if not kernels_available("int4"):
+        pytest.skip("torch without CPU int4 kernels")
+    target = tiny_target(3, head_dim=64)
+    quantize_linears(target, "int4")
+    if not enable_fused_ops(target):
+        pytest.skip("needs the op library")
+    target.exact_rows = True
+    target.step_graph = StepGraph(target)
+    if not target.step_graph.trees:
+        pytest.skip("tree graphs need our int4 kernel on every layer")
+    if slow_rows:
+        import evospec.decoding.tree as tree_module
+
+        shape = tree_module._fan_shape
+        monkeypatch.setattr(tree_module, "_fan_shape", lambda k: (*shape(k)[:3], None))
+    draft = new_eagle_for(target, seed=2)
+    params = SamplingParams(max_new_tokens=24)
+    shapes = (TreeConfig(2, 1, 2), TreeConfig(4, 1, 4, lookup=3), TreeConfig(2, 2, 3))
+    for tree in shapes:
+        decs = [
+            make_decoder(m, target, draft=draft, vocab=SMALL, indices=stand_in_indices(target), tree=tree)
+            for m in ("frspec", "eagle2")
+        ]
+        for seed, length in ((0, 6), (1, 17), (2, 40)):
+            prompt = prompt_of(seed, length)
+            want = ar_tokens(target, prompt, params)
+            for dec in decs:
+                assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
+    recorded = {key[0] for key in target.step_graph._graphs if key[-1] == "tree"}
+    assert {3, 4, 5} <= recorded  # fans of 2 and 4 children, the 3-node tree
+
+
 def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatch) -> None:
     """Where the target runs the fused ops, ``auto`` drafts with one int4 copy whose chain steps
     and catch-ups run as one draft_step_ids op each, and every method still emits plain

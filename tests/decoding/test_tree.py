@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from evospec.decoding.tree import TreeConfig, ancestor_mask, build_tree
@@ -114,6 +115,23 @@ def test_depth_one_tree_is_the_root_top_k():
     tree, exp = build(cfg)
     assert tree.size == 5 and exp.calls == []
     assert tree.tokens[1:].tolist() == root_topk(exp, 7, 4)[1].tolist()
+
+
+@pytest.mark.parametrize(("k", "total"), [(2, 2), (3, 3), (4, 2), (3, 10)])
+def test_a_cpus_fan_is_the_general_paths_depth_one_tree(k, total):
+    """Depth-1 trees on a CPU are built from host values with a shared shape (and their rows'
+    bit sets for a recorded verify): every field the general expansion gives, no draft call."""
+    from evospec.decoding.tree import _build_expanded
+    from evospec.models.fused import tree_bits
+
+    cfg = TreeConfig(top_k=k, depth=1, total_tokens=total)
+    fan, exp = build(cfg)
+    logp, ids = root_topk(exp, 7, k)
+    general = _build_expanded(exp, 7, logp, ids, 20, cfg)
+    assert exp.calls == [] and not fan.chain and fan.max_depth == general.max_depth == 1
+    for name in ("tokens", "parents", "depths", "mask", "positions", "scores"):
+        assert torch.equal(getattr(fan, name), getattr(general, name)), name
+    assert torch.equal(fan.bits, tree_bits(general.mask))
 
 
 def test_a_top1_tree_is_the_drafts_greedy_chain():

@@ -52,6 +52,20 @@ def test_greedy_rejects_at_the_first_mismatch():
     assert path.tolist() == [0] and bonus == 5
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_on_the_host_takes_the_tensor_passes_path(seed):
+    """A CPU's branching trees are accepted on the host (the argmaxes read once, the path walked
+    over lists): the path and bonus of the vectorised pass an accelerator runs."""
+    from evospec.decoding.verify import _greedy_host, _greedy_tensors
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        argmaxes = torch.randint(0, V, (TREE.size,), generator=g).tolist()
+        logits = one_hot_logits(argmaxes) + 0.1 * torch.randn(TREE.size, V, generator=g)
+        host, tensors = _greedy_host(TREE, logits), _greedy_tensors(TREE, logits)
+        assert host[0].tolist() == tensors[0].tolist() and host[1] == tensors[1]
+
+
 def test_greedy_does_not_follow_a_matching_child_of_a_rejected_node():
     # node3 matches its parent's argmax, but node1 itself is rejected at the root.
     path, bonus = greedy_accept(TREE, one_hot_logits([0, 3, 0, 5, 0, 0]))

@@ -154,6 +154,39 @@ def test_decode_attention_of_a_chain_gives_each_row_its_one_row_bits():
         OPS.decode_attention(q, keys, values, torch.ones(s, dtype=torch.bool), 0.3)
 
 
+@pytest.mark.parametrize("prefix", [3, 14, 16, 40])
+@pytest.mark.parametrize("half", [False, True])
+def test_decode_attention_of_a_tree_gives_each_row_the_bits_of_a_step_over_its_ancestors(prefix, half):
+    """A draft tree's rows (``tree``: the nodes each row sees) over the last n keys: each row gets
+    the bits of a one-row call whose keys are the prefix, then its ancestors and itself laid out
+    behind it -- also where the tree straddles a block of 16 keys and hidden siblings sit between
+    the keys a row sees (its total summed as that step lays them out)."""
+    g = torch.Generator().manual_seed(prefix)
+    parents = [-1, 0, 0, 0, 1, 2, 4, 4, 3, 7]  # a fan of 3, and chains under it
+    n = len(parents)
+    keys = torch.randn(1, 3, prefix + n, 64, generator=g)
+    values = torch.randn(1, 3, prefix + n, 64, generator=g)
+    keys, values = (keys.half(), values.half()) if half else (keys, values)
+    q = torch.randn(1, 9, n, 64, generator=g) * 3  # sharp scores: totals that depend on the order
+    seen = []
+    for j, par in enumerate(parents):
+        nodes = [j]
+        while par >= 0:
+            nodes.insert(0, par)
+            par = parents[par]
+        seen.append(nodes)
+    bits = torch.tensor([sum(1 << i for i in nodes) for nodes in seen])
+    got = OPS.decode_attention(q, keys, values, None, 0.125, 0, bits)
+    for j, nodes in enumerate(seen):
+        order = list(range(prefix)) + [prefix + i for i in nodes]
+        alone = OPS.decode_attention(q[:, :, j : j + 1], keys[:, :, order], values[:, :, order], None, 0.125)
+        assert torch.equal(alone[:, :, 0], got[:, :, j]), j
+    with pytest.raises(RuntimeError, match="no later row"):
+        OPS.decode_attention(q, keys, values, None, 0.125, 0, bits.flip(0))
+    with pytest.raises(RuntimeError, match="int64"):
+        OPS.decode_attention(q, keys, values, None, 0.125, 0, bits.int())
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_every_row_grouping_of_an_f16_chain_gives_each_row_its_one_row_bits(n):
     """The model's shape (9 query heads over 3 KV heads of 64, f16 cache) over more keys than one

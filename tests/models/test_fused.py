@@ -126,6 +126,58 @@ def test_fused_verification_reproduces_one_token_steps(tree):
     assert_verification_reproduces_steps(model, prompt_of(4, 7), tree)
 
 
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("prompt_len", [7, 14, 16])
+def test_recorded_tree_verification_is_bitwise_the_eager_rows_and_the_steps(head_dim, prompt_len):
+    """A branching tree verified through a recorded graph (``TreeRows``: one llama_stack op whose
+    attention gives each row its ancestors) computes every row's logits, hidden state and K/V bit
+    for bit as the eager row-exact forward, and the path plain decoding takes as its steps --
+    also where the tree's keys straddle a block of 16 (prompts of 14 and 16 tokens)."""
+    model = _fused(5, head_dim=head_dim)
+    graph = StepGraph(model)
+    if not graph.trees:
+        pytest.skip("tree graphs need our int4 kernel on every layer")
+    prompt = prompt_of(4, prompt_len)
+    steps = _steps(model, prompt, 4)
+    path = [t for t, _ in steps]
+    # root -> {path[1] (1), sibling (2), sibling (3)}; 1 -> path[2] (4); 2 -> x (5); 4 -> path[3] (6)
+    parents = [-1, 0, 0, 0, 1, 2, 4]
+    tokens = [path[0], path[1], (path[1] + 1) % 64, (path[1] + 2) % 64, path[2], 9, path[3]]
+    depths = [0, 1, 1, 1, 2, 2, 3]
+    mask = torch.eye(7, dtype=torch.bool)
+    for i, par in enumerate(parents):
+        while par >= 0:
+            mask[i, par], par = True, parents[par]
+
+    def verify(step_graph):
+        model.step_graph = step_graph
+        cache = model.new_cache(64)
+        p = len(prompt)
+        model(torch.tensor([prompt]), torch.arange(p), cache, logits="none")
+        out = model(torch.tensor([tokens]), p + torch.tensor(depths), cache, mask, logits="all")
+        return out.logits[0], out.hidden[0], cache.k[..., : cache.length, :].clone()
+
+    eager = verify(None)
+    recorded = verify(graph)
+    assert (7, "all", "tree") in graph._graphs
+    for a, b in zip(eager, recorded, strict=True):
+        assert torch.equal(a, b)
+    for row, step in ((0, 0), (1, 1), (4, 2), (6, 3)):
+        assert torch.equal(recorded[0][row], steps[step][1]), row
+
+
+def test_tree_rows_must_see_themselves_and_no_later_row():
+    model = _fused(5, head_dim=64)
+    graph = StepGraph(model)
+    if not graph.trees:
+        pytest.skip("tree graphs need our int4 kernel on every layer")
+    cache = model.new_cache(16)
+    model(torch.tensor([prompt_of(4, 5)]), torch.arange(5), cache, logits="none")
+    bad = torch.tensor([1, 2 | 4, 4])  # row 1 sees row 2, which comes after it
+    with pytest.raises(RuntimeError, match="no later row"):
+        graph(torch.tensor([[1, 2, 3]]), torch.tensor([5, 6, 6]), cache, "all", tree=bad)
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_fused_prefill_writes_what_one_token_steps_write(fmt):
     """A prompt prefilled in one forward gives bitwise the K/V and the features that feeding it

@@ -122,6 +122,28 @@ def test_compact_moves_slots_in_order() -> None:
     assert cache.v[0, 0, 0, :4, 0].tolist() == [0.0, -1.0, -3.0, -5.0]
 
 
+@pytest.mark.parametrize(
+    ("src", "want"),
+    [
+        ([2, 3], [0, 1, 2, 3]),
+        ([2, 4], [0, 1, 2, 4]),
+        ([2, 3, 5], [0, 1, 2, 3, 5]),
+        ([2, 4, 5], [0, 1, 2, 4, 5]),
+    ],
+)
+def test_compact_moves_only_the_slots_out_of_place(src: list[int], want: list[int]) -> None:
+    """A path whose first nodes already sit behind the prefix (a fan's first child, a chain's
+    head) moves only the rest: one slot, or several, to the same end."""
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=1, max_len=6)
+    cache.k[...] = torch.arange(6.0).view(1, 1, 1, 6, 1)
+    cache.v[...] = -torch.arange(6.0).view(1, 1, 1, 6, 1)
+    cache.advance(6)
+    cache.compact(torch.tensor(src), 2)
+    assert cache.length == len(want)
+    assert cache.k[1, 0, 0, : len(want), 0].tolist() == [float(s) for s in want]
+    assert cache.v[0, 0, 0, : len(want), 0].tolist() == [-float(s) for s in want]
+
+
 def test_new_cache_matches_model(pair: TinyPair) -> None:
     cache = pair.ours.new_cache(7, batch=3)
     cfg = pair.cfg
