@@ -17,8 +17,9 @@ from evospec.models.step import MAX_CHAIN
 
 def record_steps(model, decoders: Iterable) -> None:
     """Record and warm the graphs ``decoders`` will run on ``model`` (~1 s per verify shape for
-    SmolLM2 here, ~50 ms per draft size): the one-token step, each chain tree's verification,
-    each model-free round's, and every drafter catch-up size."""
+    SmolLM2 here, ~50 ms per draft size): the one-token step, each chain tree's verification
+    (and each branching tree size's, where the target's graphs take trees), each model-free
+    round's, and every drafter catch-up size."""
     decoders = list(decoders)
     for dec in decoders:
         draft_graph = getattr(getattr(dec, "drafter", None), "graph", None)
@@ -37,5 +38,8 @@ def record_steps(model, decoders: Iterable) -> None:
             longest = min(tree.depth, tree.total_tokens)
             for n in range(2 if tree.min_prob else longest + 1, longest + 2):
                 graph.record(n, "all", aux)
+        elif graph.trees and not aux:  # a branching tree: the root and its nodes (a fan: top_k of them)
+            nodes = min(tree.top_k, tree.total_tokens) if tree.depth == 1 else tree.total_tokens
+            graph.record(nodes + 1, "all", tree=True)
         for n in range(1, tree.lookup_rows + 1):  # a model-free round: the root and 1..lookup tokens
             graph.record(n + 1, "all", aux)

@@ -151,6 +151,7 @@ def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens
     lookup) and a depth-2 tree verify in one recorded llama_stack op each, and frspec and eagle2
     emit plain decoding's tokens; ``slow_rows``: every tree is verified with its bits computed
     from the mask in the forward (the fan's shared bits left out)."""
+    from evospec.decoding.recording import record_steps
     from evospec.decoding.sampling import SamplingParams
     from evospec.decoding.tree import TreeConfig
     from evospec.models.eagle import new_eagle_for
@@ -177,18 +178,24 @@ def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens
     draft = new_eagle_for(target, seed=2)
     params = SamplingParams(max_new_tokens=24)
     shapes = (TreeConfig(2, 1, 2), TreeConfig(4, 1, 4, lookup=3), TreeConfig(2, 2, 3))
-    for tree in shapes:
-        decs = [
-            make_decoder(m, target, draft=draft, vocab=SMALL, indices=stand_in_indices(target), tree=tree)
-            for m in ("frspec", "eagle2")
-        ]
-        for seed, length in ((0, 6), (1, 17), (2, 40)):
-            prompt = prompt_of(seed, length)
-            want = ar_tokens(target, prompt, params)
-            for dec in decs:
-                assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
-    recorded = {key[0] for key in target.step_graph._graphs if key[-1] == "tree"}
-    assert {3, 4, 5} <= recorded  # fans of 2 and 4 children, the 3-node tree
+    decs = [
+        make_decoder(m, target, draft=draft, vocab=SMALL, indices=stand_in_indices(target), tree=tree)
+        for tree in shapes
+        for m in ("frspec", "eagle2")
+    ]
+    record_steps(target, decs)
+    recorded = set(target.step_graph._graphs)
+    assert {
+        (3, "all", "tree"),
+        (5, "all", "tree"),
+        (4, "all", "tree"),
+    } <= recorded  # fans of 2 and 4, the tree
+    for seed, length in ((0, 6), (1, 17), (2, 40)):
+        prompt = prompt_of(seed, length)
+        want = ar_tokens(target, prompt, params)
+        for dec in decs:
+            assert [t for ev in dec.generate(prompt, params) for t in ev.tokens] == want
+    assert set(target.step_graph._graphs) == recorded  # every tree verified through a graph recorded ahead
 
 
 def test_a_fused_target_drafts_with_an_int4_copy_on_the_draft_step_op(monkeypatch) -> None:
