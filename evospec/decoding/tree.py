@@ -2,8 +2,8 @@
 
 Owns: :class:`DraftTree` (a dataclass of tensors) and :func:`build_tree`; the shape settings,
 :class:`TreeConfig`, live in ``tree_config.py`` (no torch, so the command line reads them).
-The tree is built with tensor ops only (``topk``/``sort``/indexing); no value is read back to
-the host while drafting.
+A branching tree is built with tensor ops only (``topk``/``sort``/indexing); no value is read
+back to the host while drafting (a CPU's chains and fans, below, are built from host values).
 
 Algorithm (Li et al., "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
 Trees", 2024): the root's top-k children form the first frontier; at each further depth every
@@ -22,6 +22,10 @@ cache can skip what a chain does not need (on this CPU the general path costs ~0
 round for a 1-token chain, most of a cheap draft). Under sampling a chain may instead draw
 its tokens from the draft's distribution (a ``proposal.DraftSampler``); the tree then keeps
 each draw's distribution for the verify's ratio test (``DraftTree.proposals``).
+
+With ``depth == 1`` on a CPU the tree is a fan: the root's ``top_k`` children from the draft's
+commit, built from host values with a shape shared by every round (parents, depths, mask and the
+mask's rows as bit sets, ``DraftTree.bits``, which a recorded tree verify takes; ``models/step.py``).
 """
 
 from __future__ import annotations

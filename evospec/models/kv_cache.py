@@ -65,7 +65,8 @@ class KVCache:
         """Copy slots ``src_slots`` ([m], ascending, all >= dst_start) to [dst_start, dst_start+m).
 
         Used after tree verification: the accepted path's slots move right behind the
-        committed prefix and everything after them is dropped.
+        committed prefix and everything after them is dropped. Only the slots out of place
+        move (a path's first nodes often lie there already; one moved slot is one copy per K/V).
         """
         slots = src_slots.tolist()
         m = len(slots)
