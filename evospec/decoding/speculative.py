@@ -43,7 +43,7 @@ from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.decoding.tree import DraftTree, TreeConfig, build_tree, chain_tree
 from evospec.decoding.verify import accept
 from evospec.models.kv_cache import KVCache
-from evospec.models.step import MAX_CHAIN
+from evospec.models.step import MAX_CHAIN, MAX_TREE
 from evospec.models.transformer import Transformer
 from evospec.vocab.active import ActiveVocab
 
@@ -292,9 +292,12 @@ def recorded_verify(target: Transformer, tree: DraftTree) -> bool:
     for one -- and lazy verification projected 1.15 rows per round of a 2-token chain, each on
     its own."""
     graph = target.step_graph
-    if graph is None or graph.failed or tree.size > MAX_CHAIN:
+    if graph is None or graph.failed:
         return False
-    return graph.trees or tree.chain or int(tree.depths[-1]) == tree.size - 1  # one node per depth
+    if graph.trees and not tree.chain and tree.size <= MAX_TREE:
+        return True
+    # a chain: one node per depth
+    return tree.size <= MAX_CHAIN and (tree.chain or int(tree.depths[-1]) == tree.size - 1)
 
 
 def _draft_features(out, draft_layers: tuple[int, ...]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-// Decode attention on the CPU (attention.cpp): declared here for llama_layer.cpp.
+// Decode attention on the CPU (attention.cpp; its torch op: attention_op.cpp): declared here for
+// llama_layer.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,6 +7,8 @@
 #include <optional>
 
 namespace evospec_attention {
+
+constexpr int64_t kHeadQuantum = 16;  // the jobs take head sizes that are multiples of this
 
 // q f32 [B, H, n, Dh]; keys, values f32 or f16 [B, Hk, S, Dh] (a contiguous last dim); mask
 // (n = 1 only, optional) bool with S or B * S elements, True = attend -> f32 [B, H, n, Dh];

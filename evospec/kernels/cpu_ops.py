@@ -39,7 +39,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(f)
-    for f in ("cpu_ops.cpp", "attention.cpp", "int4_matmul.cpp", "int8_matmul.cpp", "llama_layer.cpp")
+    for f in (
+        "cpu_ops.cpp",
+        "attention.cpp",
+        "attention_op.cpp",
+        "int4_matmul.cpp",
+        "int8_matmul.cpp",
+        "llama_layer.cpp",
+    )
 )
 # included by the sources: part of the build key
 HEADER_NAMES = (

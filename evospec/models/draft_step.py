@@ -30,8 +30,9 @@ import weakref
 import torch
 from torch import nn
 
+from evospec.models.kv_cache import SlotCache
 from evospec.models.packing import PackedMatmul
-from evospec.models.step import MAX_CHAIN, _ChainRow, _SlotCache, warm
+from evospec.models.step import MAX_CHAIN, _ChainRow, warm
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class _DraftStep(nn.Module):
         self.rows = None if n == 1 else [_ChainRow(n - 1 - j) for j in range(n)]
 
     def forward(self, features, tokens, positions, k, v, slots):
-        return self.head.step(features, tokens, positions, _SlotCache(k, v, slots), None, self.rows)
+        return self.head.step(features, tokens, positions, SlotCache(k, v, slots), None, self.rows)
 
 
 def supports_draft_graph(head: nn.Module) -> bool:

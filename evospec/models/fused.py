@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from evospec.models.kv_cache import KVCache, SlotCache
 from evospec.models.quant import Bf16Matmul, Int4Matmul, Int8Matmul, QuantLinear, quant_kernel
 
 _BF16_INPUT = (Int4Matmul, Int8Matmul, Bf16Matmul)  # matmuls that cast their input to bf16
@@ -281,10 +282,7 @@ def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
     row sees the cache and the rows before it: a prompt's rest after reused slots, a chain
     verified eagerly); every linear on our int4 kernel. Trees, padded batches and other formats
     keep the loop."""
-    from evospec.models.kv_cache import KVCache
-    from evospec.models.step import _SlotCache
-
-    if not isinstance(cache, (KVCache, _SlotCache)):
+    if not isinstance(cache, (KVCache, SlotCache)):
         return False
     if rows is not None:  # row-exact rows: the loop attends by them and ignores the mask
         if not all(r.index is None and r.masks[False] is None for r in rows):
@@ -308,9 +306,7 @@ def int4_layers(model: nn.Module) -> bool:
 def _slot_tensor(cache, n: int) -> torch.Tensor:
     """A tensor of the cache's length after this forward, the size the layer ops read (a
     recorded step's own, so that its graph keeps the length symbolic)."""
-    from evospec.models.step import _SlotCache
-
-    if isinstance(cache, _SlotCache):
+    if isinstance(cache, SlotCache):
         return cache.slots
     end = cache.length + n
     if end > cache.max_len:

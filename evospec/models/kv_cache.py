@@ -84,3 +84,20 @@ class KVCache:
             self.k[:, :, :, dst] = self.k.index_select(3, idx)
             self.v[:, :, :, dst] = self.v.index_select(3, idx)
         self.length = dst_start + m
+
+
+class SlotCache:
+    """The slice of :class:`KVCache`'s interface that attention uses, with the write position
+    taken from ``slots``' size (symbolic while tracing): what a recorded step (``models/step.py``)
+    or draft step (``models/draft_step.py``) hands its layers."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.k, self.v, self.slots = k, v, slots  # k, v [L, 1, H_kv, S_max, Dh]; slots [length + n]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # narrow, not [:, :, a:b]: a traced slice records a node per dimension it spans
+        end, n = self.slots.shape[0], k.shape[2]
+        keys, values = self.k[layer], self.v[layer]  # [B, H_kv, S_max, Dh]
+        keys.narrow(2, end - n, n).copy_(k)
+        values.narrow(2, end - n, n).copy_(v)
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)

@@ -19,7 +19,7 @@ new cache length (~50 s each) and fused the elementwise ops (other rounding).
 If recording fails (a module the tracer cannot follow, a torch without ``torch.jit``), that
 is logged once and the eager forward runs from then on.
 
-Draft trees of up to ``MAX_CHAIN`` nodes are recorded too where the whole stack is one
+Draft trees of up to ``MAX_TREE`` (64) nodes are recorded too where the whole stack is one
 ``llama_stack`` op (``fused.supports_tree_rows``): the tree's ancestor bits are one more input
 (``fused.TreeRows``), each row getting the bits of a one-token step at its node.
 
@@ -41,25 +41,10 @@ import torch
 from torch import nn
 
 from evospec.models.fused import TreeRows, supports_tree_rows
+from evospec.models.kv_cache import SlotCache
 from evospec.models.packing import PackedMatmul
 
 log = logging.getLogger(__name__)
-
-
-class _SlotCache:
-    """The slice of :class:`~evospec.models.kv_cache.KVCache`'s interface that attention uses,
-    with the write position taken from ``slots``' size (symbolic while tracing)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.k, self.v, self.slots = k, v, slots  # k, v [L, 1, H_kv, S_max, Dh]; slots [length + n]
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # narrow, not [:, :, a:b]: a traced slice records a node per dimension it spans
-        end, n = self.slots.shape[0], k.shape[2]
-        keys, values = self.k[layer], self.v[layer]  # [B, H_kv, S_max, Dh]
-        keys.narrow(2, end - n, n).copy_(k)
-        values.narrow(2, end - n, n).copy_(v)
-        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
 
 class _ChainRow:
@@ -97,7 +82,7 @@ class _Step(nn.Module):
             x = x * torch.tensor(m.cfg.embed_scale, dtype=x.dtype)
         rope_g = m.rope_global(positions, x.dtype)
         rope_l = m.rope_local(positions, x.dtype) if m.cfg.is_gemma else rope_g
-        cache = _SlotCache(k, v, slots)
+        cache = SlotCache(k, v, slots)
         rows = TreeRows(tree_bits[0]) if self.tree else self.rows
         x, aux = m.run_layers(x, (rope_g, rope_l), cache, {False: None, True: None}, rows, self.aux)
         hidden = m.norm(x)
@@ -118,6 +103,7 @@ def supports_step_graph(model: nn.Module) -> bool:
 
 
 MAX_CHAIN = 16  # longest chain recorded (one graph per length and logits mode)
+MAX_TREE = 64  # largest tree recorded (the op's bit sets): EAGLE-2's default 10/5/60 tree fits
 # A traced graph's first calls run through the JIT's profiling executor before it settles on an
 # optimised plan: here a draft step took ~30 / 12 / 5 ms on its first three calls, then 0.4 ms;
 # a SmolLM2 verify ~170 / 160 / 11 ms, then 8 ms. Recording makes those calls on the scratch
@@ -166,7 +152,7 @@ class StepGraph:
         if tree and (aux or not self.trees):
             raise ValueError("tree forwards are recorded on one llama_stack op, without aux layers")
         key = self._key(n, logits, aux, tree)
-        if key not in self._graphs and not self.failed and n <= MAX_CHAIN:
+        if key not in self._graphs and not self.failed and n <= (MAX_TREE if tree else MAX_CHAIN):
             try:
                 self._graphs[key] = self._record(n, logits, self.model.new_cache(n + 3), tuple(aux), tree)
             except Exception:  # any tracer failure means: stay eager
@@ -192,7 +178,7 @@ class StepGraph:
         end = cache.length + n
         if end > cache.max_len:
             raise ValueError(f"KV cache overflow: need {end} slots, have {cache.max_len}")
-        if n > MAX_CHAIN or self.failed:
+        if n > (MAX_CHAIN if tree is None else MAX_TREE) or self.failed:
             return None
         if self._slots.shape[0] < end or self._slots.device != cache.k.device:
             self._slots = torch.zeros(max(end, 2 * self._slots.shape[0]), device=cache.k.device)

@@ -148,9 +148,9 @@ def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens
     monkeypatch, slow_rows
 ) -> None:
     """On a fused int4 target whose step graphs take trees, fans (CPU-built, 2-4 children, with
-    lookup) and a depth-2 tree verify in one recorded llama_stack op each, and frspec and eagle2
-    emit plain decoding's tokens; ``slow_rows``: every tree is verified with its bits computed
-    from the mask in the forward (the fan's shared bits left out)."""
+    lookup), a depth-2 tree and EAGLE-2's default 10/5/60 tree verify in one recorded llama_stack
+    op each, and frspec and eagle2 emit plain decoding's tokens; ``slow_rows``: every tree is
+    verified with its bits computed from the mask in the forward (the fan's shared bits left out)."""
     from evospec.decoding.recording import record_steps
     from evospec.decoding.sampling import SamplingParams
     from evospec.decoding.tree import TreeConfig
@@ -177,7 +177,7 @@ def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens
         monkeypatch.setattr(tree_module, "_fan_shape", lambda k: (*shape(k)[:3], None))
     draft = new_eagle_for(target, seed=2)
     params = SamplingParams(max_new_tokens=24)
-    shapes = (TreeConfig(2, 1, 2), TreeConfig(4, 1, 4, lookup=3), TreeConfig(2, 2, 3))
+    shapes = (TreeConfig(2, 1, 2), TreeConfig(4, 1, 4, lookup=3), TreeConfig(2, 2, 3), TreeConfig(10, 5, 60))
     decs = [
         make_decoder(m, target, draft=draft, vocab=SMALL, indices=stand_in_indices(target), tree=tree)
         for tree in shapes
@@ -185,11 +185,8 @@ def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens
     ]
     record_steps(target, decs)
     recorded = set(target.step_graph._graphs)
-    assert {
-        (3, "all", "tree"),
-        (5, "all", "tree"),
-        (4, "all", "tree"),
-    } <= recorded  # fans of 2 and 4, the tree
+    trees = {(3, "all", "tree"), (5, "all", "tree"), (4, "all", "tree"), (61, "all", "tree")}
+    assert trees <= recorded  # fans of 2 and 4 children, a 3-node tree, EAGLE-2's default 60
     for seed, length in ((0, 6), (1, 17), (2, 40)):
         prompt = prompt_of(seed, length)
         want = ar_tokens(target, prompt, params)
