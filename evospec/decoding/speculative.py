@@ -165,7 +165,10 @@ def generate_speculative(
             verified = torch.tensor([*accepted, bonus], dtype=torch.long, device=device)  # [a + 1]
             mask = vocab.mask if vocab is not None else None
             adapt.end_round(tree.parents, path, verified, path_logits, mask)
-        feats = _draft_features(vout, draft_layers)[path] if pending is not None else None  # [a + 1, D']
+        feats = None
+        if pending is not None:  # [a + 1, D']: a chain's path is its first rows (a view, no gather)
+            feats = _draft_features(vout, draft_layers)
+            feats = feats[: path.numel()] if tree.chain else feats[path]
         if feats is not None and prefix_cache is not None:  # before the event: a last round's slots count too
             prefix_cache.write(prefix, feats, vout.hidden[0][path] if draft_layers else None)
         yield StepEvent(
