@@ -350,7 +350,7 @@ float total_of(const float* e, int64_t count, int64_t t0, int64_t tree_first, ui
     for (int64_t i = 0; i < count; i += kW) total += load(e + i);
     return sum16(total);
   }
-  const int64_t base = tree_first - t0, whole = base / kW * kW;  // keys before the tree; whole blocks of them
+  const int64_t base = tree_first - t0, whole = base / kW * kW;  // keys before the tree; their whole blocks
   for (int64_t i = 0; i < whole; i += kW) total += load(e + i);
   float tail[2 * kW + 64];  // the last prefix block's keys, then the <= 64 tree keys seen, padded
   int64_t w = 0;
@@ -480,7 +480,8 @@ void attend(const Rows& rows, const T* kb, int64_t ks, const T* vb, int64_t vs, 
     score_block(rows, kb, ks, tb, end, t0, dh, sc, score, stride, zeros);
   float inv[kMaxRows];
   for (int r = 0; r < rows.nr; ++r)
-    inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask, rows.tree_first, rows.tree[r]);
+    inv[r] = softmax_row(score + r * stride, rows.keys[r] - t0, t0, rows.lo[r], mask, rows.tree_first,
+                         rows.tree[r]);
   weigh_rows<T>(rows, vb, vs, t0, end, dh, score, stride, inv);
 }
 

@@ -16,7 +16,8 @@ namespace evospec_attention {
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                const std::optional<at::Tensor>& mask, double scale, int64_t window,
                                const std::optional<at::Tensor>& tree) {
-  if (!tree.has_value() || !tree->defined()) return decode_attention_tree(q, keys, values, mask, scale, window, nullptr);
+  if (!tree.has_value() || !tree->defined())
+    return decode_attention_tree(q, keys, values, mask, scale, window, nullptr);
   const int64_t n = q.size(2);
   TORCH_CHECK(tree->scalar_type() == at::kLong && tree->dim() == 1 && tree->size(0) == n && tree->is_contiguous(),
               "decode_attention: tree must be contiguous int64 [n]");

@@ -138,6 +138,7 @@ class StepGraph:
     def reset(self) -> None:
         """Forget the recorded graphs (after swapping the model's modules)."""
         self._graphs, self.failed = {}, False
+        self.trees = supports_tree_rows(self.model)
 
     @staticmethod
     def _key(n: int, logits: str, aux: tuple[int, ...], tree: bool = False) -> tuple:

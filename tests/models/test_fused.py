@@ -166,6 +166,18 @@ def test_recorded_tree_verification_is_bitwise_the_eager_rows_and_the_steps(head
         assert torch.equal(recorded[0][row], steps[step][1]), row
 
 
+def test_a_reset_graph_takes_trees_only_while_the_model_runs_one_stack_op():
+    model = _fused(5, head_dim=64)
+    graph = StepGraph(model)
+    if not graph.trees:
+        pytest.skip("tree graphs need our int4 kernel on every layer")
+    model.fused_ops = False  # as after swapping the model's modules for the aten path
+    graph.reset()
+    assert not graph.trees
+    with pytest.raises(ValueError, match="one llama_stack op"):
+        graph.record(3, "all", tree=True)
+
+
 def test_tree_rows_must_see_themselves_and_no_later_row():
     model = _fused(5, head_dim=64)
     graph = StepGraph(model)
