@@ -280,8 +280,8 @@ def _layer_op_applies(model: nn.Module, cache, mask, rows) -> bool:
     """Whether the layers can run as ``llama_layer`` / ``gemma_layer`` ops: a KV cache (or a
     recorded step's slot cache); one token, a prefill's causal rows or a row-exact chain (each
     row sees the cache and the rows before it: a prompt's rest after reused slots, a chain
-    verified eagerly); every linear on our int4 kernel. Trees, padded batches and other formats
-    keep the loop."""
+    verified eagerly); every linear on our int4 kernel. Trees (eager rows: a recorded tree
+    forward comes as :class:`TreeRows` instead), padded batches and other formats keep the loop."""
     if not isinstance(cache, (KVCache, SlotCache)):
         return False
     if rows is not None:  # row-exact rows: the loop attends by them and ignores the mask

@@ -23,12 +23,13 @@ Draft trees of up to ``MAX_TREE`` (64) nodes are recorded too where the whole st
 ``llama_stack`` op (``fused.supports_tree_rows``): the tree's ancestor bits are one more input
 (``fused.TreeRows``), each row getting the bits of a one-token step at its node.
 
-Scope: one sequence, no attention mask, chains of up to ``MAX_CHAIN`` tokens. Models with
-sliding-window layers (Gemma-3) are recorded only on the fused ops, whose attention hides the
-keys past the window itself (elsewhere their one-token masks depend on the position);
-oneDNN-packed fp32 linears (``--weights fp32``: an opaque weight tensor) keep the eager path,
-as do branching trees, batches and prefill. The graphs hold the modules' weights by reference: changing the
-model's modules afterwards needs :meth:`StepGraph.reset`.
+Scope: one sequence, no attention mask, chains of up to ``MAX_CHAIN`` tokens (and trees, above).
+Models with sliding-window layers (Gemma-3) are recorded only on the fused ops, whose attention
+hides the keys past the window itself (elsewhere their one-token masks depend on the position);
+oneDNN-packed fp32 linears (``--weights fp32``: an opaque weight tensor) keep the eager path, as
+do branching trees where the stack is not one op, batches and prefill. The graphs hold the
+modules' weights by reference: changing the model's modules afterwards needs
+:meth:`StepGraph.reset`.
 """
 
 from __future__ import annotations
