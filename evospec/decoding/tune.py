@@ -47,10 +47,9 @@ CANDIDATES = (
     # a chain that stops where the draft's probability of it falls below 0.3: up to 4 tokens
     # where the head is sure, none (a plain step) where it is not (docs/benchmarks.md, wave 13)
     TreeConfig(top_k=1, depth=4, total_tokens=4, min_prob=0.3),
-    # fans: the draft's 2 or 3 most likely first tokens from one draft step, verified as one
-    # recorded tree forward where the target's graphs take trees (docs/benchmarks.md, wave 44)
+    # a fan: the draft's 2 most likely first tokens from one draft step, verified as one recorded
+    # tree forward where the target's graphs take trees (3 lost to 2 here: docs/benchmarks.md, wave 44)
     TreeConfig(top_k=2, depth=1, total_tokens=2),
-    TreeConfig(top_k=3, depth=1, total_tokens=3),
     TreeConfig(top_k=2, depth=3, total_tokens=6),
     TreeConfig(top_k=3, depth=4, total_tokens=10),
     TreeConfig(top_k=4, depth=4, total_tokens=16),
