@@ -43,7 +43,7 @@ from evospec.decoding.sampling import SamplingParams, pick_token
 from evospec.decoding.tree import DraftTree, TreeConfig, build_tree, chain_tree
 from evospec.decoding.verify import accept
 from evospec.models.kv_cache import KVCache
-from evospec.models.step import MAX_CHAIN, MAX_TREE
+from evospec.models.step import MAX_CHAIN
 from evospec.models.transformer import Transformer
 from evospec.vocab.active import ActiveVocab
 
@@ -202,7 +202,7 @@ def _verify(target, tree: DraftTree, cache: KVCache, params, gen, prefetch, draf
     the root included), and the cache keeping the accepted path: (forward output, rows -- [N, V]
     logits or lazily projected ``NodeLogits`` --, path [a + 1] incl. the root, bonus token)."""
     prefix = cache.length
-    lazy = prefetch is not None and not recorded_verify(target, tree)
+    lazy = prefetch is not None and not recorded_verify(target, tree, draft_layers)
     vout = target(
         tree.tokens[None],
         tree.positions,
@@ -288,7 +288,7 @@ class _Pending:
         return feats, toks
 
 
-def recorded_verify(target: Transformer, tree: DraftTree) -> bool:
+def recorded_verify(target: Transformer, tree: DraftTree, draft_layers: tuple[int, ...] = ()) -> bool:
     """True when the target verifies ``tree`` through a recorded graph (``models/step.py``: a
     chain, or any tree where the graph takes trees): project every row in that graph. The LM
     head reads its weights once for all rows -- SmolLM2 int4 here: 0.76 ms for 3 rows, 0.59 ms
@@ -297,7 +297,7 @@ def recorded_verify(target: Transformer, tree: DraftTree) -> bool:
     graph = target.step_graph
     if graph is None or graph.failed:
         return False
-    if graph.trees and not tree.chain and tree.size <= MAX_TREE:
+    if not tree.chain and graph.takes_tree(tree.size, draft_layers):
         return True
     # a chain: one node per depth
     return tree.size <= MAX_CHAIN and (tree.chain or int(tree.depths[-1]) == tree.size - 1)

@@ -24,6 +24,11 @@ at::Tensor decode_attention_tree(const at::Tensor& q, const at::Tensor& keys, co
                                  const std::optional<at::Tensor>& mask, double scale, int64_t window,
                                  const int64_t* tree);
 
+// An op's optional tree argument for n rows as decode_attention_tree takes it: null where absent;
+// else checked (contiguous int64 [n], n <= 64, row j seeing itself and no later row), errors
+// naming `op`.
+const int64_t* tree_rows(const std::optional<at::Tensor>& tree, int64_t n, const char* op);
+
 // One decode_attention call as jobs a caller runs on its own threads (llama_layer.cpp's team):
 // any split of [0, jobs()) gives the op's bits. Pointers into q, out, keys and values (float32,
 // or float16 keys and values; contiguous q and out, keys and values with a contiguous last dim,

@@ -13,19 +13,22 @@
 
 namespace evospec_attention {
 
+const int64_t* tree_rows(const std::optional<at::Tensor>& tree, int64_t n, const char* op) {
+  if (!tree.has_value() || !tree->defined()) return nullptr;
+  TORCH_CHECK(tree->scalar_type() == at::kLong && tree->dim() == 1 && tree->size(0) == n && tree->is_contiguous() &&
+                  n <= 64,
+              op, ": tree must be contiguous int64 [n], n <= 64");
+  const auto* bits = tree->data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK((static_cast<uint64_t>(bits[j]) >> j) == 1, op, ": tree row ", j, " must see itself and no later row");
+  return bits;
+}
+
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                                const std::optional<at::Tensor>& mask, double scale, int64_t window,
                                const std::optional<at::Tensor>& tree) {
-  if (!tree.has_value() || !tree->defined())
-    return decode_attention_tree(q, keys, values, mask, scale, window, nullptr);
-  const int64_t n = q.size(2);
-  TORCH_CHECK(tree->scalar_type() == at::kLong && tree->dim() == 1 && tree->size(0) == n && tree->is_contiguous(),
-              "decode_attention: tree must be contiguous int64 [n]");
-  const auto* bits = tree->data_ptr<int64_t>();
-  for (int64_t j = 0; j < n && n <= 64; ++j)
-    TORCH_CHECK((static_cast<uint64_t>(bits[j]) >> j) == 1, "decode_attention: tree row ", j,
-                " must see itself and no later row");
-  return decode_attention_tree(q, keys, values, mask, scale, window, bits);
+  TORCH_CHECK(q.dim() == 4, "decode_attention: q [B, H, n, Dh], keys/values [B, Hk, S, Dh]");
+  return decode_attention_tree(q, keys, values, mask, scale, window, tree_rows(tree, q.size(2), "decode_attention"));
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,

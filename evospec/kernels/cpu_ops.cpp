@@ -287,22 +287,6 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
                           slots, b, n, hq, hk, scale, eps, nullptr);
 }
 
-// A draft tree's rows for llama_stack: null for none; else n <= 64 int64 bit sets of one sequence,
-// row j's with bit j set and none above it (its ancestors come before it).
-const int64_t* tree_bits(const std::optional<at::Tensor>& tree, int64_t b, int64_t n) {
-  if (!tree.has_value() || !tree->defined()) return nullptr;
-  TORCH_CHECK(tree->scalar_type() == at::kLong && tree->dim() == 1 && tree->size(0) == n && tree->is_contiguous() &&
-                  b == 1 && n <= 64,
-              "llama_stack: tree must be contiguous int64 [n], n <= 64, one sequence");
-  const auto* bits = tree->data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) {
-    const auto row = static_cast<uint64_t>(bits[j]);
-    TORCH_CHECK((row >> j) == 1,
-                "llama_stack: tree row ", j, " must see itself and no later row");
-  }
-  return bits;
-}
-
 
 // Layers 0..L-1 of a model as one op (llama_stack): llama_layer's contract for each, the input norm
 // of layer i + 1 (next_ws[i], L - 1 of them) normed into h after layer i, and the last layer's
@@ -314,7 +298,8 @@ std::tuple<at::Tensor, at::Tensor> llama_stack(
     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
     int64_t b, int64_t n, int64_t hq, int64_t hk, double scale, double eps, const std::optional<at::Tensor>& tree) {
   const size_t count = qkv_ws.size();
-  const int64_t* bits = tree_bits(tree, b, n);
+  TORCH_CHECK(!(tree.has_value() && tree->defined()) || b == 1, "llama_stack: a tree is one sequence's");
+  const int64_t* bits = evospec_attention::tree_rows(tree, n, "llama_stack");
   TORCH_CHECK(count >= 1 && o_ws.size() == count && gate_up_ws.size() == count && down_ws.size() == count &&
                   post_ws.size() == count && next_ws.size() + 1 == count,
               "llama_stack: L weights of each kind and L - 1 next norms");

@@ -70,15 +70,13 @@ class KVCache:
         """
         slots = src_slots.tolist()
         m = len(slots)
-        moved = [
-            i for i, s in enumerate(slots) if s != dst_start + i
-        ]  # a path's first nodes often lie in place
-        if len(moved) == 1:  # a fan's child, or a path's last node: one slot of every layer
-            src, dst = slots[moved[0]], dst_start + moved[0]
+        # the first slot out of place: the rest are too (ascending slots); m where none is
+        first = next((i for i, s in enumerate(slots) if s != dst_start + i), m)
+        if first == m - 1:  # a fan's child, or a path's last node: one slot of every layer
+            src, dst = slots[first], dst_start + first
             self.k.select(3, dst).copy_(self.k.select(3, src))
             self.v.select(3, dst).copy_(self.v.select(3, src))
-        elif moved:
-            first = moved[0]
+        elif first < m:
             idx = src_slots[first:].to(self.k.device)
             dst = slice(dst_start + first, dst_start + m)
             self.k[:, :, :, dst] = self.k.index_select(3, idx)

@@ -141,6 +141,11 @@ class StepGraph:
         self._graphs, self.failed = {}, False
         self.trees = supports_tree_rows(self.model)
 
+    def takes_tree(self, n: int, aux: tuple[int, ...] = ()) -> bool:
+        """Whether an n-node draft tree's forward (without ``aux`` layers) runs through a graph:
+        what the target's forward routes there and what a verify projects in it."""
+        return self.trees and not self.failed and not aux and n <= MAX_TREE
+
     @staticmethod
     def _key(n: int, logits: str, aux: tuple[int, ...], tree: bool = False) -> tuple:
         key = (n, logits) if not aux else (n, logits, tuple(aux))

@@ -330,7 +330,7 @@ class Transformer(nn.Module):
         n = tokens.shape[1]
         prefix = cache.length
         graph = self.step_graph
-        tree = graph is not None and graph.trees and not aux_layers
+        tree = graph is not None and graph.takes_tree(n, aux_layers)
         if tree and self._tree_recordable(tokens, tree_mask, attn_mask, left_pad, logits):
             bits = tree_rows if tree_rows is not None else tree_bits(tree_mask)
             stepped = graph(tokens, positions, cache, logits, aux_layers, tree=bits)

@@ -151,9 +151,12 @@ def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens
     lookup), a depth-2 tree and EAGLE-2's default 10/5/60 tree verify in one recorded llama_stack
     op each, and frspec and eagle2 emit plain decoding's tokens; ``slow_rows``: every tree is
     verified with its bits computed from the mask in the forward (the fan's shared bits left out)."""
+    import torch
+
     from evospec.decoding.recording import record_steps
     from evospec.decoding.sampling import SamplingParams
-    from evospec.decoding.tree import TreeConfig
+    from evospec.decoding.speculative import recorded_verify
+    from evospec.decoding.tree import TreeConfig, _build_fan
     from evospec.models.eagle import new_eagle_for
     from evospec.models.fused import enable_fused_ops
     from evospec.models.quant import quantize_linears
@@ -187,6 +190,9 @@ def test_trees_verified_through_recorded_tree_graphs_emit_plain_decodings_tokens
     recorded = set(target.step_graph._graphs)
     trees = {(3, "all", "tree"), (5, "all", "tree"), (4, "all", "tree"), (61, "all", "tree")}
     assert trees <= recorded  # fans of 2 and 4 children, a 3-node tree, EAGLE-2's default 60
+    fan = _build_fan(1, torch.zeros(2), torch.tensor([3, 4]), 10, 2)
+    # verified in a graph, every row projected there; with EAGLE-3's aux layers eagerly, rows lazily
+    assert recorded_verify(target, fan) and not recorded_verify(target, fan, (0, 1))
     for seed, length in ((0, 6), (1, 17), (2, 40)):
         prompt = prompt_of(seed, length)
         want = ar_tokens(target, prompt, params)

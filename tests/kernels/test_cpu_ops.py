@@ -185,6 +185,11 @@ def test_decode_attention_of_a_tree_gives_each_row_the_bits_of_a_step_over_its_a
         OPS.decode_attention(q, keys, values, None, 0.125, 0, bits.flip(0))
     with pytest.raises(RuntimeError, match="int64"):
         OPS.decode_attention(q, keys, values, None, 0.125, 0, bits.int())
+    wide = torch.randn(1, 3, 65, 64, generator=g)
+    with pytest.raises(RuntimeError, match="n <= 64"):  # a row's bit set holds 64 nodes
+        OPS.decode_attention(
+            torch.randn(1, 9, 65, 64), wide, wide, None, 0.125, 0, torch.ones(65, dtype=torch.long)
+        )
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
