@@ -24,6 +24,7 @@ from evospec.decoding.pausable import Steps
 from evospec.decoding.recording import record_steps
 from evospec.decoding.tree_config import TreeConfig
 from evospec.models.registry import DEFAULT_MODEL
+from evospec.options import PREFETCH_CHOICES
 from evospec.vocab.config import VocabConfig
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class StackSettings:
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # mode: each method's own
     verify_logits: str = "auto"  # see decoding/methods.py: VERIFY_LOGITS
     draft_weights: str = "auto"  # see decoding/methods.py: drafting_head
+    prefetch: str = "auto"  # target weights' prefetch hint: "auto" (measured, cached) or a name
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", "auto"
     dtype: str = "float32"  # one of DTYPES
     weights: str = "fp32"  # linear weight format: models/quant.py WEIGHT_FORMATS or "auto"
@@ -70,6 +72,8 @@ class StackSettings:
                 raise ValueError(problem)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.prefetch not in PREFETCH_CHOICES:
+            raise ValueError(f"prefetch {self.prefetch!r} is not one of {list(PREFETCH_CHOICES)}")
 
     @property
     def specs(self) -> list[MethodSpec]:
@@ -150,6 +154,7 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bo
     import torch
 
     from evospec.models.loading import load_model, resolve_device
+    from evospec.models.prefetch import choose_prefetch
 
     dtype = getattr(torch, settings.dtype)
     device = resolve_device(settings.device)
@@ -165,6 +170,9 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bo
         raise ValueError(f"{loaded.source} has no tokenizer.json; EvoSpec needs one to handle text")
     weights = describe_weights(loaded)
     facts = [f"model: {loaded.name} from {loaded.source} ({settings.dtype} on {device}, {weights})"]
+    prefetch = choose_prefetch(loaded, settings.prefetch)  # before any timing: tuning keys on it
+    if prefetch is not None:
+        facts.append(prefetch.describe())
     eos = tuple(loaded.codec.eos_ids or loaded.model.cfg.eos_token_ids)
     named = [method_spec(n) for n in settings.methods if n != AUTO]
     draft, draft_path = _load_draft(settings, loaded, named, dtype, device, facts)

@@ -1,14 +1,17 @@
 """Small helpers every layer shares: where things live, and argument types.
 
 Owns: the default shared-data folder (next to a checkout; a user's install has none), the
-``$EVOSPEC_HOME`` cache root, and ``positive_int`` for command-line flags. Imports nothing
-of the project, so any module may import it.
+``$EVOSPEC_HOME`` cache root, the key naming the hardware a cached timing belongs to, the
+whole-file replacement those caches are written with, and ``positive_int`` for command-line
+flags. Imports nothing of the project, so any module may import it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 from pathlib import Path
 
 DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
@@ -17,6 +20,29 @@ DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 def evospec_home() -> Path:
     """The cache root: ``$EVOSPEC_HOME``, else ``~/.cache/evospec``."""
     return Path(os.environ.get("EVOSPEC_HOME", Path.home() / ".cache" / "evospec")).expanduser()
+
+
+def machine_key() -> str:
+    """The hardware a timing belongs to: the GPU's name, or the CPU model and thread count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name()}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"cpu:{cpu}:{torch.get_num_threads()}t"
+
+
+def replace_json(path: Path, obj: object) -> None:
+    """Write ``obj`` to ``path`` as JSON, replacing the file whole (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
 
 
 def positive_int(text: str) -> int:

@@ -35,6 +35,7 @@ METHOD_HELP = (
     "beats it)"
 )
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")  # models/quant.py WEIGHT_FORMATS + auto (tested)
+PREFETCH_CHOICES = ("auto", "t0", "t1", "t2", "nta", "none")  # kernels/prefetch.py HINTS + auto (tested)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +54,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_weights_arg(p)
+    add_prefetch_arg(p)
     add_pack_arg(p)
     add_prefix_arg(p)
 
@@ -66,6 +68,19 @@ def add_weights_arg(p: argparse.ArgumentParser, default: str | None = "auto", *,
         "group 32), int8 (per row), bf16, fp32; auto = int4 on a CPU with float32 activations "
         "(int8 for gemma3-270m, whose GGUF is mostly 5-8-bit), "
         f"else fp32{note} (default: {default or 'auto'})",
+    )
+
+
+def add_prefetch_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    p.add_argument(
+        "--prefetch",
+        choices=PREFETCH_CHOICES,
+        default=default,
+        help="how the CPU kernels prefetch the target's int4/int8 weights, read once a step: "
+        "t0/t1/t2 (into L1/L2/L3), nta (non-temporal), none (the hardware prefetchers alone); "
+        "auto = the fastest one-token step of this model on this machine, measured once (~2 s) and "
+        "cached under $EVOSPEC_HOME/tuning (on one Xeon VM nta made a step 2.6x as long as t1; on a "
+        "Zen 4 nta was a few %% faster). Never changes output (default: auto)",
     )
 
 
@@ -297,6 +312,7 @@ def stack_settings(
         adapt=adapt_config(args),
         verify_logits=args.verify_logits,
         draft_weights=args.draft_weights,
+        prefetch=args.prefetch,
         device=args.device,
         dtype=args.dtype,
         weights=args.weights,

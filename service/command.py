@@ -72,6 +72,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="model dtype: activations, KV cache and unquantised weights (default float32)",
     )
     options.add_weights_arg(s, default=None)
+    options.add_prefetch_arg(s, default=None)
     s.add_argument("--adapter-dir", default=None, help="adapter folder (default: $EVOSPEC_HOME/adapters)")
     s.add_argument(
         "--persist-state",
@@ -100,7 +101,7 @@ def serve_config(args: argparse.Namespace):
 
     base = load_config(args.config) if args.config else ServeConfig()
     names = ("model", "draft", "draft3", "ngrams", "method", "host", "port", "device", "dtype", "weights")
-    names += ("verify_logits", "draft_weights", "prefix_cache_mb")
+    names += ("verify_logits", "draft_weights", "prefetch", "prefix_cache_mb")
     names += ("max_body_bytes", "body_read_timeout", "max_batch", "prefill_chunk")
     names += ("adapter_dir", "persist_state", "state_dir", "snapshot_minutes")
     flags = {k: getattr(args, k) for k in names} | options.section_overrides(args)

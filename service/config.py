@@ -24,7 +24,7 @@ from evospec.decoding.tree import TreeConfig
 from evospec.decoding.tree_config import names_a_shape
 from evospec.models.batch_step import AUTO_BATCH
 from evospec.models.registry import DEFAULT_MODEL
-from evospec.options import WEIGHT_CHOICES
+from evospec.options import PREFETCH_CHOICES, WEIGHT_CHOICES
 from evospec.settings import SettingsError, check_type, section_from_mapping
 from evospec.vocab.factory import VocabConfig
 
@@ -58,6 +58,7 @@ class ServeConfig:
     prefix_cache_mb: int | None = None  # MiB for earlier sequences' slots (0: the last only; None: 256)
     verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
     draft_weights: str = "auto"  # non-adapting draft linears: auto | fp32 | int8 | int4 (decoding/methods.py)
+    prefetch: str = "auto"  # CPU kernels' hint for the target's weights: auto | t0 | t1 | t2 | nta | none
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
@@ -119,6 +120,7 @@ class ServeConfig:
             adapt=self.adapt,
             verify_logits=self.verify_logits,
             draft_weights=self.draft_weights,
+            prefetch=self.prefetch,
             device=self.device,
             dtype=self.dtype,
             weights=self.weights,
@@ -176,6 +178,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "tune_tree": (bool, type(None)),
     "verify_logits": (str,),
     "draft_weights": (str,),
+    "prefetch": (str,),
     "host": (str,),
     "port": (int,),
     "max_queue": (int,),
@@ -233,6 +236,8 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"verify_logits {c.verify_logits!r} is not one of {list(VERIFY_LOGITS)}")
     if c.draft_weights not in DRAFT_WEIGHTS:
         out.append(f"draft_weights {c.draft_weights!r} is not one of {list(DRAFT_WEIGHTS)}")
+    if c.prefetch not in PREFETCH_CHOICES:
+        out.append(f"prefetch {c.prefetch!r} is not one of {list(PREFETCH_CHOICES)}")
     spec = METHOD_SPECS.get(c.method)
     problem = c.vocab.budget_problem(spec.policy) if spec is not None and spec.policy else None
     return out + ([problem] if problem else [])

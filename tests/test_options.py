@@ -97,6 +97,27 @@ def test_weight_choices_are_the_formats_plus_auto():
     assert ("auto", *WEIGHT_FORMATS) == WEIGHT_CHOICES
 
 
+def test_prefetch_choices_are_the_hints_plus_auto():
+    from evospec.kernels.prefetch import HINTS
+    from evospec.options import PREFETCH_CHOICES
+
+    assert ("auto", *HINTS) == PREFETCH_CHOICES
+
+
+def test_prefetch_flag_reaches_the_stack_and_the_serve_config():
+    from evospec.assembly import StackSettings
+    from service.command import serve_config
+
+    parser = build_parser()
+    assert stack_settings(parser.parse_args(["generate", "x"]), ["ar"]).prefetch == "auto"
+    assert stack_settings(parser.parse_args(["bench", "--prefetch", "t1"]), ["ar"]).prefetch == "t1"
+    assert serve_config(parser.parse_args(["serve"])).prefetch == "auto"
+    cfg = serve_config(parser.parse_args(["serve", "--prefetch", "nta"]))
+    assert cfg.prefetch == "nta" and cfg.stack_settings().prefetch == "nta"
+    with pytest.raises(ValueError, match="prefetch 'l2' is not one of"):
+        StackSettings(prefetch="l2")
+
+
 def test_weights_flag_reaches_the_stack_and_the_serve_config():
     from evospec.cli import build_parser
     from service.command import serve_config

@@ -22,8 +22,6 @@ import contextlib
 import gc
 import json
 import math
-import os
-import platform
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -32,6 +30,7 @@ from typing import Any
 
 import torch
 
+from evospec.common import machine_key, replace_json
 from evospec.decoding.methods import ARDecoder, Decoder
 from evospec.decoding.pausable import Steps, checkpoint, drive, rate, timed, warm
 from evospec.decoding.recording import record_steps
@@ -140,19 +139,6 @@ PRUNE = 0.4  # later passes skip a shape whose best run is below this share of t
 # without context lookup, 0.99x AR in the bench, where the shape it chose a run earlier made 1.17x).
 TREE_FINALISTS = 3
 TREE_FINAL_SHARE = 0.9
-
-
-def machine_key() -> str:
-    """The hardware a timing belongs to: the GPU's name, or the CPU model and thread count."""
-    if torch.cuda.is_available():
-        return f"cuda:{torch.cuda.get_device_name()}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"cpu:{cpu}:{torch.get_num_threads()}t"
 
 
 @contextlib.contextmanager
@@ -356,14 +342,6 @@ def _cache_file() -> Path:
     return evospec_home() / "tuning" / "trees.json"
 
 
-def _write_cache(path: Path, cache: dict) -> None:
-    """Replace the cache file whole (a reader never sees half of it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=2))
-    tmp.replace(path)
-
-
 # what --method auto chose: (method, the tree it was measured with or None for ar, speedup over AR
 # by candidate)
 Choice = tuple[str, TreeConfig | None, dict[str, float]]
@@ -405,6 +383,10 @@ class Tuner:
             from evospec.models.quant import quant_kernel
 
             kernels += f"-{quant_kernel(16)}"
+            if quant_kernel(16) == "vnni":  # the weights' prefetch hint: 2.6x a step on some machines
+                from evospec.kernels.prefetch import hints
+
+                kernels += f"-pf-{hints()[0]}"
         if getattr(self.loaded.model, "step_graph", None) is not None:
             kernels += "+step-graph"  # a cheaper AR step: the bar speculation must clear
         if getattr(self.loaded.model, "fused_ops", False):
@@ -432,7 +414,7 @@ class Tuner:
             result = yield from measure()
             cache = json.loads(path.read_text()) if path.exists() else {}
             cache[key] = result
-            _write_cache(path, cache)
+            replace_json(path, cache)
         return cache[key]
 
     def _prompts(self, texts: Sequence[str]) -> list[list[int]]:

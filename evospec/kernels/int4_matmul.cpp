@@ -4,6 +4,10 @@
 // Contract (see int4_matmul.py for the packing and the torch reference):
 //   int4_vnni() -> bool: whether this build has the kernel (compiled for AVX2 + FMA + F16C or later)
 //   int4_isa() -> str: which instruction set it uses ("avx512-vnni", "avx-vnni", "avx2"; "none")
+//   set_prefetch(kept, streamed) -> (): the prefetch hints of the weight loops (vnni.h,
+//     prefetch_weight; 0 T0, 1 T1, 2 T2, 3 NTA, 4 none), for every op of this library; a no-op
+//     in a build without the kernels
+//   prefetch_hints() -> int[2]: the hints in use, [kept, streamed]
 //   int4_block_rows() -> int: the activation rows one pass over a weight tile takes (8 on AVX-512,
 //                             4 elsewhere: int4_tiles.h, kRows)
 //   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320], stream = false) -> x's dtype [M, N];
@@ -42,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -52,6 +57,23 @@ bool int4_vnni() {
   return true;
 #else
   return false;
+#endif
+}
+
+void set_prefetch(int64_t kept, int64_t streamed) {
+  TORCH_CHECK(kept >= 0 && kept <= 4 && streamed >= 0 && streamed <= 4, "set_prefetch: hints are 0..4, got ", kept,
+              ", ", streamed);
+#ifdef EVOSPEC_VNNI
+  evospec_vnni::g_prefetch_hint[0] = static_cast<int>(kept);
+  evospec_vnni::g_prefetch_hint[1] = static_cast<int>(streamed);
+#endif
+}
+
+std::vector<int64_t> prefetch_hints() {
+#ifdef EVOSPEC_VNNI
+  return {evospec_vnni::g_prefetch_hint[0], evospec_vnni::g_prefetch_hint[1]};
+#else
+  return {0, 3};
 #endif
 }
 
@@ -154,6 +176,8 @@ TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_vnni() -> bool", &int4_vnni);
   m.def("int4_isa() -> str", &int4_isa);
   m.def("int4_block_rows() -> int", &int4_block_rows);
+  m.def("set_prefetch(int kept, int streamed) -> ()", &set_prefetch);
+  m.def("prefetch_hints() -> int[]", &prefetch_hints);
   m.def("int4_matmul(Tensor x, Tensor packed, bool stream=False) -> Tensor");
   m.def("int4_top1(Tensor x, Tensor packed, Tensor bias, Tensor ids) -> (Tensor, Tensor)");
 }

@@ -41,15 +41,27 @@ namespace evospec_vnni {
 constexpr int64_t kGroup = 32;  // input columns per activation scale (and per int4 weight group)
 constexpr int64_t kTile = 16;   // output columns per zmm of int32 sums
 
-// Prefetch a weight's bytes ahead of the tile loop. A streamed weight (the target model's: ~94 MB
-// a step for SmolLM2, three times the L3) is fetched non-temporally, so it does not evict what
-// the next step or the draft reads again (the KV cache, the draft's weights, activations); a
-// weight read again soon (a draft's, its reduced LM head) is fetched into every level.
+// Prefetch a weight's bytes ahead of the tile loop, with the hint this machine does best with
+// (kernels/prefetch.py measures and sets it: set_prefetch). Two kinds of weight: a streamed one
+// (the target model's: ~94 MB a step for SmolLM2, more than most L3s) and a kept one, read again
+// soon (a draft's, its reduced LM head). Non-temporal prefetches keep a streamed weight from
+// evicting what the next step reads again (a few % on a Zen 4); on a VM whose loads wait long
+// for memory they cost 2.5x a step, where fetching into L2 (T1) lets more lines be in flight:
+// the best hint is a property of the machine, not of the code.
+enum PrefetchHint : int { kHintT0 = 0, kHintT1 = 1, kHintT2 = 2, kHintNta = 3, kHintNone = 4 };
+inline int g_prefetch_hint[2] = {kHintT0, kHintNta};  // [kept, streamed]
+
+// Each hint is its own volatile instruction: GCC 12 merges _mm_prefetch calls of different hints in
+// one switch into a single call whose hint is no longer a constant, and then drops them all.
 inline void prefetch_weight(const void* p, bool stream) {
-  if (stream)
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
-  else
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  const char* c = static_cast<const char*>(p);
+  switch (g_prefetch_hint[stream ? 1 : 0]) {
+    case kHintT0: asm volatile("prefetcht0 %0" : : "m"(*c)); break;
+    case kHintT1: asm volatile("prefetcht1 %0" : : "m"(*c)); break;
+    case kHintT2: asm volatile("prefetcht2 %0" : : "m"(*c)); break;
+    case kHintNta: asm volatile("prefetchnta %0" : : "m"(*c)); break;
+    default: break;  // none: the hardware prefetchers alone
+  }
 }
 
 #if defined(EVOSPEC_ZMM)

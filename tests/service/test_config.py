@@ -149,6 +149,7 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("prefix_cache_mb: lots\n", "prefix_cache_mb must be int"),
         ("verify_logits: some\n", "verify_logits 'some' is not one of"),
         ("draft_weights: int2\n", "draft_weights 'int2' is not one of"),
+        ("prefetch: l2\n", "prefetch 'l2' is not one of"),
         ("tree: {top_k: 0}\n", "tree.top_k must be an integer >= 1"),
         ("tree: {width: 3}\n", "unknown tree key(s) ['width']"),
         ("tree: 5\n", "tree must be a mapping"),
