@@ -1,0 +1,83 @@
+"""Interleaved A/B of the op library's prefetch hints, for plain decoding and decoder variants.
+
+Each ``--hints`` entry is ``STREAMED[/KEPT]`` (``kernels/prefetch.py``: the hint for the
+target's weights, read once a step, and for a draft's, read again soon; KEPT defaults to t0).
+Every prompt runs, under every hint in turn (the order rotating between prompts), AR and every
+variant (``scripts/tree_ab.py``'s syntax); outputs are checked equal to AR's under every hint.
+Reports decode tok/s (prefill excluded) per hint and decoder, each decoder's speed against AR
+under the same hint, and every hint's speed against the first one's, decoder by decoder.
+Used for docs/benchmarks.md, wave 45:
+
+    .venv/bin/python scripts/prefetch_ab.py --data ../shared/data/spec_bench/question.jsonl \\
+        --per-category 1 --hints nta t0 t1 t0/t1 -- ngram:3:2:1:1 frspec:3:2:0:2
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from tree_ab import variant_parser, variant_setup
+
+from evospec.kernels import prefetch
+
+
+def hint_pair(text: str) -> tuple[str, str]:
+    """``STREAMED[/KEPT]`` -> (streamed, kept), each one of ``prefetch.HINTS`` (else ValueError)."""
+    streamed, _, kept = text.partition("/")
+    pair = (streamed, kept or prefetch.KEPT_DEFAULT)
+    for h in pair:
+        if h not in prefetch.HINTS:
+            raise ValueError(f"{text!r}: {h!r} is not one of {list(prefetch.HINTS)}")
+    return pair
+
+
+def main() -> None:
+    ap = variant_parser(__doc__, "METHOD:LOOKUP:LOOKUP_NGRAM:TABLE_LOOKUP:DEPTH[:MIN_PROB]", 1)
+    ap.add_argument("--hints", nargs="+", type=hint_pair, default=["nta", "t0"], help="STREAMED[/KEPT] hints")
+    args = ap.parse_args()
+    hints = args.hints
+    _, decoders, prompts, params = variant_setup(args)
+    seconds, tokens = collections.Counter(), collections.Counter()
+
+    def run(name: str, ids: list[int]) -> tuple[list[int], float]:
+        out, t0 = [], time.perf_counter()
+        for ev in decoders[name].generate(ids, params):
+            out += ev.tokens
+            if ev.prefill:
+                t0 = time.perf_counter()
+        return out, time.perf_counter() - t0
+
+    names = list(decoders)
+    for h in hints:  # warm-up under every hint
+        prefetch.set_hints(*h)
+        for name in names:
+            run(name, prompts[0])
+    for i, ids in enumerate(prompts):
+        k = i % len(hints)
+        for h in hints[k:] + hints[:k]:
+            prefetch.set_hints(*h)
+            outs = {}
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                outs[name], s = run(name, ids)
+                seconds[h, name] += s
+                tokens[h, name] += len(outs[name]) - 1
+            for name in names:
+                if outs[name] != outs["ar"]:
+                    raise SystemExit(f"{name} under {h}: output differs from AR on prompt {i}")
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    speed = {key: tokens[key] / max(seconds[key], 1e-9) for key in seconds}
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens; decode tok/s (vs AR, the same hint)")
+    print("| hint (streamed/kept) | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for h in hints:
+        ratio = {n: f" ({speed[h, n] / speed[h, 'ar']:.3f}x)" for n in names if n != "ar"}
+        cells = [f"{speed[h, n]:.1f}{ratio.get(n, '')}" for n in names]
+        print(f"| {h[0]}/{h[1]} | " + " | ".join(cells) + " |")
+    print(f"\nagainst {hints[0][0]}/{hints[0][1]}, decoder by decoder")
+    for h in hints[1:]:
+        print(f"{h[0]}/{h[1]}: " + ", ".join(f"{n} {speed[h, n] / speed[hints[0], n]:.3f}x" for n in names))
+
+
+if __name__ == "__main__":
+    main()
