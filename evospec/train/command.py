@@ -276,6 +276,11 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         tokens_per_batch=args.tokens_per_batch,
     )
     loaded = load_model(args.target, device=device, progress=progress, weights=args.weights)
+    from evospec.models.prefetch import choose_prefetch
+
+    prefetch = choose_prefetch(loaded)  # answers are decoded: the machine's fastest weight prefetch
+    if prefetch is not None:
+        print(prefetch.describe(), file=sys.stderr)
     if loaded.codec is None:
         raise ValueError(f"{loaded.source}: the target needs a tokenizer to render training prompts")
     teacher = loaded.name if loaded.weights == "fp32" else f"{loaded.name}+{loaded.weights}"

@@ -190,7 +190,7 @@ def test_bad_conversation_records_are_refused(model: Path, tmp_path: Path, capsy
 
 
 def test_a_quantised_teacher_keeps_its_data_in_its_own_folder(
-    model: Path, tmp_path: Path, monkeypatch
+    model: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
     from evospec.models.quant import kernels_available
 
@@ -203,6 +203,11 @@ def test_a_quantised_teacher_keeps_its_data_in_its_own_folder(
     folders = [p.name for p in (tmp_path / "home" / "train").iterdir()]
     assert folders == ["model+int8"]  # fp32 teachers' data (train/model) is never mixed in
     assert json.loads((out / "training.json").read_text())["teacher_weights"] == "int8"
+    from evospec.kernels.prefetch import available
+
+    if available():  # its answers decode with the machine's weight prefetch, measured and cached
+        assert "weight prefetch: " in capsys.readouterr().err
+        assert (tmp_path / "home" / "tuning" / "prefetch.json").is_file()
 
 
 def test_an_eagle3_head_with_a_draft_vocabulary_end_to_end(model: Path, tmp_path: Path, capsys) -> None:
