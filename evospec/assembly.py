@@ -23,8 +23,8 @@ from evospec.decoding.methods import Decoder, MethodSpec, draft_format, make_dec
 from evospec.decoding.pausable import Steps
 from evospec.decoding.recording import record_steps
 from evospec.decoding.tree_config import TreeConfig
+from evospec.kernels.prefetch import HINTS as PREFETCH_HINTS
 from evospec.models.registry import DEFAULT_MODEL
-from evospec.options import PREFETCH_CHOICES
 from evospec.vocab.config import VocabConfig
 
 if TYPE_CHECKING:
@@ -72,8 +72,8 @@ class StackSettings:
                 raise ValueError(problem)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
-        if self.prefetch not in PREFETCH_CHOICES:
-            raise ValueError(f"prefetch {self.prefetch!r} is not one of {list(PREFETCH_CHOICES)}")
+        if self.prefetch not in ("auto", *PREFETCH_HINTS):
+            raise ValueError(f"prefetch {self.prefetch!r} is not one of {['auto', *PREFETCH_HINTS]}")
 
     @property
     def specs(self) -> list[MethodSpec]:

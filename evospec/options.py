@@ -19,6 +19,7 @@ from pathlib import Path
 from evospec.adapt.config import AdaptConfig
 from evospec.common import non_negative_int, positive_int
 from evospec.decoding.tree_config import TreeConfig, names_a_shape
+from evospec.kernels.prefetch import HINTS
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.settings import add_section_flags, section_from_args
 from evospec.vocab.config import VocabConfig
@@ -35,7 +36,7 @@ METHOD_HELP = (
     "beats it)"
 )
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")  # models/quant.py WEIGHT_FORMATS + auto (tested)
-PREFETCH_CHOICES = ("auto", "t0", "t1", "t2", "nta", "none")  # kernels/prefetch.py HINTS + auto (tested)
+PREFETCH_CHOICES = ("auto", *HINTS)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -97,13 +97,6 @@ def test_weight_choices_are_the_formats_plus_auto():
     assert ("auto", *WEIGHT_FORMATS) == WEIGHT_CHOICES
 
 
-def test_prefetch_choices_are_the_hints_plus_auto():
-    from evospec.kernels.prefetch import HINTS
-    from evospec.options import PREFETCH_CHOICES
-
-    assert ("auto", *HINTS) == PREFETCH_CHOICES
-
-
 def test_prefetch_flag_reaches_the_stack_and_the_serve_config():
     from evospec.assembly import StackSettings
     from service.command import serve_config

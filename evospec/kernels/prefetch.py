@@ -21,8 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-import torch
-
+# (torch is imported where the op is called: option parsing reads HINTS without it)
 HINTS = ("t0", "t1", "t2", "nta", "none")  # the op's numbering: 0 .. 4
 STREAMED_DEFAULT = "nta"  # what the library starts with (the hint before wave 45)
 KEPT_DEFAULT = "t0"
@@ -44,6 +43,8 @@ def set_hints(streamed: str, kept: str = KEPT_DEFAULT) -> None:
         if h not in HINTS:
             raise ValueError(f"prefetch hint {h!r} is not one of {list(HINTS)}")
     if available():
+        import torch
+
         torch.ops.evospec.set_prefetch(HINTS.index(kept), HINTS.index(streamed))
 
 
@@ -51,6 +52,8 @@ def hints() -> tuple[str, str]:
     """The hints in use: (streamed, kept); the library's defaults without it."""
     if not available():
         return STREAMED_DEFAULT, KEPT_DEFAULT
+    import torch
+
     kept, streamed = torch.ops.evospec.prefetch_hints()
     return HINTS[streamed], HINTS[kept]
 
