@@ -64,6 +64,15 @@ def _cache_file():
     return evospec_home() / "tuning" / "prefetch.json"
 
 
+def _read_cache(path) -> dict:
+    """The cache's entries; none where the file is missing or unreadable (measured again, rewritten)."""
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
 def measure(loaded, **kwargs) -> dict[str, float]:
     """Median ms of ``loaded``'s one-token step (its recorded graph where it has one) under each
     candidate hint, at :data:`STEP_SLOTS` cached slots (``kwargs``: ``time_hints``'s)."""
@@ -98,11 +107,11 @@ def choose_prefetch(loaded, mode: str = "auto") -> PrefetchChoice | None:
         prefetch.set_hints(mode, kept)
         return PrefetchChoice(mode)
     path, key = _cache_file(), _key(loaded)
-    cache = json.loads(path.read_text()) if path.exists() else {}
+    cache = _read_cache(path)
     cached = key in cache
     if not cached:
         timings = measure(loaded)
-        cache = json.loads(path.read_text()) if path.exists() else {}  # another process may have written
+        cache = _read_cache(path)  # another process may have written meanwhile
         cache[key] = {"hint": prefetch.pick(timings), "ms": timings}
         replace_json(path, cache)
     entry = cache[key]

@@ -48,6 +48,15 @@ def test_auto_measures_once_then_reads_the_cache(fake_hints, monkeypatch, tmp_pa
     assert calls == ["m", "other"]  # another model: its own entry
 
 
+def test_an_unreadable_cache_is_measured_again(fake_hints, monkeypatch, tmp_path):
+    (tmp_path / "tuning").mkdir()
+    (tmp_path / "tuning" / "prefetch.json").write_text("{not json")
+    monkeypatch.setattr(prefetch, "measure", lambda loaded: {"nta": 8.0, "t0": 3.0})
+    choice = prefetch.choose_prefetch(SimpleNamespace(name="m"))
+    assert (choice.hint, choice.cached) == ("t0", False)
+    assert json.loads((tmp_path / "tuning" / "prefetch.json").read_text())["m|this machine"]["hint"] == "t0"
+
+
 def test_a_close_call_keeps_nta(fake_hints, monkeypatch):
     monkeypatch.setattr(prefetch, "measure", lambda loaded: {"nta": 3.05, "t0": 3.0, "t1": 3.1, "none": 3.6})
     assert prefetch.choose_prefetch(SimpleNamespace(name="m")).hint == "nta"
