@@ -46,7 +46,7 @@ constexpr int64_t kTile = 16;   // output columns per zmm of int32 sums
 // (the target model's: ~94 MB a step for SmolLM2, more than most L3s) and a kept one, read again
 // soon (a draft's, its reduced LM head). Non-temporal prefetches keep a streamed weight from
 // evicting what the next step reads again (a few % on a Zen 4); on a VM whose loads wait long
-// for memory they cost 2.5x a step, where fetching into L2 (T1) lets more lines be in flight:
+// for memory they made a step 2.6x as long, where fetching into L2 (T1) lets more lines be in flight:
 // the best hint is a property of the machine, not of the code.
 enum PrefetchHint : int { kHintT0 = 0, kHintT1 = 1, kHintT2 = 2, kHintNta = 3, kHintNone = 4 };
 inline int g_prefetch_hint[2] = {kHintT0, kHintNta};  // [kept, streamed]

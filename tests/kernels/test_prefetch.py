@@ -58,6 +58,30 @@ def test_no_hint_changes_a_bit(restore_hints):
 
 
 @needs_vnni
+def test_no_hint_changes_a_fused_forward(restore_hints):
+    """The layer stack's streamed weights and the LM head under every hint: the same logits."""
+    from evospec.kernels.cpu_ops import load_cpu_ops
+    from evospec.models.fused import enable_fused_ops
+    from evospec.models.quant import quantize_linears
+    from tests.decoding.spec_helpers import tiny_target
+
+    if not load_cpu_ops():
+        pytest.skip("no fused CPU ops here")
+    model = tiny_target(0, head_dim=16)
+    quantize_linears(model, "int4", stream=True)
+    model.exact_rows = True
+    assert enable_fused_ops(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    logits = []
+    with torch.inference_mode():
+        for h in prefetch.HINTS:
+            prefetch.set_hints(h)
+            cache = model.new_cache(16)
+            logits.append(model(tokens, torch.arange(12), cache, logits="all").logits)
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+@needs_vnni
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump here")
 def test_the_library_holds_every_prefetch_instruction():
     """GCC 12 merged ``_mm_prefetch`` calls of different hints in one switch and then dropped them
