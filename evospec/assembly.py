@@ -23,7 +23,7 @@ from evospec.decoding.methods import Decoder, MethodSpec, draft_format, make_dec
 from evospec.decoding.pausable import Steps
 from evospec.decoding.recording import record_steps
 from evospec.decoding.tree_config import TreeConfig
-from evospec.kernels.prefetch import HINTS as PREFETCH_HINTS
+from evospec.kernels.prefetch import mode_problem as prefetch_problem
 from evospec.models.registry import DEFAULT_MODEL
 from evospec.vocab.config import VocabConfig
 
@@ -56,7 +56,7 @@ class StackSettings:
     adapt: AdaptConfig = field(default_factory=AdaptConfig)  # mode: each method's own
     verify_logits: str = "auto"  # see decoding/methods.py: VERIFY_LOGITS
     draft_weights: str = "auto"  # see decoding/methods.py: drafting_head
-    prefetch: str = "auto"  # target weights' prefetch hint: "auto" (measured, cached) or a name
+    prefetch: str = "auto"  # target weights' prefetch: "auto" (measured, cached) or HINT[:KIB]
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", "auto"
     dtype: str = "float32"  # one of DTYPES
     weights: str = "fp32"  # linear weight format: models/quant.py WEIGHT_FORMATS or "auto"
@@ -72,8 +72,8 @@ class StackSettings:
                 raise ValueError(problem)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
-        if self.prefetch not in ("auto", *PREFETCH_HINTS):
-            raise ValueError(f"prefetch {self.prefetch!r} is not one of {['auto', *PREFETCH_HINTS]}")
+        if prefetch_problem(self.prefetch):
+            raise ValueError(prefetch_problem(self.prefetch))
 
     @property
     def specs(self) -> list[MethodSpec]:

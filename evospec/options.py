@@ -19,7 +19,7 @@ from pathlib import Path
 from evospec.adapt.config import AdaptConfig
 from evospec.common import non_negative_int, positive_int
 from evospec.decoding.tree_config import TreeConfig, names_a_shape
-from evospec.kernels.prefetch import HINTS
+from evospec.kernels.prefetch import mode_problem
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.settings import add_section_flags, section_from_args
 from evospec.vocab.config import VocabConfig
@@ -36,7 +36,6 @@ METHOD_HELP = (
     "beats it)"
 )
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")  # models/quant.py WEIGHT_FORMATS + auto (tested)
-PREFETCH_CHOICES = ("auto", *HINTS)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -72,16 +71,27 @@ def add_weights_arg(p: argparse.ArgumentParser, default: str | None = "auto", *,
     )
 
 
+def prefetch_mode(text: str) -> str:
+    """argparse type of ``--prefetch``: ``auto`` or ``HINT[:KIB]`` (kernels/prefetch.py)."""
+    problem = mode_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def add_prefetch_arg(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
     p.add_argument(
         "--prefetch",
-        choices=PREFETCH_CHOICES,
+        type=prefetch_mode,
         default=default,
-        help="how the CPU kernels prefetch the target's int4/int8 weights, read once a step: "
-        "t0/t1/t2 (into L1/L2/L3), nta (non-temporal), none (the hardware prefetchers alone); "
-        "auto = the fastest one-token step of this model on this machine, measured once (~2 s) and "
-        "cached under $EVOSPEC_HOME/tuning (on one Xeon VM nta made a step 2.6x as long as t1; on a "
-        "Zen 4 nta was a few %% faster). Never changes output (default: auto)",
+        metavar="auto|HINT[:KIB]",
+        help="how the CPU kernels prefetch the target's int4/int8 weights, read once a step: a hint "
+        "-- t0/t1/t2 (into L1/L2/L3), nta (non-temporal), none (the hardware prefetchers alone) -- "
+        "and how far ahead, KIB kibibytes (default 2.5); auto = the fastest one-token step of this "
+        "model on this machine over 13 settings, measured once (~3 s) and cached under "
+        "$EVOSPEC_HOME/tuning (on one Xeon VM nta made a step 2.6x as long as t1, and 10 KiB ahead "
+        "~20%% shorter than 2.5; on a Zen 4 nta was a few %% faster). Never changes output "
+        "(default: auto)",
     )
 
 

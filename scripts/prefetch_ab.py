@@ -1,15 +1,17 @@
-"""Interleaved A/B of the op library's prefetch hints, for plain decoding and decoder variants.
+"""Interleaved A/B of the op library's prefetch settings, for plain decoding and decoder variants.
 
-Each ``--hints`` entry is ``STREAMED[/KEPT]`` (``kernels/prefetch.py``: the hint for the
-target's weights, read once a step, and for a draft's, read again soon; KEPT defaults to t0).
-Every prompt runs, under every hint in turn (the order rotating between prompts), AR and every
-variant (``scripts/tree_ab.py``'s syntax); outputs are checked equal to AR's under every hint.
-Reports decode tok/s (prefill excluded) per hint and decoder, each decoder's speed against AR
-under the same hint, and every hint's speed against the first one's, decoder by decoder.
-Used for docs/benchmarks.md, wave 45:
+Each ``--hints`` entry is ``STREAMED[/KEPT]`` (``kernels/prefetch.py``: STREAMED the setting of
+the target's weights, read once a step, ``HINT[:KIB]``; KEPT the hint of a draft's, read again
+soon, default t0). Every prompt runs, under every entry in turn (the order rotating between
+prompts), AR and every variant (``scripts/tree_ab.py``'s syntax); outputs are checked equal to
+AR's under every entry. Reports decode tok/s (prefill excluded) per entry and decoder, each
+decoder's speed against AR under the same entry, and every entry's speed against the first
+one's, decoder by decoder. Used for docs/benchmarks.md, waves 45 and 46:
 
     .venv/bin/python scripts/prefetch_ab.py --data ../shared/data/spec_bench/question.jsonl \\
         --per-category 1 --hints nta t0 t1 t0/t1 -- ngram:3:2:1:1 frspec:3:2:0:2
+    .venv/bin/python scripts/prefetch_ab.py --data ../shared/data/spec_bench/question.jsonl \\
+        --per-category 1 --hints t0 t1 t1:10 -- ngram:3:2:1:1 frspec:3:2:1:1
 """
 
 from __future__ import annotations
@@ -22,14 +24,20 @@ from tree_ab import variant_parser, variant_setup
 from evospec.kernels import prefetch
 
 
-def hint_pair(text: str) -> tuple[str, str]:
-    """``STREAMED[/KEPT]`` -> (streamed, kept), each one of ``prefetch.HINTS`` (else ValueError)."""
+def hint_pair(text: str) -> tuple[prefetch.Setting, str]:
+    """``STREAMED[/KEPT]`` -> (streamed setting, kept hint); ValueError for an unknown hint or a
+    distance the op cannot take."""
     streamed, _, kept = text.partition("/")
-    pair = (streamed, kept or prefetch.KEPT_DEFAULT)
-    for h in pair:
-        if h not in prefetch.HINTS:
-            raise ValueError(f"{text!r}: {h!r} is not one of {list(prefetch.HINTS)}")
-    return pair
+    kept = kept or prefetch.KEPT_DEFAULT
+    if kept not in prefetch.HINTS:
+        raise ValueError(f"{text!r}: {kept!r} is not one of {list(prefetch.HINTS)}")
+    return prefetch.Setting.parse(streamed), kept
+
+
+def use(entry: tuple[prefetch.Setting, str]) -> None:
+    """Prefetch as ``entry`` says: the streamed setting and the kept hint."""
+    prefetch.set_hints(entry[0].hint, entry[1])
+    prefetch.apply(entry[0])
 
 
 def main() -> None:
@@ -50,13 +58,13 @@ def main() -> None:
 
     names = list(decoders)
     for h in hints:  # warm-up under every hint
-        prefetch.set_hints(*h)
+        use(h)
         for name in names:
             run(name, prompts[0])
     for i, ids in enumerate(prompts):
         k = i % len(hints)
         for h in hints[k:] + hints[:k]:
-            prefetch.set_hints(*h)
+            use(h)
             outs = {}
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 outs[name], s = run(name, ids)
@@ -67,8 +75,8 @@ def main() -> None:
                     raise SystemExit(f"{name} under {h}: output differs from AR on prompt {i}")
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     speed = {key: tokens[key] / max(seconds[key], 1e-9) for key in seconds}
-    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens; decode tok/s (vs AR, the same hint)")
-    print("| hint (streamed/kept) | " + " | ".join(names) + " |")
+    print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens; decode tok/s (vs AR, the same setting)")
+    print("| prefetch (streamed/kept) | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for h in hints:
         ratio = {n: f" ({speed[h, n] / speed[h, 'ar']:.3f}x)" for n in names if n != "ar"}

@@ -22,9 +22,10 @@ from evospec.adapt.config import AdaptConfig
 from evospec.decoding.methods import DRAFT_WEIGHTS, METHOD_SPECS, METHODS, VERIFY_LOGITS
 from evospec.decoding.tree import TreeConfig
 from evospec.decoding.tree_config import names_a_shape
+from evospec.kernels.prefetch import mode_problem as prefetch_problem
 from evospec.models.batch_step import AUTO_BATCH
 from evospec.models.registry import DEFAULT_MODEL
-from evospec.options import PREFETCH_CHOICES, WEIGHT_CHOICES
+from evospec.options import WEIGHT_CHOICES
 from evospec.settings import SettingsError, check_type, section_from_mapping
 from evospec.vocab.factory import VocabConfig
 
@@ -58,7 +59,7 @@ class ServeConfig:
     prefix_cache_mb: int | None = None  # MiB for earlier sequences' slots (0: the last only; None: 256)
     verify_logits: str = "auto"  # tree nodes projected onto the vocabulary: auto | all | lazy
     draft_weights: str = "auto"  # non-adapting draft linears: auto | fp32 | int8 | int4 (decoding/methods.py)
-    prefetch: str = "auto"  # CPU kernels' hint for the target's weights: auto | t0 | t1 | t2 | nta | none
+    prefetch: str = "auto"  # CPU kernels' prefetch of the target's weights: auto | HINT[:KIB] (t1, t1:10)
     host: str = "127.0.0.1"  # listen address (0.0.0.0 inside a container)
     port: int = 8000
     max_queue: int = 64  # requests waiting for the engine; one more gets 503 + Retry-After
@@ -236,8 +237,8 @@ def _problems(c: ServeConfig) -> list[str]:
         out.append(f"verify_logits {c.verify_logits!r} is not one of {list(VERIFY_LOGITS)}")
     if c.draft_weights not in DRAFT_WEIGHTS:
         out.append(f"draft_weights {c.draft_weights!r} is not one of {list(DRAFT_WEIGHTS)}")
-    if c.prefetch not in PREFETCH_CHOICES:
-        out.append(f"prefetch {c.prefetch!r} is not one of {list(PREFETCH_CHOICES)}")
+    if prefetch_problem(c.prefetch):
+        out.append(prefetch_problem(c.prefetch))
     spec = METHOD_SPECS.get(c.method)
     problem = c.vocab.budget_problem(spec.policy) if spec is not None and spec.policy else None
     return out + ([problem] if problem else [])

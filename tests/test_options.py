@@ -97,7 +97,7 @@ def test_weight_choices_are_the_formats_plus_auto():
     assert ("auto", *WEIGHT_FORMATS) == WEIGHT_CHOICES
 
 
-def test_prefetch_flag_reaches_the_stack_and_the_serve_config():
+def test_prefetch_flag_reaches_the_stack_and_the_serve_config(capsys):
     from evospec.assembly import StackSettings
     from service.command import serve_config
 
@@ -105,10 +105,13 @@ def test_prefetch_flag_reaches_the_stack_and_the_serve_config():
     assert stack_settings(parser.parse_args(["generate", "x"]), ["ar"]).prefetch == "auto"
     assert stack_settings(parser.parse_args(["bench", "--prefetch", "t1"]), ["ar"]).prefetch == "t1"
     assert serve_config(parser.parse_args(["serve"])).prefetch == "auto"
-    cfg = serve_config(parser.parse_args(["serve", "--prefetch", "nta"]))
-    assert cfg.prefetch == "nta" and cfg.stack_settings().prefetch == "nta"
-    with pytest.raises(ValueError, match="prefetch 'l2' is not one of"):
+    cfg = serve_config(parser.parse_args(["serve", "--prefetch", "t1:10"]))
+    assert cfg.prefetch == "t1:10" and cfg.stack_settings().prefetch == "t1:10"
+    with pytest.raises(ValueError, match=r"prefetch 'l2': use auto or HINT\[:KIB\]"):
         StackSettings(prefetch="l2")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--prefetch", "t1:100"])  # past 64 KiB
+    assert "argument --prefetch: prefetch 't1:100': use auto or HINT[:KIB]" in capsys.readouterr().err
 
 
 def test_weights_flag_reaches_the_stack_and_the_serve_config():

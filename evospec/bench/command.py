@@ -155,6 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from evospec.kernels.int4_matmul import kernel_isa
+    from evospec.kernels.prefetch import current as prefetch_setting
     from evospec.kernels.prefetch import hints as prefetch_hints
 
     config = {
@@ -179,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "fused_ops": bool(getattr(stack.loaded.model, "fused_ops", False)),
         "kernel_isa": kernel_isa(),
         "draft_weights": args.draft_weights,
-        "prefetch": "/".join(prefetch_hints()),  # (streamed, kept) in use
+        "prefetch": f"{prefetch_setting()}/{prefetch_hints()[1]}",  # streamed HINT:KIB / kept hint
         "verify_logits": args.verify_logits,
         "torch": torch.__version__,
     }

@@ -383,10 +383,10 @@ class Tuner:
             from evospec.models.quant import quant_kernel
 
             kernels += f"-{quant_kernel(16)}"
-            if quant_kernel(16) == "vnni":  # the weights' prefetch hint: 2.6x a step on some machines
-                from evospec.kernels.prefetch import hints
+            if quant_kernel(16) == "vnni":  # the weights' prefetch: 2.6x a step on some machines
+                from evospec.kernels.prefetch import current
 
-                kernels += f"-pf-{hints()[0]}"
+                kernels += f"-pf-{current()}"
         if getattr(self.loaded.model, "step_graph", None) is not None:
             kernels += "+step-graph"  # a cheaper AR step: the bar speculation must clear
         if getattr(self.loaded.model, "fused_ops", False):

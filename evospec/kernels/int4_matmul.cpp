@@ -8,6 +8,9 @@
 //     prefetch_weight; 0 T0, 1 T1, 2 T2, 3 NTA, 4 none), for every op of this library; a no-op
 //     in a build without the kernels
 //   prefetch_hints() -> int[2]: the hints in use, [kept, streamed]
+//   set_prefetch_distance(kept, streamed) -> (): how many bytes ahead of its loads each loop prefetches
+//     (64..65536, a multiple of 64), for every op of this library; a no-op without the kernels
+//   prefetch_distances() -> int[2]: the distances in use, [kept, streamed]
 //   int4_block_rows() -> int: the activation rows one pass over a weight tile takes (8 on AVX-512,
 //                             4 elsewhere: int4_tiles.h, kRows)
 //   int4_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 320], stream = false) -> x's dtype [M, N];
@@ -66,6 +69,24 @@ void set_prefetch(int64_t kept, int64_t streamed) {
 #ifdef EVOSPEC_VNNI
   evospec_vnni::g_prefetch_hint[0] = static_cast<int>(kept);
   evospec_vnni::g_prefetch_hint[1] = static_cast<int>(streamed);
+#endif
+}
+
+void set_prefetch_distance(int64_t kept, int64_t streamed) {
+  for (int64_t d : {kept, streamed})
+    TORCH_CHECK(d >= 64 && d <= 65536 && d % 64 == 0,
+                "set_prefetch_distance: distances are multiples of 64 bytes in 64..65536, got ", kept, ", ", streamed);
+#ifdef EVOSPEC_VNNI
+  evospec_vnni::g_prefetch_distance[0] = kept;
+  evospec_vnni::g_prefetch_distance[1] = streamed;
+#endif
+}
+
+std::vector<int64_t> prefetch_distances() {
+#ifdef EVOSPEC_VNNI
+  return {evospec_vnni::g_prefetch_distance[0], evospec_vnni::g_prefetch_distance[1]};
+#else
+  return {2560, 2560};
 #endif
 }
 
@@ -178,6 +199,8 @@ TORCH_LIBRARY_FRAGMENT(evospec, m) {
   m.def("int4_block_rows() -> int", &int4_block_rows);
   m.def("set_prefetch(int kept, int streamed) -> ()", &set_prefetch);
   m.def("prefetch_hints() -> int[]", &prefetch_hints);
+  m.def("set_prefetch_distance(int kept, int streamed) -> ()", &set_prefetch_distance);
+  m.def("prefetch_distances() -> int[]", &prefetch_distances);
   m.def("int4_matmul(Tensor x, Tensor packed, bool stream=False) -> Tensor");
   m.def("int4_top1(Tensor x, Tensor packed, Tensor bias, Tensor ids) -> (Tensor, Tensor)");
 }

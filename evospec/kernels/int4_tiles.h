@@ -15,7 +15,6 @@ constexpr int64_t kRows = 8;    // activation rows sharing one unpacking of a we
 #else
 constexpr int64_t kRows = 4;    // (16 ymm registers: past 4 rows the sums would spill)
 #endif
-constexpr int64_t kAhead = 8;   // weight groups prefetched ahead (2.5 KB: past the end is harmless)
 constexpr int64_t kBlock = 320;  // bytes per tile group: 256 of codes, 16 float16 scales, 16 zeros
 
 #ifdef EVOSPEC_VNNI
@@ -35,7 +34,7 @@ void tile_rows(const uint8_t* packed, int64_t groups, const int8_t* codes, const
   for (int r = 0; r < NR; ++r) acc[r] = fv_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wp = packed + g * kBlock;
-    for (int b = 0; b < 5; ++b) prefetch_weight(wp + kAhead * kBlock + 64 * b, stream);
+    for (int b = 0; b < 5; ++b) prefetch_weight(wp, 64 * b, stream);  // (past the end: harmless)
     IV w[8];
     for (int b = 0; b < 4; ++b) {
       const IV v = iv_load(wp + 64 * b);

@@ -33,7 +33,6 @@ constexpr int64_t kRows = 8;     // activation rows sharing one read of a weight
 #else
 constexpr int64_t kRows = 4;     // (16 ymm registers: past 4 rows the sums would spill)
 #endif
-constexpr int64_t kAhead = 4;    // weight groups prefetched ahead (2 KB: past the end is harmless)
 constexpr int64_t kBlock = 512;  // bytes per tile group: 16 outputs x 32 inputs
 
 #ifdef EVOSPEC_VNNI
@@ -57,7 +56,7 @@ void tile_rows(const uint8_t* packed, const float* wscale, int64_t groups, const
   for (int r = 0; r < NR; ++r) acc[r] = fv_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wp = packed + g * kBlock;
-    for (int b = 0; b < 8; ++b) prefetch_weight(wp + kAhead * kBlock + 64 * b, stream);
+    for (int b = 0; b < 8; ++b) prefetch_weight(wp, 64 * b, stream);  // (past the end: harmless)
     IV d[NR][kChains];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < kChains; ++c) d[r][c] = iv_zero();

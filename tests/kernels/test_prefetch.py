@@ -1,5 +1,6 @@
-"""The weight loops' prefetch hints: set and read back process-wide, each one really in the built
-library, never a change of any bit, and the timing and choice helpers (on a fake clock)."""
+"""The weight loops' prefetch settings (hint and distance): named, set and read back process-wide,
+each hint really in the built library, never a change of any bit, and the timing and choice
+helpers (on a fake clock)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,51 @@ needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no int8-activation
 @pytest.fixture
 def restore_hints():
     before = prefetch.hints()
+    distances = torch.ops.evospec.prefetch_distances() if prefetch.available() else None
     yield
     prefetch.set_hints(*before)
+    if distances is not None:
+        torch.ops.evospec.set_prefetch_distance(*distances)
+
+
+def test_settings_are_named_hint_and_kibibytes():
+    assert str(prefetch.Setting("t1", 10240)) == "t1:10"
+    assert str(prefetch.Setting("nta")) == "nta:2.5"  # the distance before wave 46
+    assert str(prefetch.Setting("none", 10240)) == "none"  # no prefetch: no distance
+    assert prefetch.Setting.parse("t1:10") == prefetch.Setting("t1", 10240)
+    assert prefetch.Setting.parse("t0") == prefetch.Setting("t0", prefetch.DISTANCE_DEFAULT)
+    assert prefetch.Setting.parse("t2:0.0625") == prefetch.Setting("t2", 64)
+    for c in prefetch.CANDIDATES:
+        assert prefetch.Setting.parse(str(c)) == c or c.hint == "none"
+    assert len(set(map(str, prefetch.CANDIDATES))) == len(prefetch.CANDIDATES) == 13
+    assert prefetch.DEFAULT in prefetch.CANDIDATES
+
+
+@pytest.mark.parametrize(
+    "bad", ["l2", "T0", "t1:", "t1:x", "t1:0", "t1:65", "t1:0.01", "t1:-4", "t1:inf", "t1:nan"]
+)
+def test_bad_settings_are_refused_naming_the_forms(bad):
+    with pytest.raises(ValueError, match=r"use HINT\[:KIB\], HINT one of"):
+        prefetch.Setting.parse(bad)
+    assert prefetch.mode_problem(bad).startswith(f"prefetch {bad!r}: use auto or HINT[:KIB]")
+    assert prefetch.mode_problem("auto") is None and prefetch.mode_problem("t1:20") is None
+
+
+@needs_vnni
+def test_settings_are_applied_and_read_back(restore_hints):
+    prefetch.set_hints("nta", "t1")
+    for s in (prefetch.Setting("t1", 10240), prefetch.Setting("t0", 64), prefetch.Setting("none", 65536)):
+        prefetch.apply(s)
+        assert prefetch.current() == s
+        assert prefetch.hints()[1] == "t1"  # the kept hint is left alone
+        assert torch.ops.evospec.prefetch_distances()[0] == prefetch.DISTANCE_DEFAULT  # and its distance
+
+
+@needs_vnni
+def test_the_op_refuses_distances_it_cannot_take(restore_hints):
+    for kept, streamed in ((0, 2560), (2560, 100), (2560, 65600), (-64, 2560)):
+        with pytest.raises(RuntimeError, match="distances are multiples of 64 bytes"):
+            torch.ops.evospec.set_prefetch_distance(kept, streamed)
 
 
 @needs_vnni
@@ -39,7 +83,7 @@ def test_unknown_hints_are_refused():
 
 
 @needs_vnni
-def test_no_hint_changes_a_bit(restore_hints):
+def test_no_setting_changes_a_bit(restore_hints):
     g = torch.Generator().manual_seed(3)
     codes = GroupCodes.from_float(torch.randn(64, 256, generator=g))
     packed4 = pack_int4(codes.codes, codes.scale, codes.zero - 8 * codes.scale)
@@ -47,8 +91,9 @@ def test_no_hint_changes_a_bit(restore_hints):
     packed8 = pack_int8(mm8.codes)
     x = torch.randn(5, 256, generator=g)
     outs = []
-    for h in prefetch.HINTS:
+    for h, d in [(h, prefetch.DISTANCE_DEFAULT) for h in prefetch.HINTS] + [("t1", 64), ("t0", 65536)]:
         prefetch.set_hints(h, h)
+        torch.ops.evospec.set_prefetch_distance(d, d)
         outs.append(
             [int4_matmul(x, packed4, stream=s) for s in (False, True)]
             + [int8_matmul(x, packed8, mm8.scale_f32, stream=s) for s in (False, True)]
@@ -58,8 +103,9 @@ def test_no_hint_changes_a_bit(restore_hints):
 
 
 @needs_vnni
-def test_no_hint_changes_a_fused_forward(restore_hints):
-    """The layer stack's streamed weights and the LM head under every hint: the same logits."""
+def test_no_setting_changes_a_fused_forward(restore_hints):
+    """The layer stack's streamed weights and the LM head under every candidate setting: the same
+    logits."""
     from evospec.kernels.cpu_ops import load_cpu_ops
     from evospec.models.fused import enable_fused_ops
     from evospec.models.quant import quantize_linears
@@ -74,8 +120,8 @@ def test_no_hint_changes_a_fused_forward(restore_hints):
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     logits = []
     with torch.inference_mode():
-        for h in prefetch.HINTS:
-            prefetch.set_hints(h)
+        for setting in prefetch.CANDIDATES:
+            prefetch.apply(setting)
             cache = model.new_cache(16)
             logits.append(model(tokens, torch.arange(12), cache, logits="all").logits)
     assert all(torch.equal(logits[0], other) for other in logits[1:])
@@ -98,40 +144,46 @@ def test_the_library_holds_every_prefetch_instruction():
 
 
 class FakeClock:
-    """A clock whose reading advances by the cost of the hint in use at each call."""
+    """A clock whose reading advances by the cost of the setting in use at each call."""
 
     def __init__(self, cost: dict[str, float]):
-        self.cost, self.now, self.hint = cost, 0.0, None
+        self.cost, self.now, self.setting = cost, 0.0, None
 
     def __call__(self) -> float:
         return self.now
 
     def step(self) -> None:
-        self.now += self.cost[self.hint]
+        self.now += self.cost[self.setting]
 
 
-def test_time_hints_times_each_candidate_under_its_own_hint(monkeypatch):
-    state = {"streamed": "nta", "kept": "t0"}
-    monkeypatch.setattr(prefetch, "set_hints", lambda s, k="t0": state.update(streamed=s, kept=k))
-    monkeypatch.setattr(prefetch, "hints", lambda: (state["streamed"], state["kept"]))
-    clock = FakeClock({"nta": 0.008, "t0": 0.003, "t1": 0.0032, "none": 0.0045})
+def test_time_settings_times_each_candidate_under_its_own_setting(monkeypatch):
+    state = {"streamed": prefetch.DEFAULT}
+    monkeypatch.setattr(prefetch, "apply", lambda s: state.update(streamed=s))
+    cands = [prefetch.Setting.parse(n) for n in ("nta", "t0", "t0:10", "none")]
+    clock = FakeClock({"nta:2.5": 0.008, "t0:2.5": 0.003, "t0:10": 0.0026, "none": 0.0045})
     order = []
 
     def call() -> None:
-        clock.hint = state["streamed"]
-        order.append(state["streamed"])
+        clock.setting = str(state["streamed"])
+        order.append(clock.setting)
         clock.step()
 
-    ms = prefetch.time_hints(call, rounds=3, calls=4, clock=clock)
-    assert ms == pytest.approx({"nta": 8.0, "t0": 3.0, "t1": 3.2, "none": 4.5})
-    assert len(order) == 3 * 4 * 5  # a warm-up and 4 timed calls per hint and round
+    ms = prefetch.time_settings(call, cands, rounds=3, calls=4, clock=clock)
+    assert {str(s): v for s, v in ms.items()} == pytest.approx(
+        {"nta:2.5": 8.0, "t0:2.5": 3.0, "t0:10": 2.6, "none": 4.5}
+    )
+    assert len(order) == 3 * 4 * 5  # a warm-up and 4 timed calls per setting and round
     firsts = [order[r * 20] for r in range(3)]
-    assert firsts == ["nta", "t0", "t1"]  # the order rotates per round
-    assert state["kept"] == "t0"  # the kept hint is left alone
+    assert firsts == ["nta:2.5", "t0:2.5", "t0:10"]  # the order rotates per round
 
 
 def test_pick_keeps_the_incumbent_within_the_margin():
-    assert prefetch.pick({"nta": 8.7, "t0": 3.3, "t1": 3.4, "none": 4.5}) == "t0"
-    assert prefetch.pick({"nta": 3.05, "t0": 3.0, "t1": 3.1}) == "nta"  # 1.7%: noise
-    assert prefetch.pick({"nta": 3.2, "t0": 3.0}) == "t0"  # 6.7%
-    assert prefetch.pick({"t0": 3.0, "t1": 2.9}, incumbent="nta") == "t1"
+    def ms(**named: float) -> dict:
+        return {prefetch.Setting.parse(k.replace("_", ":")): v for k, v in named.items()}
+
+    assert prefetch.pick(ms(nta=8.7, t0=3.3, t1=3.4, none=4.5)) == prefetch.Setting("t0")
+    assert prefetch.pick(ms(nta=3.05, t0=3.0, t1=3.1)) == prefetch.DEFAULT  # 1.7%: noise
+    assert prefetch.pick(ms(nta=3.2, t0=3.0)) == prefetch.Setting("t0")  # 6.7%
+    assert prefetch.pick(ms(t0=3.0, t1_10=2.6)) == prefetch.Setting("t1", 10240)  # no incumbent timed
+    incumbent = prefetch.Setting("t1", 10240)
+    assert prefetch.pick(ms(t1_10=2.62, t1_20=2.6), incumbent=incumbent) == incumbent

@@ -1,18 +1,22 @@
-"""scripts/prefetch_ab.py's hint syntax: ``STREAMED[/KEPT]``, each a known hint."""
+"""scripts/prefetch_ab.py's entry syntax: ``STREAMED[/KEPT]``, a streamed setting and a kept hint."""
 
 from __future__ import annotations
 
 import pytest
 
+from evospec.kernels.prefetch import Setting
 from tests.script_modules import SCRIPTS, load_script
 
 
-def test_a_hint_names_the_streamed_and_the_kept_hint(monkeypatch):
+def test_an_entry_names_the_streamed_setting_and_the_kept_hint(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))  # it imports tree_ab.py from its folder, as when run
     pair = load_script("prefetch_ab").hint_pair
-    assert pair("nta") == ("nta", "t0")
-    assert pair("t0/t1") == ("t0", "t1")
-    with pytest.raises(ValueError, match="'l2' is not one of"):
+    assert pair("nta") == (Setting("nta"), "t0")
+    assert pair("t0/t1") == (Setting("t0"), "t1")
+    assert pair("t1:10/t2") == (Setting("t1", 10240), "t2")
+    with pytest.raises(ValueError, match="prefetch 'l2': use HINT"):
         pair("l2")
+    with pytest.raises(ValueError, match="prefetch 't1:100': use HINT"):
+        pair("t1:100")
     with pytest.raises(ValueError, match="'x' is not one of"):
         pair("t1/x")

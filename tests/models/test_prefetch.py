@@ -1,5 +1,5 @@
-"""The per-machine prefetch choice: measured once and cached per model and machine, a named hint
-set without measuring, models without the loops left alone; and its timing of a real step."""
+"""The per-machine prefetch choice: measured once and cached per model and machine, a named setting
+applied without measuring, models without the loops left alone; and its timing of a real step."""
 
 from __future__ import annotations
 
@@ -13,13 +13,21 @@ from evospec.models import prefetch
 from tests.conftest import tiny_models
 
 
+def S(name: str) -> hints_mod.Setting:
+    return hints_mod.Setting.parse(name)
+
+
+def timed(**named: float) -> dict:
+    """Timings by setting, from keywords: t1_10=2.6 is t1:10."""
+    return {S(k.replace("_", ":")): v for k, v in named.items()}
+
+
 @pytest.fixture
 def fake_hints(monkeypatch, tmp_path):
-    """The op library's hints as a dict, an empty cache root, and every model taking a hint."""
+    """The op library's streamed setting in a dict, an empty cache root, and every model taking one."""
     monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
-    state = {"streamed": "nta", "kept": "t0"}
-    monkeypatch.setattr(hints_mod, "set_hints", lambda s, k="t0": state.update(streamed=s, kept=k))
-    monkeypatch.setattr(hints_mod, "hints", lambda: (state["streamed"], state["kept"]))
+    state = {"streamed": hints_mod.DEFAULT}
+    monkeypatch.setattr(hints_mod, "apply", lambda s: state.update(streamed=s))
     monkeypatch.setattr(prefetch, "applies", lambda loaded: True)
     monkeypatch.setattr(prefetch, "_key", lambda loaded: f"{loaded.name}|this machine")
     return state
@@ -30,45 +38,55 @@ def test_auto_measures_once_then_reads_the_cache(fake_hints, monkeypatch, tmp_pa
 
     def measure(loaded):
         calls.append(loaded.name)
-        return {"nta": 8.7, "t0": 3.3, "t1": 3.4, "none": 4.5}
+        return timed(nta=8.7, t0=3.3, t0_10=2.9, t1_10=2.7, none=4.5)
 
     monkeypatch.setattr(prefetch, "measure", measure)
     model = SimpleNamespace(name="m")
     first = prefetch.choose_prefetch(model)
-    assert (first.hint, first.cached, fake_hints["streamed"]) == ("t0", False, "t0")
-    line = "weight prefetch: t0 (3.30 ms a step; none 4.50, nta 8.70, t1 3.40; measured now, cached)"
-    assert first.describe() == line
-    fake_hints["streamed"] = "nta"  # a new process starts with the library's default
+    assert (first.setting, first.cached, fake_hints["streamed"]) == (S("t1:10"), False, S("t1:10"))
+    assert first.describe() == (
+        "weight prefetch: t1:10 (2.70 ms a step of 5 settings timed; default nta:2.5 8.70; "
+        "measured now, cached)"
+    )
+    fake_hints["streamed"] = hints_mod.DEFAULT  # a new process starts with the library's default
     again = prefetch.choose_prefetch(model)
-    assert (again.hint, again.cached, fake_hints["streamed"]) == ("t0", True, "t0")
+    assert (again.setting, again.cached, fake_hints["streamed"]) == (S("t1:10"), True, S("t1:10"))
+    assert again.describe().endswith("cached for this machine)")
     assert calls == ["m"]  # measured once
     cache = json.loads((tmp_path / "tuning" / "prefetch.json").read_text())
-    assert cache == {"m|this machine": {"hint": "t0", "ms": {"nta": 8.7, "t0": 3.3, "t1": 3.4, "none": 4.5}}}
+    ms = {"nta:2.5": 8.7, "t0:2.5": 3.3, "t0:10": 2.9, "t1:10": 2.7, "none": 4.5}
+    assert cache == {"m|this machine": {"setting": "t1:10", "ms": ms}}
     prefetch.choose_prefetch(SimpleNamespace(name="other"))
     assert calls == ["m", "other"]  # another model: its own entry
 
 
-def test_an_unreadable_cache_is_measured_again(fake_hints, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", '{"m|this machine": {"hint": "t0"}}', '{"m|this machine": {"setting": "l2", "ms": {}}}'],
+)
+def test_an_unreadable_cache_or_entry_is_measured_again(fake_hints, monkeypatch, tmp_path, content):
     (tmp_path / "tuning").mkdir()
-    (tmp_path / "tuning" / "prefetch.json").write_text("{not json")
-    monkeypatch.setattr(prefetch, "measure", lambda loaded: {"nta": 8.0, "t0": 3.0})
+    (tmp_path / "tuning" / "prefetch.json").write_text(content)
+    monkeypatch.setattr(prefetch, "measure", lambda loaded: timed(nta=8.0, t0=3.0))
     choice = prefetch.choose_prefetch(SimpleNamespace(name="m"))
-    assert (choice.hint, choice.cached) == ("t0", False)
-    assert json.loads((tmp_path / "tuning" / "prefetch.json").read_text())["m|this machine"]["hint"] == "t0"
+    assert (choice.setting, choice.cached) == (S("t0"), False)
+    entry = json.loads((tmp_path / "tuning" / "prefetch.json").read_text())["m|this machine"]
+    assert entry["setting"] == "t0:2.5"
 
 
-def test_a_close_call_keeps_nta(fake_hints, monkeypatch):
-    monkeypatch.setattr(prefetch, "measure", lambda loaded: {"nta": 3.05, "t0": 3.0, "t1": 3.1, "none": 3.6})
-    assert prefetch.choose_prefetch(SimpleNamespace(name="m")).hint == "nta"
+def test_a_close_call_keeps_the_default(fake_hints, monkeypatch):
+    monkeypatch.setattr(prefetch, "measure", lambda loaded: timed(nta=3.05, t0=3.0, t1_10=3.02, none=3.6))
+    assert prefetch.choose_prefetch(SimpleNamespace(name="m")).setting == hints_mod.DEFAULT
 
 
-def test_a_named_hint_is_set_without_measuring(fake_hints, monkeypatch, tmp_path):
+def test_a_named_setting_is_applied_without_measuring(fake_hints, monkeypatch, tmp_path):
     monkeypatch.setattr(prefetch, "measure", lambda loaded: pytest.fail("measured"))
-    choice = prefetch.choose_prefetch(SimpleNamespace(name="m"), "t1")
-    assert (choice.hint, fake_hints["streamed"], fake_hints["kept"]) == ("t1", "t1", "t0")
-    assert choice.describe() == "weight prefetch: t1 (as given)"
+    for name, setting in (("t1", S("t1:2.5")), ("t1:10", S("t1:10"))):
+        choice = prefetch.choose_prefetch(SimpleNamespace(name="m"), name)
+        assert (choice.setting, fake_hints["streamed"]) == (setting, setting)
+    assert choice.describe() == "weight prefetch: t1:10 (as given)"
     assert not (tmp_path / "tuning").exists()
-    with pytest.raises(ValueError, match="--prefetch 'fast': use auto or one of"):
+    with pytest.raises(ValueError, match=r"--prefetch 'fast': use auto or HINT\[:KIB\]"):
         prefetch.choose_prefetch(SimpleNamespace(name="m"), "fast")
 
 
@@ -87,9 +105,9 @@ def test_measure_times_a_real_quantised_step(tmp_path):
     tiny_models("llama", seed=5).hf.save_pretrained(str(tmp_path))
     loaded = load_model(tmp_path, weights="int8", progress=False)
     assert prefetch.applies(loaded)
-    before = hints_mod.hints()
+    before = hints_mod.current()
     try:
         ms = prefetch.measure(loaded, rounds=1, calls=2)
     finally:
-        hints_mod.set_hints(*before)
+        hints_mod.apply(before)
     assert set(ms) == set(hints_mod.CANDIDATES) and all(v > 0 for v in ms.values())
