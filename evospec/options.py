@@ -88,7 +88,7 @@ def add_prefetch_arg(p: argparse.ArgumentParser, default: str | None = "auto") -
         help="how the CPU kernels prefetch the target's int4/int8 weights, read once a step: a hint "
         "-- t0/t1/t2 (into L1/L2/L3), nta (non-temporal), none (the hardware prefetchers alone) -- "
         "and how far ahead, KIB kibibytes (default 2.5); auto = the fastest one-token step of this "
-        "model on this machine over 13 settings, measured once (~3 s) and cached under "
+        "model on this machine over 13 settings, measured once (~4 s) and cached under "
         "$EVOSPEC_HOME/tuning (on one Xeon VM nta made a step 2.6x as long as t1, and 10 KiB ahead "
         "~20%% shorter than 2.5; on a Zen 4 nta was a few %% faster). Never changes output "
         "(default: auto)",
