@@ -432,4 +432,5 @@ def describe_weights(loaded) -> str:
     if loaded.weights == "int4" and q.requantised:
         codes += f"{q.requantised} rounded to 4 bits from its floats (--weights int8 keeps 8), "
     fused = ", fused CPU ops" if getattr(loaded.model, "fused_ops", False) else ""
-    return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB{fused})"
+    huge = ", in 2 MB pages" if getattr(loaded, "huge_page_bytes", 0) else ""
+    return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB{huge}{fused})"

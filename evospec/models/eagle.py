@@ -23,6 +23,7 @@ from torch import nn
 from evospec.models.config import ModelConfig
 from evospec.models.errors import CheckpointError
 from evospec.models.fused import run_fused_draft
+from evospec.models.huge_pages import adopt_weights
 from evospec.models.kv_cache import KVCache
 from evospec.models.quant import quantize_linears
 from evospec.models.rope import RotaryTable
@@ -202,6 +203,8 @@ def quantised_head(head, fmt: str = "int8"):
     own LM head keeps its dense rows too (the reduced head gathers them)."""
     twin = clone_head(head)
     quantize_linears(twin, fmt, keep_dense=("lm_head",) if head.arch == "eagle3" else ())
+    if next(twin.parameters()).device.type == "cpu":
+        adopt_weights(twin)  # read cold every drafted round: in 2 MB pages where the kernel gives them
     return twin
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from evospec.models.huge_pages import huge_zeros
+
 
 class KVCache:
     """Keys and values for ``num_layers`` layers, ``max_len`` slots each, allocated once."""
@@ -27,8 +29,11 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S_max, Dh]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S_max, Dh]
+        if torch.device(device).type == "cpu":  # a big cache in 2 MB pages (huge_pages.py)
+            self.k, self.v = huge_zeros(shape, dtype), huge_zeros(shape, dtype)  # [L, B, H_kv, S_max, Dh]
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S_max, Dh]
+            self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S_max, Dh]
         self.max_len = max_len
         self.length = 0  # committed slots; new tokens are written from here
 

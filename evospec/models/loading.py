@@ -20,6 +20,7 @@ from torch import nn
 from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.errors import CheckpointError
 from evospec.models.fused import enable_fused_ops
+from evospec.models.huge_pages import adopt_weights
 from evospec.models.packing import pack_linears
 from evospec.models.quant import QuantReport, quantize_linears, resolve_weights
 from evospec.models.step import StepGraph, supports_step_graph
@@ -38,6 +39,7 @@ class LoadedModel:
     gguf: Path | None = None  # the GGUF file behind the weights, when there is one (its 4-bit codes)
     weights: str = "fp32"  # format of the linear weights (see quant.py)
     quant: QuantReport | None = None  # what quantisation did, for formats other than fp32
+    huge_page_bytes: int = 0  # packed weights moved into 2 MB pages (huge_pages.py)
 
 
 def build_model(
@@ -178,6 +180,8 @@ def load_model(
             codes = read_gguf_codes(loaded.gguf)
         loaded.quant = quantize_linears(loaded.model, weights, codes, stream=True)
         loaded.weights = weights
+        if device == "cpu":  # before the fused ops and recorded steps hold the weights
+            loaded.huge_page_bytes = adopt_weights(loaded.model)
     if pack:
         pack_linears(loaded.model)  # what is still an fp32 nn.Linear
     # Row-exact verification: the CPU kernels of every weight format are row-exact, so with

@@ -41,6 +41,7 @@ from evospec.kernels.dispatch import Backend, pick_backend
 from evospec.kernels.gather import gather_rows
 from evospec.kernels.slots import apply_swap, plan_swap
 from evospec.kernels.streams import copy_stream, follow_current, on_stream, record_event, wait_event
+from evospec.models.huge_pages import huge_copy
 from evospec.models.packing import PackedRows, packing_available
 from evospec.models.quant import Int8Matmul
 
@@ -298,7 +299,7 @@ class _SlotTiles:
 
         self.capacity = capacity
         padded = -(-capacity // TILE) * TILE  # the kernel takes whole tiles; pad slots are never read
-        self.packed = pack_int8(torch.zeros(padded, dim, dtype=torch.int8))  # [C16/16, D/32, 512]
+        self.packed = huge_copy(pack_int8(torch.zeros(padded, dim, dtype=torch.int8)))  # [C16/16, D/32, 512]
         self.scale = torch.zeros(padded, dtype=torch.float32)  # [C16]
 
     def write(self, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
@@ -332,7 +333,7 @@ class _SlotTiles4:
         padded = -(-self.capacity // TILE) * TILE  # whole tiles; pad slots hold zeros
         zeros = torch.zeros(padded, dim // GROUP)
         empty = torch.zeros(padded, dim, dtype=torch.uint8)
-        self.packed = pack_int4(empty, zeros, zeros)  # [C16/16, D/32, 320]
+        self.packed = huge_copy(pack_int4(empty, zeros, zeros))  # [C16/16, D/32, 320]
 
     def write(self, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
         """Slots [a] took ``codes`` int8 [a, D] (already in the shared buffer) and ``scale``
