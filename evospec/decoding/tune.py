@@ -387,6 +387,8 @@ class Tuner:
                 from evospec.kernels.prefetch import current
 
                 kernels += f"-pf-{current()}"
+        if getattr(self.loaded, "huge_page_bytes", 0):
+            kernels += "-huge-pages"  # the weights in 2 MB pages: steps ~8% shorter on some machines
         if getattr(self.loaded.model, "step_graph", None) is not None:
             kernels += "+step-graph"  # a cheaper AR step: the bar speculation must clear
         if getattr(self.loaded.model, "fused_ops", False):
