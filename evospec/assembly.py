@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from evospec.adapt.config import AdaptConfig
+from evospec.common import trim_heap
 from evospec.decoding.methods import Decoder, MethodSpec, draft_format, make_decoder, method_spec
 from evospec.decoding.pausable import Steps
 from evospec.decoding.recording import record_steps
@@ -229,6 +230,7 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bo
         decoders[spec.name] = build(spec.name, tree)
         facts += _decoder_facts(spec, decoders[spec.name], settings.adapt)
     record_steps(loaded.model, decoders.values())
+    trim_heap()  # what loading freed (the float weights quantisation replaced) back to the system
     return Stack(
         settings, loaded, eos, draft, draft_path, indices, decoders, facts, resolved, ngrams, deferred
     )

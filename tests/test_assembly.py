@@ -256,3 +256,27 @@ def test_the_weights_line_says_what_int4_rounded_and_what_it_read_as_it_is() -> 
     faithful = QuantReport(linears=211, from_codes=210, nbytes=95_000_000)
     assert "rounded" not in describe_weights(SimpleNamespace(quant=faithful, weights="int4", model=holder))
     assert describe_weights(SimpleNamespace(quant=None, weights="fp32", model=holder)) == "weights fp32"
+
+
+def test_assembly_hands_freed_heap_back_once_everything_is_loaded(folder, tmp_path, monkeypatch) -> None:
+    """Loading frees the float weights quantisation replaces; glibc keeps them unless told, so the
+    stack trims the heap once, after the decoders' graphs are recorded."""
+    import evospec.assembly as assembly_mod
+
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(assembly_mod, "trim_heap", lambda: calls.append("trim") or True)
+    model, _ = folder
+    stack = assemble(StackSettings(model=str(model), methods=("ar",)), progress=False)
+    assert calls == ["trim"] and list(stack.decoders) == ["ar"]
+
+
+def test_trim_heap_gives_freed_heap_back_under_glibc() -> None:
+    import platform
+
+    from evospec.common import trim_heap
+
+    junk = [bytearray(1 << 16) for _ in range(256)]  # 16 MB of malloc'd blocks, then freed
+    del junk
+    gave = trim_heap()  # never raises, glibc or not
+    assert gave is True if platform.libc_ver()[0] == "glibc" else gave is False
