@@ -56,6 +56,8 @@ def pick_backend(device: torch.device | str, force: str | None = None) -> Backen
         return "torch"
     if choice not in ("auto", "triton", "interpret"):
         raise ValueError(f"unknown kernel backend {choice!r}; use auto, {', '.join(BACKENDS)}")
+    if choice == "auto" and device.type != "cuda" and not interpret_requested():
+        return "torch"  # without importing triton (~65 MB, ~0.13 s a CPU process need not pay)
     if not triton_available():
         if choice != "auto":
             raise RuntimeError(f"kernel backend {choice!r} needs triton, which does not import here")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from evospec.kernels.dispatch import Backend, LazyKernel, pick_backend, triton_available
+from evospec.kernels.dispatch import Backend, pick_backend
 
 BLOCK_D = 512  # row elements copied per program (4096-wide rows: 8 programs per row)
 
@@ -33,30 +33,6 @@ def gather_rows_torch(
     if not bool(valid.all()):
         ids, slots = ids[valid], slots[valid]
     buf.index_copy_(0, slots, weight.index_select(0, ids))  # ~2x an indexed assignment on a CPU
-
-
-if triton_available():
-    import triton.language as tl
-
-    def _gather_rows_kernel(
-        w_ptr,  # [V, D] LM-head rows
-        buf_ptr,  # [C, D] packed buffer
-        ids_ptr,  # [n] token ids, < 0 = padding
-        slots_ptr,  # [n] destination slots
-        D,
-        BLOCK: tl.constexpr,
-    ):
-        i = tl.program_id(0)
-        j = tl.program_id(1)
-        tok = tl.load(ids_ptr + i).to(tl.int64)
-        if tok >= 0:
-            slot = tl.load(slots_ptr + i).to(tl.int64)
-            cols = j * BLOCK + tl.arange(0, BLOCK)
-            inside = cols < D
-            row = tl.load(w_ptr + tok * D + cols, mask=inside)
-            tl.store(buf_ptr + slot * D + cols, row, mask=inside)
-
-    _GATHER = LazyKernel(_gather_rows_kernel)
 
 
 def gather_rows(
@@ -86,4 +62,6 @@ def gather_rows(
     dim = weight.shape[1]
     block = min(BLOCK_D, max(16, 1 << (dim - 1).bit_length()))
     grid = (ids.shape[0], -(-dim // block))
-    _GATHER.get(backend)[grid](weight, buf, ids.contiguous(), slots.contiguous(), dim, BLOCK=block)
+    from evospec.kernels.triton_kernels import GATHER  # (imports triton: only here)
+
+    GATHER.get(backend)[grid](weight, buf, ids.contiguous(), slots.contiguous(), dim, BLOCK=block)

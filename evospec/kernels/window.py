@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from evospec.kernels.dispatch import Backend, LazyKernel, pick_backend, triton_available
+from evospec.kernels.dispatch import Backend, pick_backend
 
 EMPTY = -1  # ring entry that holds no stream entry yet
 PAD = -1  # candidate entry to skip
@@ -59,44 +59,6 @@ def window_push_torch(
     head.add_(m)
 
 
-if triton_available():
-    import triton.language as tl
-
-    def _window_push_kernel(
-        ids_ptr,  # [n] int64 candidates, < 0 = padding
-        n,
-        ring_ptr,  # [W] int64
-        counts_ptr,  # [V] int32
-        head_ptr,  # [1] int64
-        w_max,
-        BLOCK: tl.constexpr,
-    ):
-        # one program: ranks are a running prefix sum over the candidates, in order
-        offs0 = tl.arange(0, BLOCK)
-        m = tl.zeros([BLOCK], dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            x = tl.load(ids_ptr + start + offs0, mask=start + offs0 < n, other=-1)
-            m += (x >= 0).to(tl.int64)
-        total = tl.sum(m, axis=0)  # valid entries in this push
-        head = tl.load(head_ptr)
-        base = total * 0
-        for start in range(0, n, BLOCK):
-            x = tl.load(ids_ptr + start + offs0, mask=start + offs0 < n, other=-1).to(tl.int64)
-            valid = x >= 0
-            v64 = valid.to(tl.int64)
-            rank = base + tl.cumsum(v64, axis=0) - 1  # [BLOCK]
-            keep = valid & (rank >= total - w_max)
-            slot = (head + rank) % w_max
-            old = tl.load(ring_ptr + slot, mask=keep, other=-1)
-            tl.store(ring_ptr + slot, x, mask=keep)
-            tl.atomic_add(counts_ptr + old, tl.full([BLOCK], -1, tl.int32), mask=keep & (old >= 0))
-            tl.atomic_add(counts_ptr + x, tl.full([BLOCK], 1, tl.int32), mask=keep)
-            base += tl.sum(v64, axis=0)
-        tl.store(head_ptr, head + total)
-
-    _PUSH = LazyKernel(_window_push_kernel)
-
-
 def window_push(
     ring: torch.Tensor,  # [W] int64
     counts: torch.Tensor,  # [V] int32
@@ -116,4 +78,6 @@ def window_push(
         window_push_torch(ring, counts, head, ids)
         return
     ids = ids.to(device=ring.device, dtype=torch.int64).contiguous()
-    _PUSH.get(backend)[(1,)](ids, ids.shape[0], ring, counts, head, ring.shape[0], BLOCK=BLOCK_N)
+    from evospec.kernels.triton_kernels import PUSH  # (imports triton: only here)
+
+    PUSH.get(backend)[(1,)](ids, ids.shape[0], ring, counts, head, ring.shape[0], BLOCK=BLOCK_N)
