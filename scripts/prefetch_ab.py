@@ -1,10 +1,11 @@
 """Interleaved A/B of the op library's prefetch settings, for plain decoding and decoder variants.
 
-Each ``--hints`` entry is ``STREAMED[/KEPT]`` (``kernels/prefetch.py``: STREAMED the setting of
-the target's weights, read once a step, ``HINT[:KIB]``; KEPT the hint of a draft's, read again
-soon, default t0). Every prompt runs, under every entry in turn (the order rotating between
-prompts), AR and every variant (``scripts/tree_ab.py``'s syntax); outputs are checked equal to
-AR's under every entry. Reports decode tok/s (prefill excluded) per entry and decoder, each
+Each ``--hints`` entry is ``STREAMED[/KEPT][@KV]`` (``kernels/prefetch.py``: STREAMED the setting
+of the target's weights, read once a step, ``HINT[:KIB]``; KEPT the hint of a draft's, read again
+soon, default t0; KV how many keys ahead the attention prefetches keys and values, default
+64). Every prompt runs, under every entry in turn (the order rotating between prompts), AR and
+every variant (``scripts/tree_ab.py``'s syntax); outputs are checked equal to AR's under every
+entry. Reports decode tok/s (prefill excluded) per entry and decoder, each
 decoder's speed against AR under the same entry, and every entry's speed against the first
 one's, decoder by decoder. Used for docs/benchmarks.md, waves 45 and 46:
 
@@ -12,6 +13,8 @@ one's, decoder by decoder. Used for docs/benchmarks.md, waves 45 and 46:
         --per-category 1 --hints nta t0 t1 t0/t1 -- ngram:3:2:1:1 frspec:3:2:0:2
     .venv/bin/python scripts/prefetch_ab.py --data ../shared/data/spec_bench/question.jsonl \\
         --per-category 1 --hints t0 t1 t1:10 -- ngram:3:2:1:1 frspec:3:2:1:1
+    .venv/bin/python scripts/prefetch_ab.py --data ../shared/data/spec_bench/question.jsonl \\
+        --per-category 2 --hints t1:10@0 t1:10@64 -- ngram:3:2:1:1 frspec:3:2:1:1
 """
 
 from __future__ import annotations
@@ -24,20 +27,25 @@ from tree_ab import variant_parser, variant_setup
 from evospec.kernels import prefetch
 
 
-def hint_pair(text: str) -> tuple[prefetch.Setting, str]:
-    """``STREAMED[/KEPT]`` -> (streamed setting, kept hint); ValueError for an unknown hint or a
-    distance the op cannot take."""
+def hint_pair(text: str) -> tuple[prefetch.Setting, str, int]:
+    """``STREAMED[/KEPT][@KV]`` -> (streamed setting, kept hint, keys ahead); ValueError for an
+    unknown hint or a distance the ops cannot take."""
+    text, at, kv = text.partition("@")
     streamed, _, kept = text.partition("/")
     kept = kept or prefetch.KEPT_DEFAULT
     if kept not in prefetch.HINTS:
         raise ValueError(f"{text!r}: {kept!r} is not one of {list(prefetch.HINTS)}")
-    return prefetch.Setting.parse(streamed), kept
+    keys = int(kv) if at else prefetch.KV_AHEAD_DEFAULT
+    if not 0 <= keys <= 4096:
+        raise ValueError(f"{text}@{kv}: the attention prefetches 0..4096 keys ahead")
+    return prefetch.Setting.parse(streamed), kept, keys
 
 
-def use(entry: tuple[prefetch.Setting, str]) -> None:
-    """Prefetch as ``entry`` says: the streamed setting and the kept hint."""
+def use(entry: tuple[prefetch.Setting, str, int]) -> None:
+    """Prefetch as ``entry`` says: the streamed setting, the kept hint, the keys ahead."""
     prefetch.set_hints(entry[0].hint, entry[1])
     prefetch.apply(entry[0])
+    prefetch.set_kv_ahead(entry[2])
 
 
 def main() -> None:
@@ -76,15 +84,16 @@ def main() -> None:
         print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
     speed = {key: tokens[key] / max(seconds[key], 1e-9) for key in seconds}
     print(f"\n{len(prompts)} prompts x {args.max_new_tokens} tokens; decode tok/s (vs AR, the same setting)")
-    print("| prefetch (streamed/kept) | " + " | ".join(names) + " |")
+    print("| prefetch (streamed/kept@keys ahead) | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for h in hints:
         ratio = {n: f" ({speed[h, n] / speed[h, 'ar']:.3f}x)" for n in names if n != "ar"}
         cells = [f"{speed[h, n]:.1f}{ratio.get(n, '')}" for n in names]
-        print(f"| {h[0]}/{h[1]} | " + " | ".join(cells) + " |")
-    print(f"\nagainst {hints[0][0]}/{hints[0][1]}, decoder by decoder")
+        print(f"| {h[0]}/{h[1]}@{h[2]} | " + " | ".join(cells) + " |")
+    print(f"\nagainst {hints[0][0]}/{hints[0][1]}@{hints[0][2]}, decoder by decoder")
     for h in hints[1:]:
-        print(f"{h[0]}/{h[1]}: " + ", ".join(f"{n} {speed[h, n] / speed[hints[0], n]:.3f}x" for n in names))
+        ratios = ", ".join(f"{n} {speed[h, n] / speed[hints[0], n]:.3f}x" for n in names)
+        print(f"{h[0]}/{h[1]}@{h[2]}: {ratios}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@
 namespace evospec_attention {
 
 constexpr int64_t kHeadQuantum = 16;  // the jobs take head sizes that are multiples of this
+// Keys (and values) the attention prefetches ahead of the ones it is at (attention.cpp, prefetch_rows);
+// 0: none. Run-time state of the op library (set_kv_ahead), for A/B runs; never changes a bit.
+inline int64_t g_kv_ahead = 64;
 
 // q f32 [B, H, n, Dh]; keys, values f32 or f16 [B, Hk, S, Dh] (a contiguous last dim); mask
 // (n = 1 only, optional) bool with S or B * S elements, True = attend -> f32 [B, H, n, Dh];

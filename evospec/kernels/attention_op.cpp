@@ -1,6 +1,8 @@
 // decode_attention's torch op (evospec::decode_attention) and its checks: attention.cpp holds the
 // arithmetic, this file the arguments -- shapes, dtypes, a mask of one query row, a draft tree's
 // bit sets -- and the padding of a head size that is not a multiple of 16 (tiny test models).
+// Also set_kv_ahead(n) / kv_ahead(): how many keys ahead every attention of the library (this
+// op's and the fused layers') prefetches keys and values (default 64; 0: none; no bit changes).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -78,9 +80,19 @@ at::Tensor decode_attention_tree(const at::Tensor& q, const at::Tensor& keys, co
   return out;
 }
 
+// How many keys ahead the attention prefetches its keys and values (attention.h, g_kv_ahead; 0: none).
+void set_kv_ahead(int64_t n) {
+  TORCH_CHECK(n >= 0 && n <= 4096, "set_kv_ahead: 0..4096 keys, got ", n);
+  g_kv_ahead = n;
+}
+
+int64_t kv_ahead() { return g_kv_ahead; }
+
 }  // namespace evospec_attention
 
 TORCH_LIBRARY_FRAGMENT(evospec, m) {
+  m.def("set_kv_ahead(int n) -> ()", &evospec_attention::set_kv_ahead);
+  m.def("kv_ahead() -> int", &evospec_attention::kv_ahead);
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale, int window=0, "
         "Tensor? tree=None) -> Tensor");
 }

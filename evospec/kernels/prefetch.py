@@ -21,7 +21,8 @@ prefetched is a property of the machine, not of the code:
   L3 holds most of a step's weights but answers slowly, 10 KB made a step ~20% shorter.
 
 The kept weights' hint and distance stay at their defaults (the distance measured no different
-for a draft's step: wave 46).
+for a draft's step: wave 46). The attention prefetches its keys and values :data:`KV_AHEAD_DEFAULT`
+keys ahead (:func:`set_kv_ahead`, for A/B runs; ~7% of a step at 1,000 cached slots, wave 46).
 """
 
 from __future__ import annotations
@@ -140,6 +141,30 @@ def current() -> Setting:
     import torch
 
     return Setting(hints()[0], torch.ops.evospec.prefetch_distances()[1])
+
+
+KV_AHEAD_DEFAULT = 64  # keys ahead the attention prefetches its keys and values (attention.h)
+
+
+def set_kv_ahead(keys: int) -> None:
+    """Prefetch the attention's keys and values ``keys`` ahead from now on (0: not at all), in
+    every attention of the op library; a no-op without it. For A/B runs: the default is the
+    measured one (docs/benchmarks.md, wave 46)."""
+    if not 0 <= keys <= 4096:
+        raise ValueError(f"kv prefetch distance {keys} keys: use 0..4096")
+    if available():
+        import torch
+
+        torch.ops.evospec.set_kv_ahead(keys)
+
+
+def kv_ahead() -> int:
+    """How many keys ahead the attention prefetches (the default without the op library)."""
+    if not available():
+        return KV_AHEAD_DEFAULT
+    import torch
+
+    return int(torch.ops.evospec.kv_ahead())
 
 
 def time_settings(

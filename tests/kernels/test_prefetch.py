@@ -104,8 +104,8 @@ def test_no_setting_changes_a_bit(restore_hints):
 
 @needs_vnni
 def test_no_setting_changes_a_fused_forward(restore_hints):
-    """The layer stack's streamed weights and the LM head under every candidate setting: the same
-    logits."""
+    """The layer stack's streamed weights and the LM head under every candidate setting, and the
+    attention's key/value prefetch off and near: the same logits."""
     from evospec.kernels.cpu_ops import load_cpu_ops
     from evospec.models.fused import enable_fused_ops
     from evospec.models.quant import quantize_linears
@@ -119,11 +119,19 @@ def test_no_setting_changes_a_fused_forward(restore_hints):
     assert enable_fused_ops(model)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     logits = []
-    with torch.inference_mode():
-        for setting in prefetch.CANDIDATES:
-            prefetch.apply(setting)
-            cache = model.new_cache(16)
-            logits.append(model(tokens, torch.arange(12), cache, logits="all").logits)
+    kv = prefetch.kv_ahead()
+    try:
+        with torch.inference_mode():
+            for setting, ahead in [(s, 64) for s in prefetch.CANDIDATES] + [
+                (prefetch.DEFAULT, 0),
+                (prefetch.DEFAULT, 3),
+            ]:
+                prefetch.apply(setting)
+                prefetch.set_kv_ahead(ahead)
+                cache = model.new_cache(16)
+                logits.append(model(tokens, torch.arange(12), cache, logits="all").logits)
+    finally:
+        prefetch.set_kv_ahead(kv)
     assert all(torch.equal(logits[0], other) for other in logits[1:])
 
 
@@ -187,3 +195,46 @@ def test_pick_keeps_the_incumbent_within_the_margin():
     assert prefetch.pick(ms(t0=3.0, t1_10=2.6)) == prefetch.Setting("t1", 10240)  # no incumbent timed
     incumbent = prefetch.Setting("t1", 10240)
     assert prefetch.pick(ms(t1_10=2.62, t1_20=2.6), incumbent=incumbent) == incumbent
+
+
+@pytest.fixture
+def restore_kv_ahead():
+    before = prefetch.kv_ahead()
+    yield
+    prefetch.set_kv_ahead(before)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_no_kv_prefetch_distance_changes_attention(restore_kv_ahead, dtype):
+    """The attention's key/value prefetch, off, near and far: the same bits for a step, a 3-row
+    chain and a draft tree over 300 cached slots."""
+    from evospec.kernels.cpu_ops import load_cpu_ops
+
+    if not load_cpu_ops():
+        pytest.skip("no fused CPU ops here")
+    assert prefetch.kv_ahead() == prefetch.KV_AHEAD_DEFAULT == 64
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(1, 3, 300, 64, generator=g).to(dtype)
+    values = torch.randn(1, 3, 300, 64, generator=g).to(dtype)
+    tree = torch.tensor([0b1, 0b11, 0b101], dtype=torch.long)
+    outs = []
+    for ahead in (0, 64, 7, 1000):
+        prefetch.set_kv_ahead(ahead)
+        got = []
+        for n in (1, 3):
+            q = torch.randn(1, 9, n, 64, generator=torch.Generator().manual_seed(n))
+            got.append(torch.ops.evospec.decode_attention(q, keys, values, None, 0.125, 0))
+        got.append(torch.ops.evospec.decode_attention(q, keys, values, None, 0.125, 0, tree))
+        outs.append(got)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True))
+
+
+def test_bad_kv_prefetch_distances_are_refused():
+    for bad in (-1, 4097):
+        with pytest.raises(ValueError, match=r"use 0\.\.4096"):
+            prefetch.set_kv_ahead(bad)
+    if prefetch.available():
+        with pytest.raises(RuntimeError, match=r"set_kv_ahead: 0\.\.4096 keys"):
+            torch.ops.evospec.set_kv_ahead(5000)
