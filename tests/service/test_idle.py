@@ -152,6 +152,10 @@ def test_a_server_answers_at_once_while_method_auto_is_timed(tmp_path, tiny, cod
 
     monkeypatch.setattr(tune, "calibrate_steps", fake_calibrate)
     monkeypatch.setattr(tune, "final_steps", fake_final)
+    import evospec.assembly as assembly_mod
+
+    trims = []  # the heap handed back: after loading, and after the timed candidates are dropped
+    monkeypatch.setattr(assembly_mod, "trim_heap", lambda: trims.append("trim") or True)
     folder = write_model_folder(tmp_path / "tiny-folder", tiny, codec)
     head = save_eagle(new_eagle_for(tiny, seed=3), tmp_path / "head", dtype=torch.float32)
     config = ServeConfig(model=str(folder), method="auto", draft=str(head), weights="fp32")
@@ -160,6 +164,7 @@ def test_a_server_answers_at_once_while_method_auto_is_timed(tmp_path, tiny, cod
     engine = built.engine
     try:
         assert engine.method == "ngram" and "serving ngram (context lookup" in log.getvalue()
+        assert trims == ["trim"]  # at the end of the assembly
         assert wait_for(lambda: engine.snapshot().idle_work == "method auto: timing the candidates")
         ids = codec.encode("The quick brown fox")
         sink = Collect()
@@ -171,6 +176,7 @@ def test_a_server_answers_at_once_while_method_auto_is_timed(tmp_path, tiny, cod
         assert wait_for(lambda: engine.method == "eagle2", timeout=30)
         assert "method auto: eagle2 (measured speedup over ar: nanospec 1.00x, eagle2 1.40x" in log.getvalue()
         assert "now serving eagle2" in log.getvalue() and len(calibrated) == 3
+        assert len(trims) == 2  # and once the choice replaced the provisional decoder
     finally:
         engine.stop()
     log = io.StringIO()
