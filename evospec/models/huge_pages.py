@@ -63,7 +63,7 @@ def wanted(nbytes: int) -> bool:
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous zeroed CPU tensor of ``shape``, in 2 MB pages where :func:`wanted` (else, or
     where the kernel refuses the request, a plain ``torch.zeros``)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     arena = _mapping(nbytes) if wanted(nbytes) else None
     if arena is None:
         return torch.zeros(shape, dtype=dtype)
