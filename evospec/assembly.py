@@ -436,4 +436,6 @@ def describe_weights(loaded) -> str:
         codes += f"{q.requantised} rounded to 4 bits from its floats (--weights int8 keeps 8), "
     fused = ", fused CPU ops" if getattr(loaded.model, "fused_ops", False) else ""
     huge = ", in 2 MB pages" if getattr(loaded, "huge_page_bytes", 0) else ""
-    return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB{huge}{fused})"
+    emb = getattr(loaded, "embedding_bytes_freed", 0)
+    emb = f"; token embedding as int8 codes, exact ({emb / 1e6:.0f} MB freed)" if emb else ""
+    return f"weights {loaded.weights} ({q.linears} linears, {codes}{q.nbytes / 1e6:.0f} MB{huge}{fused}){emb}"

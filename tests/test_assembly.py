@@ -256,6 +256,8 @@ def test_the_weights_line_says_what_int4_rounded_and_what_it_read_as_it_is() -> 
     faithful = QuantReport(linears=211, from_codes=210, nbytes=95_000_000)
     assert "rounded" not in describe_weights(SimpleNamespace(quant=faithful, weights="int4", model=holder))
     assert describe_weights(SimpleNamespace(quant=None, weights="fp32", model=holder)) == "weights fp32"
+    compact = SimpleNamespace(quant=faithful, weights="int4", model=holder, embedding_bytes_freed=83_000_000)
+    assert describe_weights(compact).endswith("; token embedding as int8 codes, exact (83 MB freed)")
 
 
 def test_assembly_hands_freed_heap_back_once_everything_is_loaded(folder, tmp_path, monkeypatch) -> None:

@@ -104,10 +104,10 @@ def replay_request(dec: SpeculativeDecoder, req: RecordedRequest) -> RequestStat
     stats.add(StepEvent(tokens=answer[:1], prefill=True))
     if req.answer_len < 2:
         return stats
-    device = dec.model.embed_tokens.weight.device
+    device = dec.model.device
     vocab_size = dec.model.cfg.vocab_size
     seq = req.ids.to(device)
-    feats = req.features.to(device, dec.model.embed_tokens.weight.dtype)  # [L - 1, D]
+    feats = req.features.to(device, dec.model.norm.weight.dtype)  # [L - 1, D]
     n, p = seq.shape[0], req.prompt_len
     drafter, tree_cfg, vocab, adapt = dec.drafter, dec.tree, dec.vocab, dec.adapt
     drafter.start(seq[:p].tolist(), n + tree_cfg.draft_slots + 1)

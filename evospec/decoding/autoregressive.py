@@ -37,7 +37,7 @@ def generate_ar(
     check_reuse(cache, reuse, len(prompt))
     cache = cache_for(model, cache, budget.slots, keep=reuse)
     rule = budget.rule
-    device = model.embed_tokens.weight.device
+    device = model.device
     gen = params.make_generator(device)
     tokens = torch.tensor([list(prompt[reuse:])], dtype=torch.long, device=device)
     positions = torch.arange(reuse, len(prompt), device=device)

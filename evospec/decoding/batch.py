@@ -119,7 +119,7 @@ class DecodeBatch:
         cache = cache_for(self.model, cache, budget.slots, keep=reuse)
         # a handed-over request draws from a stream of its own (seed and count), never
         # re-reading the uniforms its first tokens were drawn with
-        gen = params.make_generator(self.model.embed_tokens.weight.device)
+        gen = params.make_generator(self.model.device)
         if emitted and params.seed is not None:
             gen.manual_seed(derived_seed(params.seed, len(emitted)))
         todo, last = prompt[reuse:-1], prompt[-1]  # the prompt's last token is fed by a step
@@ -169,7 +169,7 @@ class DecodeBatch:
         t0 = time.perf_counter()
         part, m.todo = m.todo[: self.chunk], m.todo[self.chunk :]
         start = m.cache.length
-        device = self.model.embed_tokens.weight.device
+        device = self.model.device
         positions = torch.arange(start, start + len(part), device=device)
         self.model(torch.tensor([part], device=device), positions, m.cache, logits="none")
         m.prefill_s += time.perf_counter() - t0

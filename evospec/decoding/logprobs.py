@@ -80,7 +80,7 @@ def prompt_logprobs(model, prompt: Sequence[int], top: int, chunk: int = PROMPT_
     ``logprobs``): one prefill of ``prompt`` into a cache of its own, ``chunk`` rows at a time,
     every row's logits kept -> [len(prompt) - 1] entries (token i + 1 from row i)."""
     ids = list(prompt)
-    device = model.embed_tokens.weight.device
+    device = model.device
     cache = model.new_cache(len(ids))
     out: list[TokenLogprob] = []
     for start in range(0, len(ids) - 1, chunk):

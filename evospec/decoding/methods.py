@@ -34,7 +34,7 @@ from evospec.models.eagle import EagleHead, clone_head, quantised_head
 from evospec.models.fused import enable_fused_draft, fused_draft_applies
 from evospec.models.kv_cache import KVCache
 from evospec.models.packing import projection
-from evospec.models.quant import QuantLinear, kernels_available
+from evospec.models.quant import Int8Matmul, QuantLinear, kernels_available
 from evospec.models.transformer import Transformer
 from evospec.vocab.active import ActiveVocab
 from evospec.vocab.config import SHARED_BUDGET
@@ -303,15 +303,16 @@ def _build_decoder(
         return _eagle3_decoder(
             spec, model, draft, tree, eos_ids, vocab, indices, verify_logits, prefetch, adapt, ngrams
         )
-    weight = model.lm_head.weight
-    policy = _policy(spec, model, vocab, indices, weight.device)
+    policy = _policy(spec, model, vocab, indices, model.device)
     # an int4 draft projects its reduced LM head through 4-bit rows too (vocab/head.py: _SlotTiles4)
     int4 = spec.adapt is None and draft_format(model, draft_weights, draft) == "int4"
-    active = ActiveVocab(policy, weight, always_ids=eos_ids, project=projection(model.lm_head), int4=int4)
+    project = projection(model.lm_head)
+    active = ActiveVocab(policy, _head_rows(model, project), always_ids=eos_ids, project=project, int4=int4)
     adapter = None
     if spec.adapt is not None:
         draft = clone_head(draft)  # its weights will move: never share them with another decoder
-        adapter = OnlineAdapter(draft.attach(model), weight, replace(adapt or AdaptConfig(), mode=spec.adapt))
+        config = replace(adapt or AdaptConfig(), mode=spec.adapt)
+        adapter = OnlineAdapter(draft.attach(model), model.lm_head.weight, config)  # float rows: its KL
     else:
         draft = drafting_head(draft, model, draft_weights)
     drafter = EagleDrafter(draft.attach(model), active.draft_head, record=adapter is None)
@@ -440,6 +441,14 @@ def draft_format(model: Transformer, draft_weights: str = "auto", draft=None) ->
     return "int8" if kernels_available("int8") else "fp32"
 
 
+def _head_rows(model: Transformer, project) -> torch.Tensor:
+    """[V, D] the target LM head's rows as an active vocabulary reads them: where the head is an
+    int8 matmul (``project``), its own codes -- the vocabulary heads gather those and read only
+    this tensor's shape and device, so a compact embedding's float table is never built for
+    them (``models/embedding.py``) --; else the head's float weight."""
+    return project.codes if isinstance(project, Int8Matmul) else model.lm_head.weight
+
+
 def verify_prefetch(
     model: Transformer, verify_logits: str = "auto", prefetch: float | None = None
 ) -> float | None:
@@ -448,14 +457,13 @@ def verify_prefetch(
         raise ValueError(f"verify_logits must be one of {', '.join(VERIFY_LOGITS)}, got {verify_logits!r}")
     if prefetch is not None and not 0.0 <= prefetch <= 1.0:
         raise ValueError(f"prefetch must be in [0, 1], got {prefetch}")
-    device = model.lm_head.weight.device
+    device = model.device
     if verify_logits == "all" or (verify_logits == "auto" and device.type != "cpu"):
         return None
     if prefetch is None:
         if model not in _PREFETCH:
-            w = model.lm_head.weight
             _PREFETCH[model] = calibrate_prefetch(
-                model.project_logits, w.shape[1], device=w.device, dtype=w.dtype
+                model.project_logits, model.cfg.hidden_size, device=device, dtype=model.norm.weight.dtype
             )
         prefetch = _PREFETCH[model]
     return prefetch

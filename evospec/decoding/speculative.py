@@ -95,7 +95,7 @@ def generate_speculative(
     if drafter is not None:
         drafter.start(prompt, budget.slots + tree_cfg.draft_slots)
     rule = budget.rule
-    device = target.embed_tokens.weight.device
+    device = target.device
     gen = params.make_generator(device)
 
     t0 = time.perf_counter()

@@ -14,6 +14,8 @@
 //   llama_stack_seqs(...): one token of each of several sequences, each in its own caches
 //   draft_step(...):  an EAGLE-2 draft head's step (fc, then its layer) as one op
 //   draft_step_ids(...): draft_step from token ids, features and RoPE tables (its pairs built in the op)
+//   embed_rows(codes int8 [V, D], scale f16 [V, D/32], ids int64 [...]) -> f32 [..., D]: rows of a
+//                     compact embedding (models/embedding.py), each value code * its group's scale
 // Gemma-3's blocks (norms after each sublayer too, q/k norms, GELU, sliding windows) add:
 //   rope_qkv_normed(qkv, cos, sin, Hq, Hk, qw f32 [Dh], kw, eps)
 //                                                          -> rope_qkv with each q and k head
@@ -34,6 +36,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <c10/util/Half.h>
 
 #include "attention.h"
 #include "bf16.h"
@@ -48,6 +51,7 @@
 #include <bit>
 #include <algorithm>
 #include <optional>
+#include <vector>
 #include <tuple>
 #include <vector>
 
@@ -390,6 +394,56 @@ at::Tensor draft_step(const at::Tensor& pairs, const at::Tensor& fc_w, const std
                                    sin, k_cache, v_cache, end, b, n, hq, hk, scale, eps);
 }
 
+// Row `id` of a token embedding as float32 into out [d]: a float32 table's row, or (scale given)
+// an int8 table's codes, each times its group of 32's float16 scale (models/embedding.py: a GGUF
+// Q8_0 table's values, which those products give exactly).
+void embedding_row(const at::Tensor& table, const std::optional<at::Tensor>& scale, int64_t id, float* out) {
+  const int64_t d = table.size(1);
+  if (!scale.has_value()) {
+    std::memcpy(out, table.data_ptr<float>() + id * d, d * sizeof(float));
+    return;
+  }
+  const int8_t* codes = table.data_ptr<int8_t>() + id * d;
+  const c10::Half* s = scale->data_ptr<c10::Half>() + id * (d / 32);
+  for (int64_t g = 0; g < d / 32; ++g) {
+    const float sg = static_cast<float>(s[g]);
+    for (int64_t i = 0; i < 32; ++i) out[g * 32 + i] = sg * static_cast<float>(codes[g * 32 + i]);
+  }
+}
+
+// What embedding_row reads: a contiguous float32 [V, D] table, or (scale given) contiguous int8
+// codes [V, D] with D a multiple of 32 and their float16 scales [V, D / 32].
+void check_embedding(const at::Tensor& table, const std::optional<at::Tensor>& scale, const char* op) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous(), op, ": the embedding must be a contiguous [V, D] table");
+  if (!scale.has_value()) {
+    TORCH_CHECK(table.scalar_type() == at::kFloat, op, ": an embedding without scales must be float32");
+    return;
+  }
+  TORCH_CHECK(table.scalar_type() == at::kChar && table.size(1) % 32 == 0, op,
+              ": a scaled embedding must be int8 codes [V, D], D a multiple of 32");
+  TORCH_CHECK(scale->scalar_type() == at::kHalf && scale->is_contiguous() && scale->dim() == 2 &&
+                  scale->size(0) == table.size(0) && scale->size(1) == table.size(1) / 32,
+              op, ": the embedding's scales must be contiguous float16 [V, D / 32]");
+}
+
+at::Tensor embed_rows(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& ids) {
+  check_embedding(codes, scale, "embed_rows");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "embed_rows: ids must be int64");
+  const auto flat = ids.contiguous().view(-1);
+  const int64_t n = flat.size(0), d = codes.size(1), vocab = codes.size(0);
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(d);
+  auto out = at::empty(shape, codes.options().dtype(at::kFloat));
+  const int64_t* p = flat.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const std::optional<at::Tensor> s = scale;
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(p[j] >= 0 && p[j] < vocab, "embed_rows: token ", p[j], " is outside the vocabulary");
+    embedding_row(codes, s, p[j], o + j * d);
+  }
+  return out;
+}
+
 // draft_step's rows built in the op: row j of the pairs is [embedding[tokens[j]], features[j]] and
 // its RoPE row is table row first + j (positions first, first + 1, ...: a chain step, or a
 // catch-up of consecutive pairs); writes slots end - n .. end - 1 of the cache. One dispatch
@@ -400,11 +454,11 @@ at::Tensor draft_step_ids(const at::Tensor& features, const at::Tensor& tokens, 
                           const at::Tensor& fc_w, const std::optional<at::Tensor>& fc_b, const at::Tensor& qkv_w,
                           const at::Tensor& o_w, const at::Tensor& gate_up_w, const at::Tensor& down_w,
                           const at::Tensor& post_w, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t end,
-                          int64_t hq, int64_t hk, double scale, double eps) {
+                          int64_t hq, int64_t hk, double scale, double eps,
+                          const std::optional<at::Tensor>& embedding_scale) {
   const int64_t n = tokens.size(0), d = embedding.size(1), vocab = embedding.size(0);
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && n >= 1, "draft_step_ids: tokens must be int64 [n]");
-  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat && embedding.is_contiguous(),
-              "draft_step_ids: embedding must be contiguous float32 [V, D]");
+  check_embedding(embedding, embedding_scale, "draft_step_ids");
   TORCH_CHECK(features.dim() == 2 && features.scalar_type() == at::kFloat && features.size(0) == n &&
                   features.size(1) == d && features.stride(1) == 1,
               "draft_step_ids: features must be float32 [n, D] with unit column stride");
@@ -418,12 +472,11 @@ at::Tensor draft_step_ids(const at::Tensor& features, const at::Tensor& tokens, 
               "draft_step_ids: needs the VNNI build, a head size that is a multiple of 16 and an f16 or f32 cache");
   auto pairs = at::empty({n, 2 * d}, features.options());
   const int64_t* ids = tokens.data_ptr<int64_t>();
-  const float* emb = embedding.data_ptr<float>();
   const float* feat = features.data_ptr<float>();
   float* out = pairs.data_ptr<float>();
   for (int64_t j = 0; j < n; ++j) {
     TORCH_CHECK(ids[j] >= 0 && ids[j] < vocab, "draft_step_ids: token ", ids[j], " is outside the vocabulary");
-    std::memcpy(out + j * 2 * d, emb + ids[j] * d, d * sizeof(float));
+    embedding_row(embedding, embedding_scale, ids[j], out + j * 2 * d);
     std::memcpy(out + j * 2 * d + d, feat + j * features.stride(0), d * sizeof(float));
   }
   return evospec_layer::draft_team(pairs, fc_w, fc_b, {0, qkv_w, o_w, gate_up_w, down_w, post_w, std::nullopt}, cos,
@@ -478,7 +531,9 @@ TORCH_LIBRARY(evospec, m) {
         "int n, int hq, int hk, float scale, float eps) -> Tensor");
   m.def("draft_step_ids(Tensor features, Tensor tokens, Tensor embedding, Tensor cos_table, Tensor sin_table, "
         "int first, Tensor fc_w, Tensor? fc_b, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
-        "Tensor post_w, Tensor k_cache, Tensor v_cache, int end, int hq, int hk, float scale, float eps) -> Tensor");
+        "Tensor post_w, Tensor k_cache, Tensor v_cache, int end, int hq, int hk, float scale, float eps, "
+        "Tensor? embedding_scale=None) -> Tensor");
+  m.def("embed_rows(Tensor codes, Tensor scale, Tensor ids) -> Tensor");
   m.def("llama_layer(Tensor x, Tensor h, Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, "
         "Tensor post_w, Tensor? next_w, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "int layer, Tensor slots, int b, int n, int hq, int hk, float scale, float eps) -> (Tensor, Tensor)");
@@ -502,6 +557,7 @@ TORCH_LIBRARY_IMPL(evospec, CPU, m) {
   m.impl("llama_stack_seqs", &llama_stack_seqs);
   m.impl("draft_step", &draft_step);
   m.impl("draft_step_ids", &draft_step_ids);
+  m.impl("embed_rows", &embed_rows);
   m.impl("rope_qkv_normed", &rope_qkv_normed);
   m.impl("norm_add_rms_norm_bf16", &norm_add_rms_norm_bf16);
   m.impl("gelu_mul_bf16", &gelu_mul_bf16);

@@ -76,7 +76,7 @@ def step_sequences(model: Transformer, tokens: Sequence[int], caches: Sequence[K
             have = f"a cache of batch {c.batch} with {c.length}/{c.max_len} slots"
             raise ValueError(f"{have} cannot take a token")
     cfg, layers = model.cfg, model.layers
-    device = model.embed_tokens.weight.device
+    device = model.device
     ids = torch.tensor(list(tokens), dtype=torch.long, device=device)  # [B]
     positions = torch.tensor([c.length for c in caches], device=device)  # [B]
     x = model.embed_tokens(ids)  # [B, D] f32 (Llama: no embedding scale)

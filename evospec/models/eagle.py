@@ -288,4 +288,4 @@ def new_eagle_for(target: Transformer, *, seed: int = 0, fc_bias: bool = True) -
     """A randomly initialised head shaped for ``target`` (training starts here; tests use it)."""
     head = EagleHead(draft_config(target.cfg), fc_bias=fc_bias)
     random_init(head, seed)
-    return head.to(target.embed_tokens.weight.device).attach(target).eval()
+    return head.to(target.device).attach(target).eval()

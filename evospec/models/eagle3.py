@@ -362,7 +362,7 @@ def new_eagle3_for(
         if ids is not None:
             head.d2t.copy_(ids - torch.arange(len(ids)))
             head.t2d.copy_(_t2d_of(head.d2t, tc.vocab_size))
-    return head.to(target.embed_tokens.weight.device).attach(target).eval()
+    return head.to(target.device).attach(target).eval()
 
 
 def _dense_lm_head(target: Transformer) -> torch.Tensor:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from evospec.models.embedding import CompactEmbedding
 from evospec.models.kv_cache import KVCache, SlotCache
 from evospec.models.quant import Bf16Matmul, Int4Matmul, Int8Matmul, QuantLinear, quant_kernel
 
@@ -331,11 +332,12 @@ def run_fused_draft_ids(
     end = cache.length + tokens.shape[0]
     if end > cache.max_len:
         raise ValueError(f"KV cache overflow: need {end} slots, have {cache.max_len}")
+    table, scales = _embedding_table(head.embedding())
     x = torch.ops.evospec.draft_step_ids(
-        features, tokens, head.embedding().weight, rope[0], rope[1], first, head.fc.matmul.packed,
+        features, tokens, table, rope[0], rope[1], first, head.fc.matmul.packed,
         head.fc.matmul.bias, attn.qkv.packed, attn.o_proj.matmul.packed, mlp.gate_up.packed,
         mlp.down_proj.matmul.packed, layer.post_attention_layernorm.weight, cache.k, cache.v, end,
-        attn.num_heads, attn.num_kv_heads, attn.scale, head.cfg.rms_norm_eps,
+        attn.num_heads, attn.num_kv_heads, attn.scale, head.cfg.rms_norm_eps, scales,
     )  # fmt: skip
     cache.advance(tokens.shape[0])
     return x
@@ -343,11 +345,19 @@ def run_fused_draft_ids(
 
 def draft_ids_apply(head: nn.Module) -> bool:
     """Whether :func:`run_fused_draft_ids` serves ``head``: a fused step (:func:`enable_fused_draft`)
-    over a float32 embedding table."""
+    over a float32 embedding table or a compact one (``embedding.py``)."""
     if not getattr(head, "fused_step", False):
         return False
-    weight = head.embedding().weight
-    return weight.dtype == torch.float32 and weight.is_contiguous()
+    table, _ = _embedding_table(head.embedding())
+    return table.dtype in (torch.float32, torch.int8) and table.is_contiguous()
+
+
+def _embedding_table(emb: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What ``draft_step_ids`` reads of an embedding: (float32 table, None), or a compact one's
+    (int8 codes, float16 scales) -- never its float table, which would be built for it."""
+    if isinstance(emb, CompactEmbedding):
+        return emb.codes, emb.scales
+    return emb.weight, None
 
 
 def fused_draft_applies(head: nn.Module) -> bool:

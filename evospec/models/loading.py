@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from evospec.models.config import ModelConfig, UnsupportedModelError
+from evospec.models.embedding import compact_embedding
 from evospec.models.errors import CheckpointError
+from evospec.models.file_pages import float_weights, release_dropped
 from evospec.models.fused import enable_fused_ops
 from evospec.models.huge_pages import adopt_weights
 from evospec.models.packing import pack_linears
@@ -40,6 +42,8 @@ class LoadedModel:
     weights: str = "fp32"  # format of the linear weights (see quant.py)
     quant: QuantReport | None = None  # what quantisation did, for formats other than fp32
     huge_page_bytes: int = 0  # packed weights moved into 2 MB pages (huge_pages.py)
+    embedding_bytes_freed: int = 0  # the token embedding kept as int8 codes (embedding.py)
+    file_bytes_released: int = 0  # the checkpoint file's pages quantisation was done with (file_pages.py)
 
 
 def build_model(
@@ -178,10 +182,14 @@ def load_model(
             from evospec.models.gguf_loader import read_gguf_codes
 
             codes = read_gguf_codes(loaded.gguf)
+        floats = float_weights(loaded.model)  # the checkpoint's, before quantisation drops some
         loaded.quant = quantize_linears(loaded.model, weights, codes, stream=True)
         loaded.weights = weights
         if device == "cpu":  # before the fused ops and recorded steps hold the weights
+            loaded.embedding_bytes_freed = compact_embedding(loaded.model)  # the head reads its own copy now
+            loaded.file_bytes_released = release_dropped(loaded.model, floats)
             loaded.huge_page_bytes = adopt_weights(loaded.model)
+        del floats
     if pack:
         pack_linears(loaded.model)  # what is still an fp32 nn.Linear
     # Row-exact verification: the CPU kernels of every weight format are row-exact, so with

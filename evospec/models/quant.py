@@ -262,7 +262,8 @@ class QuantLinear(nn.Module):
     A member of a fused group shares the group's matmul and returns its slice of the
     output (the module's own forward is used only by callers outside the fused path).
     ``weight`` is kept only where others read rows of it (the LM head); elsewhere it is
-    None and the dense weight is freed.
+    None and the dense weight is freed. A head tied to a compact embedding (:meth:`tie`,
+    ``embedding.py``) answers ``weight`` with that module's float table, built on first use.
     """
 
     def __init__(
@@ -278,8 +279,24 @@ class QuantLinear(nn.Module):
         self.in_features = matmul.in_features
         self.out_features = out_slice.stop - out_slice.start
         self.format = fmt
-        self.weight = weight  # plain attribute (not a Parameter): tied to the embedding when shared
+        # plain attributes (not a Parameter): the dense weight, tied to the embedding when shared,
+        # or the compact embedding that holds it (:meth:`tie`; a list: not a submodule)
+        self._weight = weight
+        self._tied: list[nn.Module] = []
         self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return self._tied[0].weight if self._tied else self._weight
+
+    def tie(self, embedding: nn.Module) -> None:
+        """Read ``weight`` from ``embedding`` (a ``CompactEmbedding`` that replaced the table this
+        head was tied to) and let the dense one go."""
+        self._tied, self._weight = [embedding], None
+
+    def __dir__(self):
+        # as CompactEmbedding's: a tied head's weight is built when read, and the tracer reads all
+        return [name for name in super().__dir__() if name != "weight" or not self._tied]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)

@@ -292,8 +292,13 @@ class Transformer(nn.Module):
             self.rope_global = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
             self.rope_local = RotaryTable(cfg.head_dim, cfg.rope_local_base_freq, None)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's tensors live (its final norm's: a norm stays dense in every format)."""
+        return self.norm.weight.device
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        p = self.embed_tokens.weight
+        p = self.norm.weight  # the model's dtype and device (the embedding may be int8 codes)
         return KVCache(
             self.cfg.num_layers,
             self.cfg.num_kv_heads,

@@ -39,7 +39,7 @@ def write_aux_features(
     out_dir.mkdir(parents=True, exist_ok=True)
     todo = [s for s in shards if not (out_dir / s.name).is_file()]
     total = sum(int(load_file(str(s))["lengths"][:, 1].sum()) for s in todo)
-    device = target.embed_tokens.weight.device
+    device = target.device
     bar = tqdm(total=total, unit="tok", desc=f"aux features {work.name}", disable=not progress)
     for shard in todo:
         d = load_file(str(shard))

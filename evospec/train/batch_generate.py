@@ -115,7 +115,7 @@ def greedy_stream(
     answers samples, e.g. for prompts the target writes itself). ``grouped_prefill`` (default:
     on a GPU) prefills each refill's prompts in one left-padded forward (``_prefill_grouped``).
     """
-    device = model.embed_tokens.weight.device
+    device = model.device
     grouped = device.type == "cuda" if grouped_prefill is None else grouped_prefill
     longest = max((len(p) for p in prompts), default=0)
     if longest + max_new_tokens > cache_len:

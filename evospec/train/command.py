@@ -439,7 +439,7 @@ def _train_onthefly(args, loaded, codec, work: Path, cfg, progress: bool, t0: fl
     init = default_head(loaded.name) if args.init == "shipped" else args.init
     if args.init == "shipped" and init is None:
         raise ValueError(f"--init shipped: no eagle2 head ships for {loaded.name}")
-    device = str(loaded.model.embed_tokens.weight.device)
+    device = str(loaded.model.device)
     head = _eagle2_head(loaded.model, init, device, args.widen_mlp)
     head = head.to(device)
     for p in head.parameters():

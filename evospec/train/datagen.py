@@ -196,7 +196,7 @@ def _teacher_rows(
     """One forward over ``seqs`` ([(ids, prompt_len)], all but each last token fed, rows
     right-aligned): per sequence its features [len - 1, D] fp16 and the target's top-k at the
     answer rows prompt_len .. len - 2 (ids int32, log-probs float32, [len - 1 - prompt_len, K])."""
-    device = model.embed_tokens.weight.device
+    device = model.device
     width = max(len(ids) - 1 for ids, _ in seqs)
     pad = torch.tensor([width - (len(ids) - 1) for ids, _ in seqs], device=device)
     tokens = torch.tensor([[ids[0]] * (width - len(ids) + 1) + ids[:-1] for ids, _ in seqs], device=device)

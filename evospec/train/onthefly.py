@@ -72,7 +72,7 @@ def batch_features(
     that autograd may save), the score mask [B, T-2] of ``trainer.collate`` (pair i scored when
     x_{i+1} is an answer token) and the target's greedy token per pair [B, T-2].
     """
-    device = target.embed_tokens.weight.device
+    device = target.device
     t = max(len(s.tokens) for s in batch)
     tokens = torch.zeros(len(batch), t, dtype=torch.long)
     mask = torch.zeros(len(batch), t - 2, dtype=torch.bool)
