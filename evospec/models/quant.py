@@ -180,6 +180,11 @@ def quant_kernel(out_features: int) -> str:
     return "torch"
 
 
+# rows quantised at a time: an LM head's float temporaries stay a few MB (Gemma-3-270M's whole
+# 262,144-row head at once made ~2 GB of them at load)
+_ROWS_AT_ONCE = 8192
+
+
 class Int8Matmul:
     """``y = x @ W.T (+ b)``, W stored as int8 with one bf16 scale per output row.
 
@@ -192,9 +197,14 @@ class Int8Matmul:
     stream = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int]) -> None:
-        w = weight.detach().float()  # [N, K]
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)  # [N]
-        self.codes = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        w = weight.detach()  # [N, K]
+        scale = torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device)  # [N]
+        self.codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)  # [N, K]
+        for start in range(0, w.shape[0], _ROWS_AT_ONCE):  # rows are independent: the same codes
+            rows = w[start : start + _ROWS_AT_ONCE].float()
+            s = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+            self.codes[start : start + _ROWS_AT_ONCE] = (rows / s.float()[:, None]).round().clamp(-127, 127)
+            scale[start : start + _ROWS_AT_ONCE] = s
         self.scale = scale
         self.in_features, self.sizes = w.shape[1], list(sizes)
         self.bias = bias
