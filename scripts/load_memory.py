@@ -5,9 +5,11 @@ Run once per configuration (a fresh process each: memory a process once touched 
     .venv/bin/python scripts/load_memory.py --model smollm2-135m-instruct --methods ar
     .venv/bin/python scripts/load_memory.py --model smollm2-135m-instruct --methods ar --before
 
-``--before`` loads as the loader did before wave 47: the float32 token embedding kept
-(``models/embedding.py`` off) and the checkpoint file's pages left mapped after quantisation
-(``models/file_pages.py`` off). docs/benchmarks.md, wave 47, quotes its output.
+``--before`` switches two of wave 47's changes off in this checkout: the float32 token embedding
+is kept (``models/embedding.py``) and the checkpoint file's pages stay mapped after quantisation
+(``models/file_pages.py``); an int8 weight's single copy (``quant.Int8Matmul``) stays. For the
+loader as it was, run a worktree of an older commit with ``PYTHONPATH`` pointing at it.
+docs/benchmarks.md, wave 47, quotes its output.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--methods", default="ar", help="comma-separated methods to build")
     ap.add_argument("--weights", default="auto")
-    ap.add_argument("--before", action="store_true", help="the loader without this wave's two changes")
+    ap.add_argument("--before", action="store_true", help="keep the float embedding and the file pages")
     args = ap.parse_args()
     import evospec.models.loading as loading
 

@@ -442,11 +442,14 @@ def draft_format(model: Transformer, draft_weights: str = "auto", draft=None) ->
 
 
 def _head_rows(model: Transformer, project) -> torch.Tensor:
-    """[V, D] the target LM head's rows as an active vocabulary reads them: where the head is an
-    int8 matmul (``project``), its own codes -- the vocabulary heads gather those and read only
-    this tensor's shape and device, so a compact embedding's float table is never built for
-    them (``models/embedding.py``) --; else the head's float weight."""
-    return project.codes if isinstance(project, Int8Matmul) else model.lm_head.weight
+    """[V, D] the target LM head's rows as an active vocabulary takes them: its float weight; or,
+    where the head is an int8 matmul (``project``), whose rows the vocabulary heads gather
+    themselves (``Int8Matmul.weight_rows``) and of this tensor read only the shape and device, a
+    view of one zero byte -- so that neither a compact embedding's float table
+    (``models/embedding.py``) nor the head's row-major codes are built for them."""
+    if isinstance(project, Int8Matmul):
+        return torch.zeros((), dtype=torch.int8, device=model.device).expand(*project.shape)
+    return model.lm_head.weight
 
 
 def verify_prefetch(

@@ -4,6 +4,7 @@
 // Contract (see int8_matmul.py for the packing and the torch reference):
 //   int8_matmul(x f32 or bf16 [M, K], packed u8 [N/16, K/32, 512], scale f32 [N], stream = false)
 //     -> x's dtype [M, N]; stream: the weight is read once a forward (vnni.h, prefetch_weight)
+//   int8_rows(packed, ids int64 [a]) -> int8 [a, K]: rows of codes back from the tiles
 // Weights: w[n, k] = (u - 128) * scale[n], u in 1..255 (symmetric int8 codes plus 128, so that
 // vpdpbusd, unsigned x signed, takes them as they lie). Tile t holds outputs 16t..16t+15; its
 // group g is 512 contiguous bytes: 8 blocks of 64, block j byte 4 l + i holding
@@ -23,8 +24,10 @@
 
 #include "vnni.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -142,8 +145,51 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
 #endif
 }
 
+// Rows `ids` [a] of a packed weight as int8 codes [a, K] (int8_matmul.py: read_int8_rows): row n
+// is lane n % 16 of tile n / 16, 4 codes of each of a group's 8 blocks. What the vocabulary heads
+// gather, now that the tiles are the only copy of the weight.
+at::Tensor int8_rows(const at::Tensor& packed, const at::Tensor& ids) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kBlock &&
+                  packed.is_contiguous(), "int8_rows: packed must be contiguous uint8 [N/16, K/32, 512]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "int8_rows: ids must be int64 [a]");
+  const int64_t tiles = packed.size(0), groups = packed.size(1), k = groups * 32, a = ids.size(0);
+  const auto idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < a; ++r)
+    TORCH_CHECK(id[r] >= 0 && id[r] < tiles * 16, "int8_rows: row ", id[r], " is outside the weight");
+  auto out = at::empty({a, k}, packed.options().dtype(at::kChar));
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  int8_t* o = out.data_ptr<int8_t>();
+  // in row order: the rows of one tile share its cache lines (each holds 4 codes of 16 rows)
+  std::vector<int64_t> order(a);
+  for (int64_t r = 0; r < a; ++r) order[r] = r;
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return id[x] < id[y]; });
+  at::parallel_for(0, a, 256, [&](int64_t first, int64_t last) {
+    for (int64_t q = first; q < last; ++q) {
+      const int64_t r = order[q], t = id[r] / 16, lane = id[r] % 16;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* src = p + (t * groups + g) * kBlock + lane * 4;
+        int8_t* dst = o + r * k + g * 32;
+        for (int j = 0; j < 8; ++j) {  // 4 codes a block: u - 128 as int8 is u ^ 0x80, a byte at a time
+          uint32_t w;
+          std::memcpy(&w, src + 64 * j, 4);
+          w ^= 0x80808080u;
+          std::memcpy(dst + 4 * j, &w, 4);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(evospec, m) { m.def("int8_matmul(Tensor x, Tensor packed, Tensor scale, bool stream=False) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(evospec, m) {
+  m.def("int8_matmul(Tensor x, Tensor packed, Tensor scale, bool stream=False) -> Tensor");
+  m.def("int8_rows(Tensor packed, Tensor ids) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(evospec, CPU, m) { m.impl("int8_matmul", &int8_matmul); }
+TORCH_LIBRARY_IMPL(evospec, CPU, m) {
+  m.impl("int8_matmul", &int8_matmul);
+  m.impl("int8_rows", &int8_rows);
+}

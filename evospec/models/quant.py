@@ -188,10 +188,13 @@ _ROWS_AT_ONCE = 8192
 class Int8Matmul:
     """``y = x @ W.T (+ b)``, W stored as int8 with one bf16 scale per output row.
 
-    ``codes`` [N, K] and ``scale`` [N] stay row-major for the vocabulary heads that gather rows
-    of them (``vocab/head.py``); with the VNNI kernel the product reads its own tiled copy
-    (``kernels/int8_matmul.py``: int8 activations, float32 logits without a bf16 round trip).
-    ``stream``: as :class:`Int4Matmul`'s.
+    With the VNNI kernel the weight lives only in its tiles (``kernels/int8_matmul.py``: int8
+    activations, float32 logits without a bf16 round trip); :meth:`weight_rows` reads rows of
+    codes back from them for the vocabulary heads that gather some (``vocab/head.py``), and
+    ``codes`` [N, K] builds the whole row-major table when asked (tests). Elsewhere ``codes``
+    is torch's kernel's own operand. ``scale`` [N] stays row-major. ``stream``: as
+    :class:`Int4Matmul`'s. (Until wave 47 the row-major codes were kept beside the tiles: every
+    int8 weight twice, Gemma-3-270M's LM head alone 168 MB more.)
     """
 
     stream = False
@@ -199,27 +202,46 @@ class Int8Matmul:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int]) -> None:
         w = weight.detach()  # [N, K]
         scale = torch.empty(w.shape[0], dtype=torch.bfloat16, device=w.device)  # [N]
-        self.codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)  # [N, K]
+        codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)  # [N, K]
         for start in range(0, w.shape[0], _ROWS_AT_ONCE):  # rows are independent: the same codes
             rows = w[start : start + _ROWS_AT_ONCE].float()
             s = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)
-            self.codes[start : start + _ROWS_AT_ONCE] = (rows / s.float()[:, None]).round().clamp(-127, 127)
+            codes[start : start + _ROWS_AT_ONCE] = (rows / s.float()[:, None]).round().clamp(-127, 127)
             scale[start : start + _ROWS_AT_ONCE] = s
         self.scale = scale
+        self.shape = tuple(w.shape)  # (N, K)
         self.in_features, self.sizes = w.shape[1], list(sizes)
         self.bias = bias
         self.kernel = quant_kernel(w.shape[0]) if w.shape[1] % GROUP == 0 else "torch"
+        self._codes: torch.Tensor | None = codes  # row-major: torch's kernel's operand
         if self.kernel == "vnni":
             from evospec.kernels.int8_matmul import pack_int8
 
-            self.packed = pack_int8(self.codes)  # [N/16, K/32, 512]
+            self.packed = pack_int8(codes)  # [N/16, K/32, 512]
             self.scale_f32 = scale.float()  # [N] the same values
+            self._codes = None  # the tiles hold them
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """[N, K] int8 row-major (built from the tiles where only they are kept)."""
+        if self._codes is not None:
+            return self._codes
+        from evospec.kernels.int8_matmul import unpack_int8
+
+        return unpack_int8(self.packed)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[a] output rows -> their int8 codes [a, K] (from the tiles, or the row-major table)."""
+        if self._codes is not None:
+            return self._codes.index_select(0, ids)
+        from evospec.kernels.int8_matmul import read_int8_rows
+
+        return read_int8_rows(self.packed, ids)
 
     @property
     def nbytes(self) -> int:
-        """Bytes one product reads (the row-major codes the vocabulary heads gather from are
-        extra where the tiled copy is used)."""
-        return self.codes.nbytes + self.scale.nbytes
+        """Bytes one product reads: its codes and scales."""
+        return self.shape[0] * self.shape[1] + self.scale.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _finish(self.rows(_flat_input(x, self.in_features, self.kernel)), x, self.bias)
@@ -227,7 +249,7 @@ class Int8Matmul:
     def rows(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]: see Int4Matmul.rows
         if self.kernel == "vnni":
             return torch.ops.evospec.int8_matmul(x, self.packed, self.scale_f32, self.stream)
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        return torch.ops.aten._weight_int8pack_mm(x, self._codes, self.scale)
 
 
 class Bf16Matmul:

@@ -132,8 +132,8 @@ class ReducedHead:
         self.weight = weight  # [V, D] the target's LM head (shared, never copied whole)
         self.capacity = min(capacity, vocab)
         self.int8 = int8
-        src = int8.codes if int8 is not None else weight  # [V, D] the rows gathered
-        self.rows = torch.zeros(self.capacity, dim, dtype=src.dtype, device=weight.device)  # [C, D]
+        dtype = torch.int8 if int8 is not None else weight.dtype  # the rows gathered: codes, or floats
+        self.rows = torch.zeros(self.capacity, dim, dtype=dtype, device=weight.device)  # [C, D]
         # int8 rows: one bf16 scale per slot, gathered with the row
         self.row_scale = (
             torch.ones(self.capacity, dtype=torch.bfloat16, device=weight.device)
@@ -193,7 +193,7 @@ class ReducedHead:
         if add.numel():
             free = torch.nonzero(self.slot_ids == FREE).flatten()[: add.numel()]  # [a]
             if self.int8 is not None:
-                gather_rows(self.int8.codes, self.rows, add, free, self.backend)
+                self.rows[free] = self.int8.weight_rows(add)
                 self.row_scale[free] = self.int8.scale[add]
                 if self.tiles is not None:
                     self.tiles.write(free, self.rows[free], self.int8.scale_f32[add])
@@ -390,6 +390,9 @@ class TwoStageHead:
         self.selector = selector
         self.candidates = min(candidates, vocab)
         self.int8 = int8
+        # the int8 head's codes row-major (built from its tiles): ~2,048 rows gathered a draft step
+        # want contiguous rows (0.01 ms, against ~0.5 ms read back from the tiles each time)
+        self._rows8 = int8.codes if int8 is not None else None  # [V, D]
         self.always = (
             torch.zeros(0, dtype=torch.long, device=weight.device)
             if always is None
@@ -443,7 +446,7 @@ class TwoStageHead:
 
     def _exact(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [n, D], [u] -> [n, u]
         if self.int8 is not None:
-            codes, scale = self.int8.codes.index_select(0, ids), self.int8.scale.index_select(0, ids)
+            codes, scale = self._rows8.index_select(0, ids), self.int8.scale.index_select(0, ids)
             return torch.ops.aten._weight_int8pack_mm(hidden.to(torch.bfloat16), codes, scale)
         return hidden @ self.weight.index_select(0, ids).T
 

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from evospec.kernels.int4_matmul import GROUP, vnni_available
-from evospec.kernels.int8_matmul import int8_matmul, int8_matmul_ref, pack_int8, unpack_int8, write_int8_rows
+from evospec.kernels.int8_matmul import (
+    int8_matmul,
+    int8_matmul_ref,
+    pack_int8,
+    read_int8_rows,
+    read_int8_rows_ref,
+    unpack_int8,
+    write_int8_rows,
+)
 from evospec.models.quant import QUANT_KERNEL_ENV, Int8Matmul
 
 needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no int8 kernel (needs AVX2) here")
@@ -107,3 +115,20 @@ def test_rows_rewritten_in_place_equal_a_fresh_packing():
     expected = codes.clone()
     expected[rows] = new
     assert torch.equal(packed, pack_int8(expected))
+
+
+def test_rows_read_back_from_the_tiles_are_the_codes():
+    """read_int8_rows gives exactly the rows asked for, in their order, from any tile and lane;
+    an Int8Matmul on the tiled kernel keeps no row-major copy and answers its rows from them."""
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
+    rows = torch.tensor([47, 0, 16, 15, 33, 16])
+    for read in (read_int8_rows, read_int8_rows_ref):  # the op where it is built, and torch's indexing
+        assert torch.equal(read(pack_int8(codes), rows), codes[rows])
+        assert read(pack_int8(codes), rows[:0]).shape == (0, 64)
+    mm = _weight(48, 96)
+    full = mm.codes
+    assert torch.equal(mm.weight_rows(rows), full[rows])
+    if mm.kernel == "vnni":
+        assert mm._codes is None  # the tiles only: no second copy of the weight
+    assert mm.nbytes == 48 * 96 + mm.scale.nbytes

@@ -55,6 +55,19 @@ def test_int8_matmul_is_close_to_the_float_product():
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
+def test_int8_codes_are_those_of_the_whole_table_however_many_rows(monkeypatch):
+    """Rows are quantised a block at a time (an LM head's temporaries stay small): the codes and
+    scales are the whole-table formula's."""
+    from evospec.models import quant
+
+    monkeypatch.setattr(quant, "_ROWS_AT_ONCE", 7)
+    w = torch.randn(40, 64) * torch.rand(40, 1)
+    mm = Int8Matmul(w, None, [40])
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+    assert torch.equal(mm.scale, scale)
+    assert torch.equal(mm.codes, (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_gguf_block_codes_equal_gguf_dequantisation(kind):
     """Codes copied from the blocks dequantise to exactly what the gguf package reads."""
