@@ -1,6 +1,6 @@
 """The checkpoint's pages a loaded model no longer reads, handed back to the kernel.
 
-Owns: :func:`float_weights` (what quantisation may drop, noted before it runs) and
+Owns: :func:`mapped_weights` (what quantisation may drop, noted before it runs) and
 :func:`release_dropped` (gives back the pages of those that the model no longer holds). Knows
 tensors, modules and Linux page mappings only.
 
@@ -31,10 +31,21 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MAP_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ (\d+)\s*(.*)$")
 
 
-def float_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The floating-point parameters of ``model`` (CPU): what to hand :func:`release_dropped`
-    after quantisation has replaced some of them."""
-    return [p for p in model.parameters() if p.is_floating_point() and p.device.type == "cpu"]
+def mapped_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The floating-point parameters of ``model`` that lie in a file mapping: what to hand
+    :func:`release_dropped` after quantisation has replaced some of them. (Only those: holding
+    the others -- a GGUF read into anonymous memory -- would keep each float weight alive until
+    quantisation ends, where dropping the module frees it at once.)"""
+    files = _file_mappings()
+    if not files:
+        return []
+    out = []
+    for p in model.parameters():
+        if p.is_floating_point() and p.device.type == "cpu":
+            lo, hi = _own_bytes(p)
+            if any(a <= lo and hi <= b for a, b in files):
+                out.append(p)
+    return out
 
 
 def release_dropped(model: nn.Module, before: Iterable[torch.Tensor]) -> int:

@@ -20,7 +20,7 @@ from torch import nn
 from evospec.models.config import ModelConfig, UnsupportedModelError
 from evospec.models.embedding import compact_embedding
 from evospec.models.errors import CheckpointError
-from evospec.models.file_pages import float_weights, release_dropped
+from evospec.models.file_pages import mapped_weights, release_dropped
 from evospec.models.fused import enable_fused_ops
 from evospec.models.huge_pages import adopt_weights
 from evospec.models.packing import pack_linears
@@ -182,7 +182,7 @@ def load_model(
             from evospec.models.gguf_loader import read_gguf_codes
 
             codes = read_gguf_codes(loaded.gguf)
-        floats = float_weights(loaded.model)  # the checkpoint's, before quantisation drops some
+        floats = mapped_weights(loaded.model)  # the checkpoint file's, before quantisation drops some
         loaded.quant = quantize_linears(loaded.model, weights, codes, stream=True)
         loaded.weights = weights
         if device == "cpu":  # before the fused ops and recorded steps hold the weights

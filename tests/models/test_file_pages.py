@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from evospec.models.file_pages import float_weights, release_dropped
+from evospec.models.file_pages import mapped_weights, release_dropped
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux page mappings")
 
@@ -52,8 +52,11 @@ def test_anonymous_memory_and_weights_still_held_are_never_touched(tmp_path):
     assert torch.equal(held, values)
 
 
-def test_float_weights_lists_the_floats_a_quantisation_may_drop():
+def test_only_file_mapped_floats_are_noted(tmp_path):
+    """What quantisation may drop and a file holds: the floats in a mapping, not anonymous ones
+    (holding those would keep them alive through quantisation)."""
     lin = nn.Linear(4, 3)
-    model = nn.Sequential(lin, nn.Embedding(5, 4))
-    got = float_weights(model)
-    assert any(t is lin.weight for t in got) and len(got) == 3
+    mapped = _mapped(tmp_path, torch.arange(2 * PAGE // 4, dtype=torch.float32))
+    lin.weight = nn.Parameter(mapped[:12].view(3, 4), requires_grad=False)
+    got = mapped_weights(nn.Sequential(lin, nn.Embedding(5, 4)))
+    assert len(got) == 1 and got[0] is lin.weight  # not the bias, not the embedding
