@@ -109,7 +109,7 @@ class LookupDraft:
                 return guess
         if self.table is not None:
             tail = self.context.tokens if self.context is not None else self._tail  # propose() slices it
-            return self.table.propose(tail, self.tree.table_lookup)
+            return self.table.propose(tail, self.tree.table_lookup, self.tree.table_min_share)
         return []
 
 

@@ -92,13 +92,16 @@ class NgramTable:
             found = hit
         return found
 
-    def propose(self, tail: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` chained guesses after ``tail``, each with share >= ``info.min_share``."""
+    def propose(self, tail: Sequence[int], k: int, min_share: float | None = None) -> list[int]:
+        """Up to ``k`` chained guesses after ``tail``, each with share >= ``min_share`` (default:
+        ``info.min_share``, the threshold the table was built with; serving passes
+        ``TreeConfig.table_min_share``)."""
+        least = self.info.min_share if min_share is None else min_share
         ctx = list(tail[-self.info.max_order :])
         out: list[int] = []
         while len(out) < k:
             hit = self.guess(ctx)
-            if hit is None or hit[1] < self.info.min_share:
+            if hit is None or hit[1] < least:
                 break
             out.append(hit[0])
             ctx = [*ctx[1:], hit[0]] if len(ctx) == self.info.max_order else [*ctx, hit[0]]

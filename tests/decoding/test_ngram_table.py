@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -46,6 +48,26 @@ def test_contexts_below_min_count_are_left_out_and_low_shares_do_not_propose():
     assert strict.propose([2], 3) == []
     assert strict.guess([1]) == (2, pytest.approx(2 / 3, abs=1e-3))
     assert strict.propose([1], 3) == [2]  # then "1 2": 3 or 4, share 0.5 < 0.6
+
+
+def test_serving_picks_its_own_share_threshold():
+    """``propose``'s ``min_share`` (serving's ``TreeConfig.table_min_share``) replaces the build's
+    threshold; a round's lookup passes the tree's, 0.12 by default."""
+    table = _table([[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 2, 5]], min_count=2, min_share=0.6)
+    assert table.guess([2]) == (5, 0.5)
+    assert table.propose([2], 1) == []  # the build's 0.6
+    assert table.propose([2], 1, 0.5) == [5]
+    assert table.propose([2], 1, 0.51) == []
+    one = TreeConfig(top_k=1, depth=1, total_tokens=1, table_lookup=1)
+    draft = LookupDraft(one, table)
+    draft.reset([7, 2])
+    assert draft.propose() == [5]  # the default 0.12
+    strict = LookupDraft(replace(one, table_min_share=0.6), table)
+    strict.reset([7, 2])
+    assert strict.propose() == []
+    for bad in (-0.1, 1.5, True, "0.2"):
+        with pytest.raises(ValueError, match="table_min_share"):
+            TreeConfig(table_min_share=bad)
 
 
 def test_propose_chains_guesses_up_to_k():
