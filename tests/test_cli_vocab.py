@@ -45,7 +45,7 @@ def test_bench_quick_runs_every_method_side_by_side(setup, capsys: pytest.Captur
     assert list(result["methods"]) == METHODS.split(",")
     assert result["config"]["prompts"] == 2 and result["config"]["max_new_tokens"] == 16  # --quick
     tree = {"top_k": 3, "depth": 3, "total_tokens": 8, "lookup": 0, "lookup_ngram": 2, "table_lookup": 0}
-    tree |= {"table_min_share": 0.12, "jump_forward": 4, "min_prob": 0.0, "sample_drafts": True}
+    tree |= {"table_min_share": 0.3, "jump_forward": 4, "min_prob": 0.0, "sample_drafts": True}
     assert result["config"]["tree"]["nanospec"] == tree
     assert result["config"]["vocab"]["w_max"] == 300
     assert result["config"]["verify_logits"] == "auto"

@@ -61,7 +61,7 @@ def test_serving_picks_its_own_share_threshold():
     one = TreeConfig(top_k=1, depth=1, total_tokens=1, table_lookup=1)
     draft = LookupDraft(one, table)
     draft.reset([7, 2])
-    assert draft.propose() == [5]  # the default 0.12
+    assert draft.propose() == [5]  # the default 0.3
     strict = LookupDraft(replace(one, table_min_share=0.6), table)
     strict.reset([7, 2])
     assert strict.propose() == []
