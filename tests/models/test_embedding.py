@@ -150,3 +150,40 @@ def test_the_fused_draft_step_reads_a_compact_embedding_bit_for_bit():
             outs.append(run_fused_draft_ids(h, feats, tokens, 0, rope, h.new_cache(8)))
     assert torch.equal(outs[0], outs[1])
     assert compact.embed_tokens.materialised == 0
+
+
+def test_speculative_decoding_on_a_compact_embedding_equals_ar():
+    """Lossless where the table is compact: the int4 fused draft reading the codes, the vocabulary
+    head taking the int8 head's shape only, the recorded steps embedding through the op -- eagle2
+    gives AR's greedy tokens, and AR those of the same model with its float table."""
+    from evospec.decoding.methods import make_decoder
+    from evospec.decoding.sampling import SamplingParams
+    from evospec.decoding.tree import TreeConfig
+    from evospec.models.eagle import new_eagle_for
+    from evospec.models.fused import enable_fused_ops
+    from evospec.models.step import StepGraph
+
+    models = []
+    for compact in (False, True):
+        m = _q8_model(seed=4)
+        if compact:
+            assert compact_embedding(m) > 0
+        m.exact_rows = True
+        if not enable_fused_ops(m):
+            pytest.skip("the fused CPU ops do not build here")
+        m.step_graph = StepGraph(m)
+        models.append(m)
+    dense, compact = models
+    params = SamplingParams(max_new_tokens=24)
+    tree = TreeConfig(top_k=1, depth=3, total_tokens=3)
+    for seed in range(3):
+        prompt = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        outs = {}
+        for name, m in (("dense", dense), ("compact", compact)):
+            for method in ("ar", "eagle2"):
+                draft = new_eagle_for(m, seed=seed) if method == "eagle2" else None
+                dec = make_decoder(method, m, draft=draft, tree=tree)
+                with torch.inference_mode():
+                    outs[name, method] = [t for ev in dec.generate(prompt, params) for t in ev.tokens]
+        assert outs["compact", "eagle2"] == outs["compact", "ar"] == outs["dense", "ar"]
+    assert compact.embed_tokens.materialised == 0
