@@ -2,8 +2,9 @@
 
 Owns: the default shared-data folder (next to a checkout; a user's install has none), the
 ``$EVOSPEC_HOME`` cache root, the key naming the hardware a cached timing belongs to, the
-whole-file replacement those caches are written with, and ``positive_int`` for command-line
-flags. Imports nothing of the project, so any module may import it.
+whole-file replacement those caches are written with, ``positive_int`` for command-line flags,
+and SIGTERM turned into a clean exit for long-running commands. Imports nothing of the project,
+so any module may import it.
 """
 
 from __future__ import annotations
@@ -83,3 +84,23 @@ def trim_heap() -> bool:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM (and SIGINT where a background shell ignores it) into ``SystemExit(128 +
+    signal)`` in the main thread, so ``finally`` blocks run: a training job keeps what it
+    finished, a server saves its restart state. (Python's default SIGTERM ends the process at
+    once; uvicorn, after its graceful shutdown, re-raises the signal it caught under the handler
+    that was there before it, this one.) Elsewhere than the main thread: nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, stop)

@@ -432,6 +432,7 @@ def adaptation_section(ctx: ServiceContext) -> dict[str, Any]:
             "mode": None,
             "enabled": False,
             "adapter_version": None,
+            "keys": None,
             "update_count": None,
             "discarded_updates": None,
             "last_loss": None,
@@ -440,6 +441,7 @@ def adaptation_section(ctx: ServiceContext) -> dict[str, Any]:
     versions = a.versions()
     return {
         "implemented": True,
+        "note": None,
         "mode": a.mode,
         "enabled": a.enabled,
         "adapter_version": versions.get("", 0),

@@ -1,6 +1,11 @@
-"""Limits on reading a request: body size and the time the body may take to arrive.
+"""Limits on reading a request: the size of its head, the size of its body and the time the
+body may take to arrive.
 
-Owns: :class:`BodyLimits`, a pure ASGI middleware. A ``Content-Length`` above
+Owns: :class:`BodyLimits`, a pure ASGI middleware. A request head (request line and headers)
+over ``max_header_bytes`` is answered with 431 before anything else: uvicorn's own bound on a
+head (h11's ``max_incomplete_event_size``, :data:`MAX_HEADER_BYTES` too) only holds while a head
+is still arriving in pieces, and a head read in one go passes it whatever its size. A
+``Content-Length`` above
 ``max_body_bytes`` is answered with 413 at once, before any of the body is read; a chunked body
 is counted as it arrives and refused with 413 as soon as it passes the limit. A body that has
 not fully arrived ``read_timeout_s`` seconds after the request's headers (a client that sends
@@ -24,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.errors import APIError
 
 CLOSE = {"Connection": "close"}
+MAX_HEADER_BYTES = 16 * 1024  # a request line and its headers, as written on the wire
 DRAIN_MAX_BYTES = 64 * 1024 * 1024  # read and dropped before a 413; past it, answer and close
 DRAIN_IDLE_S = 0.25  # a client that stops sending is answered after this pause
 
@@ -37,6 +43,15 @@ def too_large(limit: int) -> APIError:
     )
 
 
+def head_too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        431,
+        f"the request line and headers take {size} bytes, over this server's limit of {limit}",
+        code="request_header_fields_too_large",
+        headers=CLOSE,
+    )
+
+
 def too_slow(timeout_s: float) -> APIError:
     return APIError(
         408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout", headers=CLOSE
@@ -44,12 +59,21 @@ def too_slow(timeout_s: float) -> APIError:
 
 
 class BodyLimits:
-    """413 for bodies over ``max_body_bytes``, 408 for bodies slower than ``read_timeout_s``."""
+    """431 for request heads over ``max_header_bytes``, 413 for bodies over ``max_body_bytes``,
+    408 for bodies slower than ``read_timeout_s``."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, read_timeout_s: float) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        read_timeout_s: float,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,10 +82,16 @@ class BodyLimits:
         declared = _content_length(scope)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.read_timeout_s
-        if declared is not None and declared > self.max_body_bytes:
-            if not await _drain(receive, min(declared, DRAIN_MAX_BYTES), deadline):
+        head = _head_bytes(scope)
+        refusal = None
+        if head > self.max_header_bytes:
+            refusal = head_too_large(head, self.max_header_bytes)
+        elif declared is not None and declared > self.max_body_bytes:
+            refusal = too_large(self.max_body_bytes)
+        if refusal is not None:
+            if not await _drain(receive, min(declared or 0, DRAIN_MAX_BYTES), deadline):
                 return  # the client went away: nobody to answer
-            await too_large(self.max_body_bytes).response()(scope, receive, send)
+            await refusal.response()(scope, receive, send)
             return
         seen, complete = 0, False
 
@@ -106,6 +136,15 @@ async def _drain(receive: Receive, limit: int, deadline: float) -> bool:
         if not message.get("more_body", False):
             return True
     return True
+
+
+def _head_bytes(scope: Scope) -> int:
+    """The request line and headers as sent: ``METHOD PATH?QUERY HTTP/1.1\\r\\n`` and ``name:
+    value\\r\\n`` each (the path as sent, before percent-decoding)."""
+    path = scope.get("raw_path") or scope.get("path", "").encode()
+    query = scope.get("query_string", b"")
+    line = len(scope.get("method", "")) + 1 + len(path) + (1 + len(query) if query else 0) + 11
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -43,6 +43,7 @@ M = TypeVar("M", bound=BaseModel)
 MAX_STOPS = 4
 MAX_CHOICES = 16  # choices (``n``) one request may ask for: each is an engine request
 MAX_LOGGED_FIELDS = 20  # an ignored-fields warning names at most this many
+MAX_ID_DIGITS = 18  # the longest logit_bias key taken for a token id (every int64 fits)
 INT64 = (-(2**63), 2**63 - 1)  # the seed range (torch generators take 64 bits)
 
 
@@ -74,7 +75,7 @@ async def parse_body(request: Request, schema: type[M], *, allow_empty: bool = F
         ) from None
     if not isinstance(obj, dict):
         raise APIError.bad_request(
-            f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
+            f"request body must be a JSON object, got {_json_type(obj)}", code="invalid_json"
         )
     body = validate(schema, obj)
     ignored = ignored_fields(body, obj)
@@ -156,6 +157,17 @@ def _as_api_error(exc: ValidationError) -> APIError:
     return APIError.bad_request(f"Invalid value for '{param}': {msg}.", param=param, code=code)
 
 
+def _json_type(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (``null``, ``array``, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -218,8 +230,11 @@ class SamplingFields(_Strict):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):  # ids past the vocabulary: openai_api.py
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            # ids past the vocabulary: openai_api.py; a key too long for any id is refused here
+            # (int() of more than 4,300 digits raises)
+            if not (key.isascii() and key.isdigit()) or len(key) > MAX_ID_DIGITS:
+                shown = key if len(key) <= 24 else f"{key[:20]}... ({len(key)} characters)"
+                raise ValueError(f"keys must be token ids, got {shown!r}")
             if not BIAS_RANGE[0] <= value <= BIAS_RANGE[1]:
                 raise ValueError(f"values must be in [{BIAS_RANGE[0]:g}, {BIAS_RANGE[1]:g}], got {value}")
         return v
@@ -256,6 +271,9 @@ class SamplingFields(_Strict):
                 raise APIError.bad_request(
                     "a tool call and a response_format cannot both shape the answer", param="tool_choice"
                 )
+            if not plan.named:  # each tool's own schema first: an error names the tool, not the envelope
+                for i, fn in enumerate(plan.functions):
+                    _compiled(fn.schema(), "tools", f"tools[{i}] ({fn.name}): parameters")
             names = ", ".join(fn.name for fn in plan.functions)
             return _compiled(plan.schema(), "tools", f"tools: the parameters of {names}")
         if kind == "text":
@@ -337,14 +355,14 @@ class ChatMessage(_Strict):
             raise ValueError("must be a string or a list of content parts")
         texts = []
         for part in v:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else _json_type(part)
                 raise ValueError(
                     f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {kind!r}"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"a text content part needs a 'text' string, got {_json_type(part.get('text'))}"
                 )
             texts.append(part["text"])
         return _unicode("".join(texts))

@@ -24,13 +24,13 @@ from service.config import ServeConfig
 from service.context import ServedModel
 from service.engine import Engine
 from service.idle import IdleJob
+from service.limits import MAX_HEADER_BYTES
 
 if TYPE_CHECKING:
     from evospec.assembly import Stack
     from evospec.decoding.methods import Decoder
 
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this many seconds
-MAX_HEADER_BYTES = 16 * 1024  # request line + headers; larger ones get uvicorn's 400 (h11)
 
 
 @dataclass
@@ -124,9 +124,12 @@ def curl_example(host: str, port: int, model: ServedModel) -> str:
 
 def serve(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stderr) -> None:
     """Build, print the curl line, run uvicorn until interrupted. Uvicorn bounds idle keep-alive
-    connections and header size; it has no timeout for a body that stops arriving, which the
-    app's ``BodyLimits`` middleware adds (``body_read_timeout``)."""
+    connections and a request head still arriving in pieces; the app's ``BodyLimits`` middleware
+    bounds a whole head (431) and adds the timeout for a body that stops arriving
+    (``body_read_timeout``), which uvicorn has not."""
     import uvicorn
+
+    from evospec.common import stop_cleanly_on_sigterm
 
     built = build(config, progress=progress, log=log)
     if built.keeper is not None:
@@ -134,6 +137,7 @@ def serve(config: ServeConfig, *, progress: bool = True, log: TextIO = sys.stder
         built.keeper.start()
     print(f"[evospec] serving {built.model.name} with method={built.engine.method}; try:", file=log)
     print(curl_example(config.host, config.port, built.model), file=log, flush=True)
+    stop_cleanly_on_sigterm()  # `kill`, `docker stop`, systemd: the state below is still saved
     try:
         uvicorn.run(
             built.app,

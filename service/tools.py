@@ -23,10 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from service.errors import APIError
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name as OpenAI takes one
+_DEF_SECTIONS = ("$defs", "definitions")  # where a schema's $ref may point (json_schema.py)
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: never rewritten
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,10 @@ def _functions(tools: list[Any]) -> dict[str, Function]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name or name in out:
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name in out:
             raise APIError.bad_request(
-                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}, "
-                "with a name no other tool has",
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}, with a name "
+                "of letters, digits, '_' and '-' (at most 64) that no other tool has",
                 param=f"tools.{i}",
             )
         params = fn.get("parameters") or {}
@@ -56,6 +61,12 @@ def _functions(tools: list[Any]) -> dict[str, Function]:
         if not isinstance(params, dict) or not isinstance(description, str):
             raise APIError.bad_request(
                 f"tools[{i}].function: parameters must be a JSON schema object, description a string",
+                param=f"tools.{i}",
+            )
+        if params.get("type", "object") != "object":  # arguments are an object: {"name": value, ...}
+            raise APIError.bad_request(
+                f"tools[{i}].function.parameters must describe an object (type 'object'), "
+                f"got type {params.get('type')!r}",
                 param=f"tools.{i}",
             )
         out[name] = Function(name, description, params)
@@ -73,13 +84,19 @@ class ToolPlan:
     reply: bool = False
 
     def schema(self) -> dict[str, Any]:
-        """The JSON schema the answer is generated under."""
+        """The JSON schema the answer is generated under. Several functions' parameters sit side
+        by side in an ``anyOf``: each one's definitions move to the root under names of their own
+        (``tool<i>.<section>.<name>``), and its refs follow them."""
         if self.named:
             return self.functions[0].schema()
-        calls = [_closed_object(name={"const": fn.name}, arguments=fn.schema()) for fn in self.functions]
+        defs: dict[str, Any] = {}
+        calls = [
+            _closed_object(name={"const": fn.name}, arguments=_hoisted(fn.schema(), f"tool{i}", defs))
+            for i, fn in enumerate(self.functions)
+        ]
         if self.reply:
             calls.append(_closed_object(response={"type": "string"}))
-        return {"anyOf": calls}
+        return {"anyOf": calls, "$defs": defs} if defs else {"anyOf": calls}
 
     def instruction(self) -> str:
         """What the system message tells the model."""
@@ -97,6 +114,42 @@ class ToolPlan:
         how = 'Reply with one JSON object: {"name": FUNCTION, "arguments": {...}} to call a function'
         lines.append(how + (', or {"response": TEXT} to answer without calling one.' if self.reply else "."))
         return "\n".join(lines)
+
+
+def _hoisted(schema: dict[str, Any], tag: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its root's definitions moved into ``defs`` as ``<tag>.<section>.<name>``
+    and every ``$ref`` to them renamed (the schema itself is not changed)."""
+
+    def renamed(ref: str) -> str:
+        for section in _DEF_SECTIONS:
+            if ref.startswith(f"#/{section}/"):
+                return f"#/$defs/{tag}.{section}.{ref[len(section) + 3 :]}"
+        return ref
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                out[key] = renamed(value)
+            elif key in _DATA_KEYWORDS:
+                out[key] = value
+            elif key in ("properties", "patternProperties", *_DEF_SECTIONS) and isinstance(value, dict):
+                # keys that are names, not keywords
+                out[key] = {name: walk(sub) for name, sub in value.items()}
+            else:
+                out[key] = walk(value)
+        return out
+
+    moved = walk(schema)
+    for section in _DEF_SECTIONS:
+        table = moved.pop(section, None)
+        if isinstance(table, dict):
+            defs.update({f"{tag}.{section}.{name}": d for name, d in table.items()})
+    return moved
 
 
 def _closed_object(**properties: dict[str, Any]) -> dict[str, Any]:
@@ -138,12 +191,13 @@ def _function_of(call: Any) -> dict[str, Any]:
 
 
 def _written(fn: dict[str, Any]) -> str:
-    """An earlier call as the envelope writes one (its arguments as JSON where they parse)."""
-    arguments = fn.get("arguments")
-    if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):
-            arguments = json.loads(arguments)
-    return json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
+    """An earlier call as the envelope writes one (its arguments as JSON where they parse; as the
+    string they came in where not, or where they nest deeper than Python's JSON reads)."""
+    raw = fn.get("arguments")
+    if isinstance(raw, str):
+        with contextlib.suppress(ValueError, RecursionError):
+            return json.dumps({"name": fn.get("name"), "arguments": json.loads(raw)}, ensure_ascii=False)
+    return json.dumps({"name": fn.get("name"), "arguments": raw}, ensure_ascii=False)
 
 
 def with_tools(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, str]]:

@@ -164,6 +164,8 @@ def load_ngram_table(path: str | Path, vocab_size: int | None = None) -> NgramTa
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"n-gram table {path} is a folder; name the table's .safetensors file in it")
     if not path.is_file():
         raise FileNotFoundError(f"n-gram table {path} does not exist")
     try:

@@ -14,7 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from evospec.common import DEFAULT_DATA, non_negative_int, positive_float, positive_int
+from evospec.common import (
+    DEFAULT_DATA,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    stop_cleanly_on_sigterm,
+)
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from evospec.options import add_weights_arg
 
@@ -218,23 +224,6 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train_draft)
 
 
-def _stop_cleanly_on_sigterm() -> None:
-    """Turn SIGTERM (and SIGINT where a background shell ignores it) into ``SystemExit`` in the
-    main thread, so ``finally`` blocks run: long jobs keep what they finished."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def stop(signum: int, _frame) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, stop)
-
-
 def cmd_train_draft(args: argparse.Namespace) -> int:
     from evospec.common import evospec_home
     from evospec.models.eagle import save_eagle
@@ -260,7 +249,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         )
     if args.train_seconds is not None and not onthefly:
         raise ValueError("--train-seconds bounds on-the-fly training (--features on-the-fly)")
-    _stop_cleanly_on_sigterm()  # `kill` / `docker stop`: finished answers are flushed, not lost
+    stop_cleanly_on_sigterm()  # `kill` / `docker stop`: finished answers are flushed, not lost
     progress = not args.no_progress
     t0 = time.perf_counter()
     device = resolve_device(args.device)

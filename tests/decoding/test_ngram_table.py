@@ -96,8 +96,10 @@ def test_the_file_round_trips_and_is_checked(tmp_path):
     assert back.guess([1, 2]) == table.guess([1, 2])
     with pytest.raises(ValueError, match=r"vocab_size 100 \(built for tiny\) does not match .* 50"):
         load_ngram_table(path, vocab_size=50)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         load_ngram_table(tmp_path / "missing.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"is a folder; name the table's \.safetensors file"):
+        load_ngram_table(tmp_path)
     from safetensors.torch import save_file
 
     bad = {"keys": table.keys, "next_ids": table.next_ids + 100, "shares": table.shares}  # ids >= 100

@@ -63,6 +63,7 @@ def test_adaptive_methods_equal_greedy_while_learning(name, serve, make, codec, 
     assert st["method"] == name and st["mode"] == method_spec(name).adapt and st["updates"] >= 1
     assert st["aux_bytes"]["total"] > 0 and st["keys"]["default"]["version"] == st["updates"]
     assert state["implemented"] and state["mode"] == method_spec(name).adapt and state["update_count"] >= 1
+    assert state["note"] is None and state["keys"] >= 1  # the documented fields, whichever the method
     value = re.search(r"^evospec_lora_updates_total (\S+)$", metrics, re.M)
     assert value and float(value.group(1)) == st["updates"]
 

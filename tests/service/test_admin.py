@@ -69,7 +69,7 @@ def test_admin_state_shape(admin_server: LiveServer) -> None:
     assert {"events_total", "recent_events", "retrievals_dropped"} <= set(state["oov"])
     adapt = state["adaptation"]
     assert adapt["implemented"] is True and adapt["note"] == "method ar does not adapt its draft online"
-    assert {"adapter_version", "update_count", "last_loss", "replay_fill"} <= set(adapt)
+    assert {"adapter_version", "keys", "update_count", "last_loss", "replay_fill"} <= set(adapt)
     assert adapt["update_count"] is None and adapt["enabled"] is False
 
 

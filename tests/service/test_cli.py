@@ -104,3 +104,48 @@ def test_serve_subprocess_and_printed_curl(tmp_path: Path, tiny, codec, referenc
         proc.terminate()
         proc.wait(20)
         proc.stderr.close()
+
+
+def test_sigterm_stops_the_server_with_its_restart_state_saved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kill`, `docker stop` and systemd send SIGTERM. Uvicorn shuts down gracefully, then raises
+    the signal again under the handler that was there before it: Python's default would end the
+    process before ``serve`` saves the restart state; serve's handler makes it an exit that
+    ``finally`` sees. A real uvicorn on a free port, signalled once it runs."""
+    import io
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from service import server
+
+    closed: list[bool] = []
+    keeper = SimpleNamespace(
+        restore=lambda: "restart state: none yet",
+        start=lambda: None,
+        close=lambda: closed.append(True) or True,
+        path="/state/snapshot",
+    )
+    model = SimpleNamespace(name="m")
+    built = SimpleNamespace(app=Starlette(), engine=SimpleNamespace(method="ar"), model=model, keeper=keeper)
+    monkeypatch.setattr(server, "build", lambda config, progress=True, log=None: built)
+    monkeypatch.setattr(server, "curl_example", lambda host, port, model: "curl ...")
+    real_run = uvicorn.run
+
+    def run(app, **kw) -> None:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        real_run(app, **kw)
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    log = io.StringIO()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            server.serve(ServeConfig(port=_free_port()), log=log)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+    assert exc.value.code == 128 + signal.SIGTERM and closed == [True]
+    assert "restart state saved to /state/snapshot" in log.getvalue()

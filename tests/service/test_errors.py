@@ -131,6 +131,26 @@ def test_bad_input(ar_server: LiveServer, path: str, body, status: int, param, c
         assert err["code"] == code
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "says"),
+    [
+        (C, b"null", "must be a JSON object, got null"),
+        (C, b'"text"', "must be a JSON object, got string"),
+        (CHAT, _chat({"role": "user", "content": [{"type": "text"}]}), "needs a 'text' string, got null"),
+        (
+            CHAT,
+            _chat({"role": "user", "content": [{"type": "text", "text": 3}]}),
+            "'text' string, got number",
+        ),
+    ],
+)
+def test_messages_name_what_is_wrong_in_json_terms(ar_server: LiveServer, path: str, body, says: str) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with ar_server.http() as http:
+        r = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
 def test_unknown_route_and_method(ar_server: LiveServer) -> None:
     with ar_server.http() as http:
         r404 = http.get("/v1/nothing-here")

@@ -263,6 +263,26 @@ def test_content_length_over_the_limit_is_413_before_the_body_is_sent(serve) -> 
     assert "1000 bytes" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("size", [17_000, 70_000])
+def test_a_request_head_over_16_kib_is_431_even_when_it_arrives_at_once(
+    ar_server: LiveServer, size: int
+) -> None:
+    """uvicorn's bound on a head holds only while the head arrives in pieces; one written in a
+    single send passed it at any size until the middleware measured the whole head."""
+    from service.limits import MAX_HEADER_BYTES
+
+    body = json.dumps({"model": MODEL_NAME, "prompt": "a", "max_tokens": 1}).encode()
+    head = f"POST {C} HTTP/1.1\r\nHost: x\r\nX-Big: {'b' * size}\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    status, headers, reply = _raw_status(_raw(ar_server, head.encode() + body))
+    assert status == 431 and headers["connection"] == "close"
+    assert reply["error"]["code"] == "request_header_fields_too_large"
+    assert f"limit of {MAX_HEADER_BYTES}" in reply["error"]["message"]
+    with ar_server.http() as http:  # a head just under the limit is served
+        r = http.post(C, content=body, headers={**HEADERS, "X-Big": "b" * (MAX_HEADER_BYTES - 400)})
+    assert r.status_code == 200, r.text
+
+
 def test_a_client_that_sends_its_whole_oversized_body_first_reads_the_413(serve) -> None:
     """No Expect: 100-continue: the body is written in full before the reply is read. The
     server drains it instead of closing on unread data (which resets the connection)."""

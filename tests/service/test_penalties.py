@@ -39,6 +39,8 @@ def test_penalties_and_bias_follow_plain_decoding_with_them(serve, codec, tiny, 
         ({"logit_bias": {"²": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 150}}, "logit_bias"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"9" * 20: 1}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # past int()'s 4,300 digits
         ({"repetition_penalty": 1e-300}, "repetition_penalty"),
         ({"repetition_penalty": 2.5}, "repetition_penalty"),
     ],

@@ -44,6 +44,24 @@ DATED = {  # a parameter the grammar cannot check
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _located(name: str, kinds: list[str]) -> dict:
+    """A tool whose parameters refer to a definition named Loc, as Pydantic writes nested models."""
+    loc = {"type": "object", "properties": {"kind": {"enum": kinds}}, "required": ["kind"]}
+    return _tool(
+        name,
+        {
+            "type": "object",
+            "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+            "required": ["loc"],
+            "$defs": {"Loc": loc},
+        },
+    )
+
+
 def _body(**extra) -> dict:
     return {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 40, "temperature": 0, **extra}
 
@@ -156,6 +174,9 @@ def test_a_streamed_call_sends_its_name_first_and_then_its_arguments(serve, code
          "invalid_value", "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": 3}, "invalid_value", "tool_choice"),
         ({"tools": [{"type": "function"}], "tool_choice": "required"}, "invalid_value", "tools.0"),
+        ({"tools": [_tool("s", {"type": "string"})]}, "invalid_value", "tools.0"),  # not an object
+        ({"tools": [WEATHER, _tool("get weather!", {})]}, "invalid_value", "tools.1"),  # OpenAI refuses it
+        ({"tools": [WEATHER, _tool("x" * 65, {})]}, "invalid_value", "tools.1"),
         ({"tools": [DATED], "tool_choice": "required"}, "unsupported_schema", "tools"),
         ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}},
          "invalid_value", "tool_choice"),
@@ -166,6 +187,37 @@ def test_what_function_calling_cannot_honour_is_a_clear_400(serve, extra, code, 
     with live.http() as http:
         r = http.post("/v1/chat/completions", json=_body(**extra))
     assert api_error(r, 400, code)["param"] == param
+
+
+def test_an_unsupported_parameter_under_auto_names_its_tool(serve):
+    live = serve()
+    with live.http() as http:
+        r = http.post("/v1/chat/completions", json=_body(tools=[WEATHER, DATED]))
+    assert api_error(r, 400, "unsupported_schema")["message"].startswith("tools[1] (f): parameters")
+
+
+def test_definitions_of_several_tools_keep_their_own_names_under_auto(serve, codec):
+    """Each tool's $defs move to the envelope's root under names of their own: two tools that both
+    define Loc keep theirs apart, and a call's arguments follow its own tool's definition."""
+    tools = [_located("here", ["city"]), _located("there", ["country"])]
+    plan = ChatRequest.model_validate(_body(tools=tools)).tools_plan
+    schema = plan.schema()
+    assert set(schema["$defs"]) == {"tool0.$defs.Loc", "tool1.$defs.Loc"}
+    refs = [c["properties"]["arguments"]["properties"]["loc"]["$ref"] for c in schema["anyOf"][:2]]
+    assert refs == ["#/$defs/tool0.$defs.Loc", "#/$defs/tool1.$defs.Loc"]
+    assert tools[0]["function"]["parameters"]["$defs"]  # the request's own schema is not changed
+    machine = JsonMachine(ChatRequest.model_validate(_body(tools=tools)).output_schema[1])
+
+    def walks(text: str):
+        state = machine.walk(machine.start(), text.encode())
+        return state is not None and state.mode == DONE
+
+    assert walks('{"name": "here", "arguments": {"loc": {"kind": "city"}}}')
+    assert walks('{"name": "there", "arguments": {"loc": {"kind": "country"}}}')
+    assert not walks('{"name": "here", "arguments": {"loc": {"kind": "country"}}}')
+    live = serve()
+    for tool_choice in ("auto", "required"):  # served, no longer a 400 for a $ref
+        post_ok(live, "/v1/chat/completions", _body(tools=tools, tool_choice=tool_choice))
 
 
 def test_a_request_works_its_tool_call_and_schema_out_once(monkeypatch):
@@ -190,6 +242,18 @@ def test_odd_earlier_calls_are_written_as_they_are():
         {"name": None, "arguments": None},
         {"name": "f", "arguments": {"a": 1}},
     ]
+
+
+@pytest.mark.parametrize("depth", [10, 5000])
+def test_earlier_arguments_nested_past_what_json_reads_are_written_as_their_string(depth: int):
+    nested = "[" * depth + "]" * depth  # valid JSON; past ~1,000 levels Python's reader recurses out
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": nested}}]
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls}]
+    written = json.loads(
+        ChatRequest.model_validate(_body(messages=history)).template_messages()[1]["content"]
+    )
+    assert written["name"] == "f"
+    assert written["arguments"] == (nested if depth > 1000 else json.loads(nested))
 
 
 def test_tool_choice_none_answers_with_text(serve):

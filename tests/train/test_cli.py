@@ -135,12 +135,12 @@ def test_sigterm_becomes_a_clean_exit() -> None:
     import signal
     import time
 
-    from evospec.train.command import _stop_cleanly_on_sigterm
+    from evospec.common import stop_cleanly_on_sigterm
 
     old_term, old_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a job started with `cmd &`
-        _stop_cleanly_on_sigterm()
+        stop_cleanly_on_sigterm()
         flushed = []
         with pytest.raises(SystemExit) as exc:
             try:
