@@ -5,19 +5,18 @@ Owns: :class:`BodyLimits`, a pure ASGI middleware. A request head (request line 
 over ``max_header_bytes`` is answered with 431 before anything else: uvicorn's own bound on a
 head (h11's ``max_incomplete_event_size``, :data:`MAX_HEADER_BYTES` too) only holds while a head
 is still arriving in pieces, and a head read in one go passes it whatever its size. A
-``Content-Length`` above
-``max_body_bytes`` is answered with 413 at once, before any of the body is read; a chunked body
-is counted as it arrives and refused with 413 as soon as it passes the limit. A body that has
-not fully arrived ``read_timeout_s`` seconds after the request's headers (a client that sends
-less than its ``Content-Length`` and waits, or trickles) ends with 408 -- uvicorn has no such
-timeout: its keep-alive timer only runs between requests. Both answers close the connection,
-since the rest of the body may still be on its way. Before a 413 for a declared length, what
-the client keeps sending is read and discarded (never kept: at most :data:`DRAIN_MAX_BYTES`,
-until it pauses for :data:`DRAIN_IDLE_S` or the read timeout), so a client that writes its
-whole body before reading gets the 413 instead of a connection reset (the kernel resets a
-socket closed with unread data; the soak saw 85 of 4,449 requests end so). Knows nothing about
-routes or models: the limits apply to every request, and only bodies a route actually reads
-are timed and counted.
+``Content-Length`` above ``max_body_bytes`` is answered with 413 at once, before any of the body
+is read; a chunked body is counted as it arrives and refused with 413 as soon as it passes the
+limit. A body that has not fully arrived ``read_timeout_s`` seconds after the request's headers
+(a client that sends less than its ``Content-Length`` and waits, or trickles) ends with 408 --
+uvicorn has no such timeout: its keep-alive timer only runs between requests. These answers
+close the connection, since the rest of the body may still be on its way. Before a 431 or a 413
+for a declared length, what the client keeps sending is read and discarded (never kept: at most
+:data:`DRAIN_MAX_BYTES`, until it pauses for :data:`DRAIN_IDLE_S` or the read timeout), so a
+client that writes its whole body before reading gets the answer instead of a connection reset
+(the kernel resets a socket closed with unread data; the soak saw 85 of 4,449 requests end so).
+Knows nothing about routes or models: the limits apply to every request, and only bodies a
+route actually reads are timed and counted.
 """
 
 from __future__ import annotations
