@@ -207,9 +207,13 @@ def assemble(settings: StackSettings, *, progress: bool = True, defer_tuning: bo
     drafts = f"{head_id(draft_path)}|draft-{draft_format(loaded.model, settings.draft_weights, draft)}"
     if draft3_path is not None:  # the *-e3 methods' shapes depend on the EAGLE-3 head
         drafts += f"|e3-{head_id(draft3_path)}"
+    plain = "no-draft"  # ngram's shapes: the table's, whichever head was loaded beside it
     if ngrams_path is not None:  # the table's shapes join the candidates
         drafts += f"|ngrams-{head_id(ngrams_path)}"
-    tuner = Tuner(build, loaded, drafts, eos, settings.verify_logits, progress, table=ngrams is not None)
+        plain += f"|ngrams-{head_id(ngrams_path)}"
+    tuner = Tuner(
+        build, loaded, drafts, eos, settings.verify_logits, progress, table=ngrams is not None, plain_id=plain
+    )
     deferred, auto_tree = None, None
     if AUTO in settings.methods:
         candidates = [

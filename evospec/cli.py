@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (CheckpointError, ValueError, OSError) as exc:  # OSError: a path it cannot read or write
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -3,7 +3,9 @@
 Owns: the default shared-data folder (next to a checkout; a user's install has none), the
 ``$EVOSPEC_HOME`` cache root, the key naming the hardware a cached timing belongs to, the
 whole-file replacement those caches are written with, ``positive_int`` for command-line flags,
-and SIGTERM turned into a clean exit for long-running commands. Imports nothing of the project,
+the check of an output path before a command works towards it, safetensors files written with the
+permissions of any other file (``save_tensors``), and SIGTERM turned into a clean exit for
+long-running commands. Imports nothing of the project,
 so any module may import it.
 """
 
@@ -104,3 +106,38 @@ def stop_cleanly_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, stop)
+
+
+def check_output(path: str | Path | None, flag: str, *, folder: bool = False) -> None:
+    """ValueError naming ``flag`` where a command could not write ``path`` (a file, or with
+    ``folder`` a folder, created with its missing parents): it is a folder where a file is meant
+    (or a file where a folder is), or a parent on its way is a file. Checked before the work, so
+    that a benchmark or a training run does not end in a traceback with its results unwritten."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise ValueError(f"{flag} {path} is {'a file, not a folder' if folder else 'a folder; name a file'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+            return
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, and the file readable as any other this process writes:
+    safetensors 0.8 creates its files ``0600`` whatever the umask, so a head, an n-gram table or a
+    converted model written by one user (a Docker build, a setup script) could not be read by
+    the server running as another; here it gets ``0666`` less the umask, as ``open`` gives."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

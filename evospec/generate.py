@@ -70,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     dt = time.perf_counter() - t0
     decoder.close()
-    sys.stdout.write("\n")
+    sys.stdout.write(detok.flush() + "\n")  # a character the last tokens left unfinished: U+FFFD
     line = (
         f"[evospec] method={decoder.name} prompt_tokens={len(ids)} tokens={stats.tokens} "
         f"seconds={dt:.2f} tok_per_s={stats.tokens / dt:.2f}"

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from evospec.common import DEFAULT_DATA, positive_int
+from evospec.common import DEFAULT_DATA, check_output, positive_int
 from evospec.models.registry import DEFAULT_MODEL, REGISTRY
 from indices.bigram import BigramParams
 from indices.corpus import REDISTRIBUTABLE, TRAINING_SOURCES, check_sources
@@ -213,6 +213,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.sources and args.training_data is None:
         raise ValueError("--sources picks training-side sets: give --training-data [DIR] too")
     files = corpus_files(args.corpus)  # checked before the model loads
+    check_output(args.out, "--out", folder=True)
     if args.training_data is not None and not Path(args.training_data).is_dir():
         raise FileNotFoundError(f"{args.training_data}: shared data folder not found")
     progress = not args.no_progress
@@ -362,6 +363,24 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_trained(bundle) -> None:
+    """The trained files load against what the bundle holds now (ValueError naming a mismatch): a
+    DynaSpec router against the clusters it was trained on (``evospec-index clusters`` rebuilt
+    them since: a stale router), a SpecVocab selector against the vocabulary and hidden sizes."""
+    fingerprint = bundle.manifest.model_fingerprint
+    if bundle.dynaspec is not None:
+        from evospec.vocab.router import load_router
+
+        if bundle.clusters is None:
+            raise ValueError("the DynaSpec router is there but clusters.npy is not (evospec-index clusters)")
+        load_router(bundle.dynaspec, clusters=bundle.clusters, fingerprint=fingerprint)
+    if bundle.specvocab is not None:
+        from evospec.vocab.selector import load_selector
+
+        vocab_size, dim = bundle.counts.size, bundle.manifest.hidden_size
+        load_selector(bundle.specvocab, vocab_size=vocab_size, dim=dim, fingerprint=fingerprint)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from evospec.models.loading import load_model
     from indices.manifest import load_indices, read_manifest
@@ -369,6 +388,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     manifest = read_manifest(args.directory)  # a missing directory fails before the model loads
     loaded = load_model(args.model, progress=not args.no_progress)
     bundle = load_indices(args.directory, loaded.model.lm_head.weight, need_hnsw=manifest.hnsw is not None)
+    _check_trained(bundle)
     print(
         f"ok: {args.directory} matches {args.model} ({len(bundle.manifest.files)} files verified, "
         f"hnsw {'present' if bundle.hnsw is not None else 'absent'})"
@@ -391,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         return commands[args.command](args)
-    except (CheckpointError, UnsupportedModelError, ValueError, FileNotFoundError) as exc:
+    except (CheckpointError, UnsupportedModelError, ValueError, OSError) as exc:  # OSError: an unusable path
         print(f"evospec-index: error: {exc}", file=sys.stderr)
         return 2
 

@@ -60,6 +60,19 @@ def test_generate_contract(
     assert int(m.group(2)) == 8
 
 
+def test_generate_writes_a_character_its_last_tokens_left_unfinished(
+    default_model: LoadedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An emoji is several byte tokens: an answer cut after the first of them still prints what
+    decoding every token gives (U+FFFD for the unfinished character), as the server streams it."""
+    prompt = "🐶🐱🐭🐹🐰🦊"
+    argv = ["generate", prompt, "--max-new-tokens", "4", "--no-progress", "--weights", "fp32"]
+    assert main(argv) == 0
+    expected = _expected(default_model, default_model.codec.encode(prompt), 4)
+    assert expected.endswith("\ufffd")  # the 4th token begins a character the 5th would finish
+    assert capsys.readouterr().out == expected + "\n"
+
+
 def test_generate_measures_no_tree_it_was_not_asked_to(
     default_model: LoadedModel, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -267,6 +280,35 @@ def test_bench_writes_json(
 def test_bench_missing_data_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--data", str(tmp_path / "none.jsonl"), "--no-progress"]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown"])
+def test_bench_output_paths_are_checked_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """A benchmark that ran for minutes must not end in a traceback with nothing written: an
+    output path it cannot write is an error before the model loads."""
+    (tmp_path / "a_file").write_text("x")
+    for path, says in (
+        (tmp_path, "is a folder; name a file"),
+        (tmp_path / "a_file" / "r", "is a file, not a folder"),
+    ):
+        assert main(["bench", "--methods", "ar", flag, str(path), "--no-progress"]) == 2
+        assert f"error: {flag} {path}" in (err := capsys.readouterr().err) and says in err
+    assert main(["bench", "--methods", "ar", "--plots", str(tmp_path / "a_file"), "--no-progress"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("methods", ["", ",", " , "])
+def test_bench_without_a_method_exits_2(methods: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--methods", methods, "--no-progress"]) == 2
+    assert "names no method" in capsys.readouterr().err
+
+
+def test_bench_with_no_prompt_selected_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["bench", "--methods", "ar", "--data", str(tmp_path / "empty.jsonl"), "--no-progress"]) == 2
+    assert "no prompts selected" in capsys.readouterr().err
 
 
 def test_conversation_scenario_without_its_data_exits_2(

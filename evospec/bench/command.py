@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from evospec import options
-from evospec.common import DEFAULT_DATA, positive_int
+from evospec.common import DEFAULT_DATA, check_output, positive_int
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,12 +21,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="run decoding methods side by side on the same prompts",
         description="Benchmark methods in one process on the same prompts; prints a table "
-        "and optionally writes JSON. 'hf' is transformers' generate on the same weights.",
+        "and optionally writes JSON. 'hf' is transformers' generate on the model's float32 weights "
+        "(the converted folder: with --weights int4/int8 ours run the quantised ones, so hf's "
+        "outputs and speed compare formats, not only engines).",
     )
     b.add_argument(
         "--methods",
         default=None,
-        help="comma-separated methods: hf (transformers' generate on the same weights) and "
+        help="comma-separated methods: hf (transformers' generate on the float32 weights) and "
         + options.METHOD_HELP.removeprefix("decoding method: ")
         + " (default: ar,hf; topic-shift: frspec,clora,osd,evospec-full; conversation: "
         "ar,frspec,specvocab,evospec,evospec-full)",
@@ -110,12 +112,23 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def _method_names(methods: str | None, default: str) -> list[str]:
+    """``--methods`` as a list (``default`` where it is not given); ValueError where it names none."""
+    names = [m.strip() for m in (default if methods is None else methods).split(",") if m.strip()]
+    if not names:
+        raise ValueError(f"--methods {methods!r} names no method (e.g. --methods {default})")
+    return names
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from evospec.bench.prompts import load_prompts
     from evospec.bench.runner import format_table, run_side_by_side, summarise
 
+    check_output(args.json, "--json")
+    check_output(args.markdown, "--markdown")
+    check_output(args.plots, "--plots", folder=True)
     if args.scenario == "topic-shift":
         return _bench_topic_shift(args)
     if args.scenario == "conversation":
@@ -131,10 +144,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     params = options.sampling_params(args)
     prompts = load_prompts(args.data, per_category=args.per_category, limit=args.limit)
     if not prompts:
-        raise SystemExit(f"error: no prompts selected from {', '.join(map(str, args.data))}")
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+        raise ValueError(f"no prompts selected from {', '.join(map(str, args.data))}")
+    names = _method_names(args.methods, "ar,hf")
     if (args.json_mode or args.json_schema) and "hf" in names:
-        raise SystemExit("error: --json-mode / --json-schema: the hf baseline has no JSON grammar")
+        raise ValueError("--json-mode / --json-schema: the hf baseline has no JSON grammar")
     stack = assemble(
         options.stack_settings(args, [n for n in names if n != "hf"]), progress=not args.no_progress
     )
@@ -145,7 +158,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if name == "hf":
             from evospec.bench.hf_baseline import HFGenerateDecoder
 
-            decoders[name] = HFGenerateDecoder(loaded.source, eos)
+            decoders[name] = HFGenerateDecoder(loaded.source, eos, progress=not args.no_progress)
         else:  # "auto" is listed under the method it resolved to
             decoders[stack.resolved.get(name, name)] = stack.decoder(name)
 
@@ -217,16 +230,26 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
     )
 
     if args.replay and args.temperature > 0:
-        raise SystemExit("error: --replay replays greedy answers; it does not take --temperature")
+        raise ValueError("--replay replays greedy answers; it does not take --temperature")
     n = 2 if args.quick else args.shift_requests
     if args.max_new_tokens is None:
         args.max_new_tokens = 16 if args.quick else 64
     stream = topic_shift_stream(args.shared_data, n, n)
-    names = [m.strip() for m in (args.methods or "frspec,clora,osd,evospec-full").split(",") if m.strip()]
+    names = _method_names(args.methods, "frspec,clora,osd,evospec-full")
     if "hf" in names:
-        raise SystemExit("error: 'hf' is not part of the topic-shift scenario")
+        raise ValueError("'hf' is not part of the topic-shift scenario")
     if args.replay:  # replay rounds are fast: an update inline stands for a worker that keeps up
         args.adapt_sync = True
+    # the adapting methods draft with the head's own fp32 weights: the frozen baseline drafts with
+    # the same, so that what the comparison shows is the updates, not a quantised copy's rounding
+    if args.draft_weights == "auto":
+        args.draft_weights = "fp32"
+    elif args.draft_weights != "fp32":
+        print(
+            f"note: --draft-weights {args.draft_weights} applies to frspec only; the adapting methods "
+            "draft with fp32 weights, so the frozen comparison mixes the two",
+            file=sys.stderr,
+        )
     from evospec.assembly import assemble
 
     stack = assemble(options.stack_settings(args, names), progress=not args.no_progress)
@@ -260,6 +283,7 @@ def _bench_topic_shift(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "methods": names,
         "frozen": "frspec" if "frspec" in names else None,
+        "draft_weights": args.draft_weights,
         "adapt": asdict(stack.settings.adapt),
         "tree": {k: asdict(d.tree) for k, d in decoders.items() if d.tree is not None},
         "outputs_differing_from_first_method": mismatches,
@@ -303,16 +327,12 @@ def _bench_conversation(args: argparse.Namespace) -> int:
     if args.max_new_tokens is None:
         args.max_new_tokens = 16 if args.quick else 64
     conversations = load_conversations(args.shared_data, n, turns)
-    names = [
-        m.strip()
-        for m in (args.methods or "ar,frspec,specvocab,evospec,evospec-full").split(",")
-        if m.strip()
-    ]
+    names = _method_names(args.methods, "ar,frspec,specvocab,evospec,evospec-full")
     if "hf" in names:
-        raise SystemExit("error: 'hf' is not part of the conversation scenario")
+        raise ValueError("'hf' is not part of the conversation scenario")
     stack = assemble(options.stack_settings(args, names), progress=not args.no_progress)
     if stack.codec is None or not stack.codec.has_chat_template:
-        raise SystemExit("error: the conversation scenario needs a model with a chat template")
+        raise ValueError("the conversation scenario needs a model with a chat template")
     decoders = {stack.resolved.get(name, name): stack.decoder(name) for name in names}
     records, mismatches = run_conversations(
         decoders,

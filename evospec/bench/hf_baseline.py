@@ -22,10 +22,18 @@ class HFGenerateDecoder:
     name = "hf"
     tree = vocab = adapt = None  # plain decoding: no draft state (the Decoder protocol)
 
-    def __init__(self, folder: str | Path, eos_ids: Sequence[int]) -> None:
+    def __init__(self, folder: str | Path, eos_ids: Sequence[int], *, progress: bool = True) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        shown = hf_logging.is_progress_bar_enabled()
+        if not progress:  # transformers draws its own bar while it loads the weights
+            hf_logging.disable_progress_bar()
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        finally:
+            if shown and not progress:
+                hf_logging.enable_progress_bar()
         self.eos_ids = list(eos_ids)
 
     def close(self) -> None:

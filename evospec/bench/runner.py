@@ -83,6 +83,9 @@ def run_side_by_side(
         for dec in decoders.values():
             run_one(dec, encode(prompts[0]), warm)
             settle(dec)
+            prefix = getattr(dec, "prefix", None)
+            if prefix is not None:  # the first timed prompt prefills in full, as the others do
+                prefix.forget()
     records = []
     bar = tqdm(total=len(prompts) * len(decoders), desc="bench", unit="run", disable=not progress)
     for i, p in enumerate(prompts):

@@ -122,7 +122,10 @@ def method_spec(name: str) -> MethodSpec:
     """The table row of ``name``; ValueError naming the available methods otherwise."""
     spec = METHOD_SPECS.get(name)
     if spec is None:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+        raise ValueError(
+            f"unknown method {name!r}; available: {', '.join(METHODS)}, "
+            "or auto (where a command takes it: the fastest lossless method measured on this machine)"
+        )
     return spec
 
 

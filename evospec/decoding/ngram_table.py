@@ -151,12 +151,12 @@ class NgramTable:
         )
 
     def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
+        from evospec.common import save_tensors
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"keys": self.keys, "next_ids": self.next_ids, "shares": self.shares}
-        save_file(tensors, str(path), metadata={"format": FORMAT, "info": json.dumps(asdict(self.info))})
+        save_tensors(tensors, str(path), metadata={"format": FORMAT, "info": json.dumps(asdict(self.info))})
 
 
 def load_ngram_table(path: str | Path, vocab_size: int | None = None) -> NgramTable:

@@ -98,6 +98,12 @@ class PrefixCache:
         self.features: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
 
+    def forget(self) -> None:
+        """Hold nothing: the next request prefills its whole prompt (a benchmark's warm-up must
+        not leave its prompt behind for the timed runs)."""
+        self.tokens = []
+        self.store.clear()
+
     def reusable(self, prompt: Sequence[int]) -> int:
         """Slots ``prompt`` may keep: the prefix it shares with the cached tokens, leaving at
         least its last token to prefill (its logits choose the first new token)."""

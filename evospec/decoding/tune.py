@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from evospec.common import machine_key, replace_json
-from evospec.decoding.methods import ARDecoder, Decoder
+from evospec.decoding.methods import METHOD_SPECS, ARDecoder, Decoder
 from evospec.decoding.pausable import Steps, checkpoint, drive, rate, timed, warm
 from evospec.decoding.recording import record_steps
 from evospec.decoding.sampling import SamplingParams
@@ -371,12 +371,15 @@ class Tuner:
 
     build: Callable[[str, TreeConfig], Decoder]
     loaded: Any  # evospec.models.loading.LoadedModel
-    draft_id: str
+    draft_id: str  # the heads and the n-gram table a drafted method's timings depend on
     eos: Sequence[int] = ()
     verify_logits: str = "auto"
     progress: bool = True
     table: bool = False  # the model has an n-gram table: the candidates include its shapes
     cache_only: bool = False  # read timings from the cache only; a missing one raises NotTuned
+    # what a method that drafts nothing (ngram) depends on: the n-gram table alone, so that its
+    # shape is found whether or not a head was loaded beside it (None: draft_id)
+    plain_id: str | None = None
 
     def _key(self, method: str) -> str:
         from evospec.models.packing import PackedLinear
@@ -402,7 +405,10 @@ class Tuner:
             from evospec.kernels.cpu_ops import build_key
 
             kernels += f"+fused-ops-{build_key()}"  # cheaper still, its own rounding; a new build: new costs
-        parts = [self.loaded.name, self.draft_id, method, machine_key(), torch.__version__, kernels]
+        drafts = self.draft_id
+        if self.plain_id is not None and method in METHOD_SPECS and METHOD_SPECS[method].head is None:
+            drafts = self.plain_id
+        parts = [self.loaded.name, drafts, method, machine_key(), torch.__version__, kernels]
         # v1 read training data; v3: the candidates gained the 1-token chain; v4: context lookup
         # and a prompt that answers from its context (older entries never tried them); v6: AR timed
         # beside every shape; the n-gram table's shapes are in the candidates where draft_id names one;

@@ -173,7 +173,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def save_eagle(head: EagleHead, path: str | Path, *, dtype: torch.dtype = torch.float16) -> Path:
     """Write ``head`` in the EAGLE-2 format (safetensors, half precision by default)."""
-    from safetensors.torch import save_file
+    from evospec.common import save_tensors
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -186,7 +186,7 @@ def save_eagle(head: EagleHead, path: str | Path, *, dtype: torch.dtype = torch.
         for k, v in head.state_dict().items()
         if not k.startswith("rope.")
     }
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 

@@ -305,7 +305,7 @@ def _t2d_of(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def save_eagle3(head: Eagle3Head, path: str | Path, *, dtype: torch.dtype = torch.float16) -> Path:
     """Write ``head`` in the public EAGLE-3 layout (safetensors; floats in ``dtype``)."""
-    from safetensors.torch import save_file
+    from evospec.common import save_tensors
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -330,7 +330,7 @@ def save_eagle3(head: Eagle3Head, path: str | Path, *, dtype: torch.dtype = torc
             if k in ("d2t", "t2d")
             else v.detach().to("cpu", dtype).contiguous()
         )
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 

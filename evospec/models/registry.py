@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from evospec.common import evospec_home
+from evospec.common import current_umask, evospec_home
 from evospec.models.errors import CheckpointError
 
 CONVERTER_VERSION = 1
@@ -228,6 +228,7 @@ def ensure_converted(entry: RegisteredModel, *, progress: bool = True) -> Path:
         if entry.notice:
             (work / "NOTICE").write_text(entry.notice)
         (work / "evospec.json").write_text(json.dumps(meta, indent=2))
+        work.chmod(0o777 & ~current_umask())  # mkdtemp's 0700: a folder as any other one made here
         if folder.exists():
             shutil.rmtree(folder)
         work.rename(folder)
@@ -255,13 +256,12 @@ def _join_parts(parts: list[Path], out: Path, progress: bool) -> Path:
 def convert_gguf_weights(gguf_path: Path, out: Path, progress: bool = True) -> None:
     """``out/config.json`` and ``out/model.safetensors`` (fp32) from a GGUF, by this package's
     reader: a model folder's weights (its tokenizer files come from elsewhere)."""
-    from safetensors.torch import save_file
-
+    from evospec.common import save_tensors
     from evospec.models.gguf_loader import read_gguf
 
     cfg, state = read_gguf(gguf_path, progress=progress)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    save_file(
+    save_tensors(
         {k: v.contiguous() for k, v in state.items()},
         str(out / "model.safetensors"),
         metadata={"format": "pt"},

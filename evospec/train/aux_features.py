@@ -32,7 +32,9 @@ def write_aux_features(
 ) -> list[Path]:
     """Write (or reuse) the aux shards of every feature shard under ``work``; returns their paths
     in the feature shards' order."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from evospec.common import save_tensors
 
     shards = sorted((work / "features").glob("shard_*.safetensors"))
     out_dir = aux_dir(work, layers)
@@ -58,7 +60,7 @@ def write_aux_features(
             start += length
             bar.update(length)
         tmp = out_dir / f".{shard.name}.tmp"
-        save_file({"aux": torch.cat(rows)}, str(tmp))
+        save_tensors({"aux": torch.cat(rows)}, str(tmp))
         tmp.rename(out_dir / shard.name)
     bar.close()
     return [out_dir / s.name for s in shards]

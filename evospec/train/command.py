@@ -16,6 +16,7 @@ from pathlib import Path
 
 from evospec.common import (
     DEFAULT_DATA,
+    check_output,
     non_negative_int,
     positive_float,
     positive_int,
@@ -241,6 +242,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise ValueError("--draft-vocab K needs --arch eagle3 --lm-head own (a reduced LM head of its own)")
     if args.out is None and not args.generate_only:
         raise ValueError("train-draft: --out is required (the head's folder) unless --generate-only")
+    check_output(args.out, "--out", folder=True)
     onthefly = args.features == "on-the-fly"
     if onthefly and (args.arch != "eagle2" or args.loss_support not in ("auto", "full")):
         raise ValueError(

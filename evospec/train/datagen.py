@@ -88,7 +88,7 @@ class _ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
+        from evospec.common import save_tensors
 
         if not self.recs:
             return
@@ -105,7 +105,7 @@ class _ShardWriter:
         }
         if self.sup_ids and len(self.sup_ids) == len(self.recs):  # one run writes all or none
             tensors |= {"support_ids": torch.cat(self.sup_ids), "support_logp": torch.cat(self.sup_logp)}
-        save_file(tensors, str(tmp))
+        save_tensors(tensors, str(tmp))
         tmp.rename(self.dir / name)
         self.index += 1
         self._append(name)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from evospec.common import evospec_home
+from evospec.common import check_output, evospec_home
 from evospec.models.registry import DEFAULT_MODEL
 
 PROMPT_TAIL = 3  # prompt tokens kept before each answer: the chat template's assistant header
@@ -80,6 +80,7 @@ def cmd_build_ngrams(args: argparse.Namespace) -> int:
     from evospec.decoding.ngram_table import NgramTable, user_table_path
     from evospec.models.loading import load_model
 
+    check_output(args.out, "--out")
     loaded = load_model(args.target, progress=not args.no_progress)
     work = args.work or evospec_home() / "train" / loaded.name
     files = [work / "generations.jsonl"]

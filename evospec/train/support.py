@@ -86,7 +86,9 @@ def dataset_supports(
     The cache is keyed by k, the vocabulary size and the per-sequence lengths; a mismatch
     recomputes it.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from evospec.common import save_tensors
 
     lengths = torch.tensor([f.shape[0] for f in features], dtype=torch.int64)
     key = torch.tensor([k, lm_head.shape[0]], dtype=torch.int64)
@@ -104,7 +106,7 @@ def dataset_supports(
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.tmp")
-        save_file(
+        save_tensors(
             {
                 "key": key,
                 "lengths": lengths,

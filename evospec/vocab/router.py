@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 DEFAULT_ROUTER_HIDDEN = 1024
-RETRAIN = "evospec train-vocab dynaspec --model MODEL"
+RETRAIN = "evospec train-vocab dynaspec --model MODEL --out DIR (the indices folder it is served from)"
 
 
 class ClusterRouter(nn.Module):
@@ -57,7 +57,7 @@ def clusters_digest(clusters: np.ndarray) -> str:
 
 def save_router(router: ClusterRouter, path: Path, *, clusters: np.ndarray, fingerprint: str) -> None:
     """Write the router in fp16 with what binds it (cluster digest, LM-head fingerprint)."""
-    from safetensors.torch import save_file
+    from evospec.common import save_tensors
 
     tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in router.state_dict().items()}
     meta = {
@@ -68,7 +68,7 @@ def save_router(router: ClusterRouter, path: Path, *, clusters: np.ndarray, fing
         "clusters_sha256": clusters_digest(clusters),
         "model_fingerprint": fingerprint,
     }
-    save_file(tensors, str(path), metadata=meta)
+    save_tensors(tensors, str(path), metadata=meta)
 
 
 def load_router(trained, *, clusters: np.ndarray, fingerprint: str, dtype=torch.float32, device="cpu"):

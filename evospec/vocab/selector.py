@@ -52,14 +52,14 @@ def svd_selector(lm_head: torch.Tensor, rank: int = DEFAULT_RANK) -> LowRankSele
 
 
 def save_selector(selector: LowRankSelector, path, *, fingerprint: str) -> None:
-    from safetensors.torch import save_file
+    from evospec.common import save_tensors
 
     tensors = {
         "down": selector.down.detach().to(torch.float16).contiguous().cpu(),
         "codes": selector.codes.detach().to(torch.float16).contiguous().cpu(),
     }
     meta = {"kind": "specvocab-selector", "rank": str(selector.rank), "model_fingerprint": fingerprint}
-    save_file(tensors, str(path), metadata=meta)
+    save_tensors(tensors, str(path), metadata=meta)
 
 
 def load_selector(trained, *, vocab_size: int, dim: int, fingerprint: str, dtype=torch.float32, device="cpu"):

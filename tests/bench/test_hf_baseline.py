@@ -23,3 +23,25 @@ def test_events_tokens_and_prefill_time(tiny_llama: TinyPair, tmp_path: Path) ->
     assert events[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in events[:-1])
     decode = {ev.verify_s for ev in events[1:]}
     assert len(decode) == 1  # the decode time is spread evenly; the prefill's is its own
+
+
+def test_no_progress_hides_the_bar_transformers_draws_while_loading(
+    tiny_llama: TinyPair, tmp_path: Path, monkeypatch
+) -> None:
+    from transformers.utils import logging as hf_logging
+
+    tiny_llama.hf.save_pretrained(tmp_path)
+    seen = []
+    real = hf_logging.is_progress_bar_enabled
+    import transformers
+
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(real())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    HFGenerateDecoder(tmp_path, eos_ids=[], progress=False)
+    HFGenerateDecoder(tmp_path, eos_ids=[])
+    assert seen == [False, True] and real()  # off while it loaded, then as it was

@@ -162,7 +162,7 @@ def test_make_decoder() -> None:
     assert isinstance(dec, ARDecoder) and dec.name == "ar" and dec.eos_ids == (5,)
     with pytest.raises(ValueError, match="unknown method 'no-such-method'; available: ar") as info:
         make_decoder("no-such-method", model)
-    assert all(m in str(info.value) for m in METHODS)
+    assert all(m in str(info.value) for m in METHODS) and "or auto" in str(info.value)
 
 
 # -- the real default model vs transformers' generate ------------------------------------------------------

@@ -289,3 +289,22 @@ def test_batched_sequences_lend_and_remember_slots_of_the_store():
     assert drafted.prefix.needs_features
     drafted.prefix.remember(other, other_cache)
     assert not drafted.prefix.store  # its snapshots must carry features
+
+
+@needs_ops
+def test_a_benchmarks_warm_up_leaves_no_prompt_cached_for_the_timed_runs():
+    """The side-by-side runner warms each decoder up on the first prompt; its prefix cache would
+    keep it, and the first timed run would skip most of its prefill. It forgets it instead."""
+    from evospec.bench.prompts import BenchPrompt
+    from evospec.bench.runner import run_side_by_side
+
+    target = _target(1)
+    decoders = {"ar": _decoder("ar", target), "ngram": _decoder("ngram", target)}
+    prompts = [BenchPrompt("a", "x", True), BenchPrompt("b", "y", True)]
+    ids = {"x": prompt_of(1, 11), "y": prompt_of(2, 9)}
+    records = run_side_by_side(
+        decoders, prompts, lambda p: ids[p.text], SamplingParams(max_new_tokens=6), progress=False
+    )
+    assert [r.stats.cached_tokens for r in records] == [0, 0, 0, 0]
+    _run(decoders["ar"], ids["y"], SamplingParams(max_new_tokens=6))  # reuse itself still works:
+    assert _run(decoders["ar"], ids["y"], SamplingParams(max_new_tokens=6))[1].cached_tokens > 0

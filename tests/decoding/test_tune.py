@@ -252,6 +252,33 @@ def test_a_models_ngram_table_adds_its_shapes_to_the_candidates(tmp_path, monkey
     assert tree.table_lookup == 1 and seen == [tune.NGRAM_TABLE_CANDIDATES]
 
 
+def test_a_method_without_a_draft_finds_its_shape_whichever_head_was_loaded(tmp_path, monkeypatch):
+    """ngram's timings depend on the n-gram table, not on a head: a shape measured where a head was
+    loaded beside it (serve --method auto, bench --methods frspec,ngram) is found where none was
+    (generate --method ngram), and the other way round; a drafted method's still follows its head."""
+    monkeypatch.setenv("EVOSPEC_HOME", str(tmp_path))
+    calls = []
+
+    def fake_calibrate(build, ar, prompts, **kw):
+        calls.append(1)
+        return _calibrated({"top_k": 1, "depth": 1, "total_tokens": 1, "lookup": 3, "table_lookup": 1})
+
+    monkeypatch.setattr(tune, "calibrate_steps", steps_of(fake_calibrate))
+    loaded = _loaded()
+
+    def tuner(drafts: str) -> tune.Tuner:
+        return tune.Tuner(
+            lambda m, t: None, loaded, drafts, progress=False, table=True, plain_id="no-draft|ngrams-t"
+        )
+
+    tuner("h|draft-int4|ngrams-t").tree("ngram")
+    tuner("none|draft-int8|ngrams-t").tree("ngram")
+    assert len(calls) == 1  # the second found the first's shape
+    tuner("h|draft-int4|ngrams-t").tree("frspec")
+    tuner("g|draft-int4|ngrams-t").tree("frspec")
+    assert len(calls) == 3  # a drafted method: another head, another key
+
+
 def test_a_run_still_going_after_the_leaders_time_over_prune_is_stopped():
     """Every candidate writes AR's tokens, so a run that has taken 1 / PRUNE x the leader's time
     cannot reach PRUNE x its speed: it is stopped there, and scored below PRUNE x the leader."""

@@ -158,3 +158,39 @@ def test_clusters_are_added_and_a_bad_k_is_a_clear_error(setup, tmp_path: Path, 
     assert main(["clusters", "--model", str(model), "--out", str(out), "--k", "4", "--no-progress"]) == 0
     assert "4 clusters of" in capsys.readouterr().out
     assert "clusters.npy" in json.loads((out / MANIFEST_NAME).read_text())["files"]
+
+
+def test_check_refuses_a_router_trained_on_clusters_rebuilt_since(
+    setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`evospec-index clusters` rebuilds clusters.npy under a DynaSpec router trained on the old
+    ones: the files' hashes all match their listing, but serving dynaspec would fail; check says so."""
+    from evospec.models.loading import load_model
+    from evospec.vocab.router import ClusterRouter, save_router
+    from indices.manifest import DYNASPEC_FILE, add_index_file, load_indices
+
+    model, _, corpus = setup
+    out = tmp_path / "idx"
+    argv = ["build", "--model", str(model), "--corpus", str(corpus / "a.txt"), "--out", str(out), "--no-hnsw"]
+    assert main([*argv, "--no-progress"]) == 0
+    clusters = ["clusters", "--model", str(model), "--out", str(out), "--k", "4", "--no-progress"]
+    assert main([*clusters, "--seed", "1"]) == 0
+    weight = load_model(str(model), progress=False).model.lm_head.weight
+    bundle = load_indices(out, weight, need_hnsw=False)
+    dim = bundle.manifest.hidden_size
+
+    def write(tmp: Path) -> None:
+        save_router(
+            ClusterRouter(dim, 4, 8),
+            tmp,
+            clusters=bundle.clusters,
+            fingerprint=bundle.manifest.model_fingerprint,
+        )
+
+    add_index_file(out, weight, DYNASPEC_FILE, write, {"note": "a test router"}, seconds=0.0)
+    assert main(["check", "--model", str(model), str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main([*clusters, "--seed", "2"]) == 0  # other clusters under the same router
+    assert main(["check", "--model", str(model), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "other vocabulary clusters" in err and "--out DIR" in err
