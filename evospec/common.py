@@ -3,10 +3,10 @@
 Owns: the default shared-data folder (next to a checkout; a user's install has none), the
 ``$EVOSPEC_HOME`` cache root, the key naming the hardware a cached timing belongs to, the
 whole-file replacement those caches are written with, ``positive_int`` for command-line flags,
-the check of an output path before a command works towards it, safetensors files written with the
-permissions of any other file (``save_tensors``), and SIGTERM turned into a clean exit for
-long-running commands. Imports nothing of the project,
-so any module may import it.
+the check of an output path before a command works towards it (``check_output``), safetensors
+files written with the permissions of any other file (``save_tensors``), and SIGTERM turned into
+a clean exit for long-running commands. Imports nothing of the project, so any module may import
+it.
 """
 
 from __future__ import annotations
